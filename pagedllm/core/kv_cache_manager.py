@@ -1,0 +1,233 @@
+"""KVCacheManager: which physical blocks hold each request's KV, and the prefix cache.
+
+The scheduler and engine use only this class; ``BlockPool`` is its private store.
+
+Storage: per request, one append-only block list per KV cache *group* (a set of layers with
+the same attention type). Groups share token positions, so every group of a request has the
+same number of logical blocks and block ``i`` of any group holds positions
+``[i * block_size, (i + 1) * block_size)``.
+
+Where later features go (each is an addition, not a rewrite):
+- Sliding-window groups: give each group a spec (``sliding_window: int | None``). At the top
+  of ``allocate_slots``, a windowed group replaces blocks wholly before
+  ``num_computed_tokens - sliding_window`` with ``pool.null_block`` and frees them; the lists
+  keep their length, so logical indices and the runner's block tables stay valid. Prefix
+  hits for such a group need only the blocks inside the window (search from the right).
+- Speculative rollback: a ``truncate(request, num_tokens)`` that pops and frees blocks past
+  ``cdiv(num_tokens, block_size)`` (lookahead slots are already allocated and capped by
+  ``max_model_len`` here). Rejected tokens are never cached: caching stops at
+  ``request.num_tokens``, which drafts are not part of.
+- Fork with copy-on-write (n > 1, beams): ``fork(parent_id, child_id)`` copies the parent's
+  lists and ``touch``es every block; ``allocate_slots`` then copies a shared (ref_cnt > 1),
+  partially filled last block before the first write into it and reports (src, dst) block
+  pairs for the runner to copy (a new SchedulerOutput field). Full shared blocks are never
+  written again and need no copy.
+"""
+
+from __future__ import annotations
+
+from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
+from pagedllm.core.outputs import PrefixCacheStats
+from pagedllm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _RequestBlocks:
+    """One request's blocks."""
+
+    __slots__ = ("blocks", "num_cached_blocks")
+
+    def __init__(self, num_groups: int) -> None:
+        self.blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]  # [group][i]
+        # Leading blocks already offered to the prefix cache (cached, a hit, or a duplicate).
+        self.num_cached_blocks = 0
+
+
+class KVCacheManager:
+    """Allocates, shares (prefix cache) and frees the KV blocks of requests."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        hash_extra_keys: tuple = (),
+        num_groups: int = 1,
+    ) -> None:
+        """``num_blocks`` includes the null block 0. ``hash_extra_keys`` are engine-wide keys
+        (e.g. model name, dtype, block size) folded into every request's first block hash."""
+        if num_groups < 1:
+            raise ValueError(f"num_groups={num_groups} must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.hash_extra_keys = tuple(hash_extra_keys)
+        self.num_groups = num_groups
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self._requests: dict[str, _RequestBlocks] = {}
+        # Hashes of each request's full blocks, extended as its tokens grow. Kept across a
+        # preemption (the tokens do not change); dropped when the request finishes.
+        # The request object is kept to tell a reused request id from the same request.
+        self._block_hashes: dict[str, tuple[Request, list[BlockHash]]] = {}
+        self._stats = PrefixCacheStats()
+
+    # ---- the scheduler's interface -----------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """The longest prefix of ``request``'s tokens whose KV is cached, per group.
+
+        Returns (blocks per group, number of hit tokens). The hit is a whole number of blocks
+        and at most ``num_tokens - 1`` tokens: the last token must be computed to get logits.
+        Blocks are not referenced until ``allocate_slots`` is called with them.
+        """
+        empty: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        if not self.enable_caching:
+            return empty, 0
+        hashes = self._get_block_hashes(request)
+        num_hit = (request.num_tokens - 1) // self.block_size
+        hit_blocks = empty
+        for group_id in range(self.num_groups):
+            chain = hit_blocks[group_id]
+            for block_hash in hashes[:num_hit]:
+                block = self.block_pool.get_cached_block(block_hash, group_id)
+                if block is None:
+                    break
+                chain.append(block)
+            # A hit must be present in every group; later groups search no further.
+            num_hit = len(chain)
+        hit_blocks = [chain[:num_hit] for chain in hit_blocks]
+        num_hit_tokens = num_hit * self.block_size
+        self._stats.requests += 1
+        self._stats.queries += request.num_tokens
+        self._stats.hits += num_hit_tokens
+        return hit_blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[list[KVCacheBlock]] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[list[int]] | None:
+        """Make room for ``request`` to hold the KV of this step's tokens.
+
+        Slots are needed for ``request.num_computed_tokens + hit tokens + num_new_tokens +
+        num_lookahead_tokens`` tokens (capped at ``max_model_len``), where the hit tokens are
+        ``new_computed_blocks`` from ``get_computed_blocks`` (only for a request holding no
+        blocks yet). Returns the ids of the blocks this call appended, per group (lists may
+        be empty; prefix-hit blocks come first), or None if the pool cannot supply them;
+        then nothing has changed.
+
+        Blocks that become full with computed tokens (``num_computed + hits + num_new``, but
+        never past ``request.num_tokens``) are entered into the prefix cache.
+        """
+        req = self._requests.get(request.request_id)
+        num_existing = len(req.blocks[0]) if req is not None else 0
+        hits = new_computed_blocks or [[] for _ in range(self.num_groups)]
+        num_hit_blocks = len(hits[0])
+        assert len(hits) == self.num_groups
+        assert not (num_hit_blocks and num_existing), "hits only for a request without blocks"
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        num_required_blocks = cdiv(
+            min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len),
+            self.block_size,
+        )
+        num_new_blocks = max(0, num_required_blocks - num_existing - num_hit_blocks)
+
+        # Hit blocks that are free right now leave the free queue when touched.
+        num_free_hits = sum(b.ref_cnt == 0 for group in hits for b in group)
+        if num_new_blocks * self.num_groups > self.block_pool.get_num_free_blocks() - num_free_hits:
+            return None
+
+        if req is None:
+            req = self._requests[request.request_id] = _RequestBlocks(self.num_groups)
+        new_block_ids: list[list[int]] = []
+        for blocks, group_hits in zip(req.blocks, hits):
+            start = len(blocks)
+            # Touch before popping new blocks, so a free hit block cannot be evicted here.
+            self.block_pool.touch(group_hits)
+            blocks.extend(group_hits)
+            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+            new_block_ids.append([b.block_id for b in blocks[start:]])
+        # Hit blocks are cached already.
+        req.num_cached_blocks = max(req.num_cached_blocks, num_hit_blocks)
+
+        if self.enable_caching:
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, req, num_full)
+        return new_block_ids
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``, deepest first so those are evicted first.
+
+        A finished request (``request.is_finished``) also loses its block hashes; a preempted
+        one keeps them for its prefix lookup when it resumes.
+        """
+        req = self._requests.pop(request.request_id, None)
+        if req is not None:
+            for blocks in req.blocks:
+                self.block_pool.free_blocks(reversed(blocks))
+        if request.is_finished:
+            self._block_hashes.pop(request.request_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """Physical block ids of the request per group (empty lists if it holds none)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return [[] for _ in range(self.num_groups)]
+        return [[b.block_id for b in blocks] for blocks in req.blocks]
+
+    def get_num_blocks(self, request_id: str) -> int:
+        """Logical blocks the request holds (the same in every group)."""
+        req = self._requests.get(request_id)
+        return len(req.blocks[0]) if req is not None else 0
+
+    # ---- pool state and stats ----------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable KV blocks held by requests, 0.0 .. 1.0."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, cached or not (the null block never counts)."""
+        return self.block_pool.get_num_free_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and no change) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The lookups since the previous call."""
+        stats, self._stats = self._stats, PrefixCacheStats()
+        return stats
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _get_block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's full-block hashes, extended over any tokens appended since."""
+        entry = self._block_hashes.get(request.request_id)
+        if entry is None or entry[0] is not request:  # a new request (or a reused id)
+            entry = self._block_hashes[request.request_id] = (request, [])
+        hashes = entry[1]
+        if len(hashes) < request.num_tokens // self.block_size:
+            extra = first_block_extra_keys(self.hash_extra_keys, request.cache_salt)
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra)
+        return hashes
+
+    def _cache_full_blocks(self, request: Request, req: _RequestBlocks, num_full: int) -> None:
+        if num_full <= req.num_cached_blocks:
+            return
+        hashes = self._get_block_hashes(request)
+        for group_id, blocks in enumerate(req.blocks):
+            self.block_pool.cache_full_blocks(
+                blocks, hashes, req.num_cached_blocks, num_full, group_id
+            )
+        req.num_cached_blocks = num_full

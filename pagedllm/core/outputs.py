@@ -1,0 +1,56 @@
+"""Plain data the engine core hands to the engine: per-request outputs and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request (only requests that sampled, or finished)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens appended this step (one per step until speculative decoding). A stop token
+    that ended the request is included; tokens sampled after it are dropped."""
+    finish_reason: str | None
+    """"stop" or "length" when this step finished the request, else None."""
+    stop_reason: int | str | None
+    """The stop token id that ended the request; None for EOS, length or still running."""
+    num_cached_tokens: int
+    """Prompt tokens served by the prefix cache at the request's first scheduling."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups over an interval, counted in tokens (as vLLM)."""
+
+    requests: int = 0
+    """Lookups made. A request looked up again (after a preemption, or because the pool
+    could not admit it last step) counts again, as in vLLM."""
+    queries: int = 0
+    """Tokens looked up."""
+    hits: int = 0
+    """Tokens found in the cache."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot for metrics and the periodic log line."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of the usable KV blocks held by requests, 0.0 .. 1.0."""
+    num_preemptions: int
+    """Preemptions since the scheduler started (a counter, never reset)."""
+    prefix_cache_stats: PrefixCacheStats
+    """Lookups since the previous ``get_stats()`` call (an interval, reset by each call)."""

@@ -1,0 +1,60 @@
+"""Plain data crossing the scheduler/runner boundary.
+
+Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerOutput ->
+Scheduler.update_from_output(). The runner keeps per-request state (token ids, block table)
+between steps; a SchedulerOutput carries only what changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen, or is seeing again after preemption."""
+
+    req_id: str
+    token_ids: list[int]
+    """Prompt plus any output so far (a resumed request recomputes both)."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]
+    """Physical block ids per KV cache group: block_ids[group][logical_block]."""
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix-cache hit)."""
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only the newly appended blocks."""
+
+    req_id: str
+    new_block_ids: list[list[int]]
+    """Blocks appended since the last step, per KV cache group."""
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """Tokens to compute this step, per request id."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or preempted since the last step: the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    """Requests that sampled a token this step, in the runner's order."""
+    sampled_token_ids: list[list[int]]
+    """New tokens per request in req_ids (one each until speculative decoding)."""

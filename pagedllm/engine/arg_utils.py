@@ -1,0 +1,84 @@
+"""EngineArgs: the user-facing engine arguments, named like vLLM's, turned into EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, fields
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    """Model name, path to a .gguf file, or a Hugging Face model directory."""
+    dtype: str = "auto"
+    """float32, bfloat16, or auto (bfloat16 where the CPU has native bf16 support)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; default: the checkpoint's context length."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_memory_bytes: int | str = "4GiB"
+    """KV cache pool size, an int or a string like '2GiB'."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens in one engine step (default: max(4096, max_num_seqs))."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of shared prompt prefixes."""
+    seed: int = 0
+    """Seed for requests without their own seed."""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument("--kv-cache-memory-bytes", default="4GiB")
+        parser.add_argument("--max-num-seqs", type=int, default=256)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+        parser.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        )
+        parser.add_argument("--seed", type=int, default=0)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+    def resolve_dtype(self) -> str:
+        if self.dtype in ("float32", "bfloat16"):
+            return self.dtype
+        if self.dtype != "auto":
+            raise ValueError(f"dtype={self.dtype!r} is not one of 'auto', 'float32', 'bfloat16'")
+        import torch
+
+        # bf16 pays off only where the CPU computes it natively (AVX512-BF16 / AMX).
+        native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        chosen = "bfloat16" if native else "float32"
+        logger.info("dtype=auto chose %s (native bf16: %s)", chosen, native)
+        return chosen
+
+    def create_engine_config(self, model_config: ModelConfig, num_blocks: int) -> EngineConfig:
+        max_num_batched_tokens = self.max_num_batched_tokens or max(4096, self.max_num_seqs)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory_bytes),
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=model_config.max_model_len,
+            ),
+            num_blocks=num_blocks,
+            seed=self.seed,
+        )

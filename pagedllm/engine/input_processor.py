@@ -1,0 +1,78 @@
+"""Prompts in: tokenize, apply chat templates, validate against the model's limits."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pagedllm.config import ModelConfig
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = Union[str, dict]
+"""A string, {"prompt": str} or {"prompt_token_ids": [int, ...]}."""
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, model_config: ModelConfig) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return prompt["prompt"], self.encode(prompt["prompt"])
+        raise ValueError(
+            f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=True)
+        bos = self.model_config.bos_token_id
+        # A prompt that already starts with the BOS text must not get a second BOS.
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def render_chat(
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """Apply the chat template; the ids equal HF's `apply_chat_template(tokenize=True)`."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as e:  # jinja errors, raise_exception() in templates
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        # The template writes any BOS itself: do not add special tokens again.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check the prompt against the model; return the resolved max_tokens."""
+        n = len(prompt_token_ids)
+        max_len = self.model_config.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if n >= max_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {max_len}, which leaves no "
+                f"room for output; shorten the prompt or raise max_model_len"
+            )
+        room = max_len - n
+        if params.max_tokens is None:
+            return room
+        return min(params.max_tokens, room)

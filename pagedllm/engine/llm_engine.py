@@ -1,0 +1,116 @@
+"""LLMEngine: input processing -> EngineCore -> output processing, stepped by the caller."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from pagedllm.models.loader import load_model
+        from pagedllm.worker.kv_cache import kv_bytes_per_block, num_blocks_for_budget
+        from pagedllm.worker.model_runner import ModelRunner
+
+        t0 = time.monotonic()
+        loaded = load_model(args.model, dtype=args.resolve_dtype(), max_model_len=args.max_model_len)
+        model_config = loaded.model_config
+        budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
+        block_size = budget_config.block_size
+        num_blocks = num_blocks_for_budget(model_config, block_size, budget_config.kv_cache_memory_bytes)
+        check_kv_capacity(num_blocks, block_size, model_config.max_model_len, budget_config.kv_cache_memory_bytes)
+        self.config = args.create_engine_config(model_config, num_blocks)
+        kv_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_model_len=model_config.max_model_len,
+            enable_caching=args.enable_prefix_caching,
+            hash_extra_keys=(model_config.model, model_config.dtype, block_size),
+        )
+        self.scheduler = Scheduler(self.config.scheduler_config, kv_manager)
+        runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
+        self.engine_core = EngineCore(self.scheduler, runner)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = model_config
+        self.model_dir = loaded.model_dir  # HF-format directory of the weights (GGUF: converted cache)
+        self.input_processor = InputProcessor(self.tokenizer, model_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        pool_tokens = (num_blocks - 1) * block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB per block over %d layers, %s); "
+            "%d tokens, max concurrency %.1fx at max_model_len=%d. Ready in %.1f s.",
+            num_blocks - 1, block_size, kv_bytes_per_block(model_config, block_size) / 2**20,
+            model_config.num_layers, model_config.dtype, pool_tokens,
+            pool_tokens / model_config.max_model_len, model_config.max_model_len,
+            time.monotonic() - t0,
+        )
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        if prompt_token_ids is None:
+            text, prompt_token_ids = self.input_processor.tokenize(prompt)
+        else:
+            text = prompt if isinstance(prompt, str) else None
+        max_tokens = self.input_processor.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            max_tokens=max_tokens,
+        )
+        self.output_processor.add_request(
+            RequestState(request_id, text, prompt_token_ids, params, self.tokenizer, request.arrival_time)
+        )
+        self.engine_core.add_request(request)
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        engine_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(engine_outputs)
+        if processed.reqs_to_abort:
+            # Stop strings matched in the front end: the core stops and frees them too.
+            self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return processed.request_outputs
+
+
+def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, budget: int) -> None:
+    """Start-up fails unless the pool holds at least one request of max_model_len."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks - 1 < needed:
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds {max(num_blocks - 1, 0)} blocks of "
+            f"{block_size} tokens, fewer than the {needed} blocks one request of "
+            f"max_model_len={max_model_len} needs; raise kv_cache_memory_bytes "
+            f"(--kv-cache-memory-bytes) or lower max_model_len (--max-model-len)"
+        )

@@ -1,0 +1,158 @@
+"""Front-end side of outputs: detokenize, match stop strings, build RequestOutputs.
+
+Stop strings are matched here (not in the core) over the newly decoded text only; text that
+could still be the start of a stop string is held back from streamed output. When one
+matches, the caller aborts the request in the core.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestState:
+    __slots__ = (
+        "request_id", "prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids",
+        "text", "finish_reason", "stop_reason", "num_cached_tokens", "arrival_time",
+        "first_token_time", "finished_time", "max_stop_len",
+    )
+
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+        params: SamplingParams, tokenizer: Any, arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+            if params.detokenize else None
+        )
+        self.output_token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def visible_text(self) -> str:
+        """Text safe to show now: while running, hold back what may begin a stop string."""
+        if self.finished or self.max_stop_len == 0:
+            return self.text
+        return self.text[: max(len(self.text) - (self.max_stop_len - 1), 0)]
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=self.visible_text(),
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics={
+                "arrival_time": self.arrival_time,
+                "first_token_time": self.first_token_time,
+                "finished_time": self.finished_time,
+            },
+        )
+
+
+def find_stop_string(text: str, new_len: int, params: SamplingParams) -> tuple[str, int] | None:
+    """Find the earliest stop string that ends inside the last `new_len` chars of text.
+
+    Returns (stop string, index where the output should be cut).
+    """
+    best: tuple[int, str] | None = None  # (index of the match, stop string)
+    for stop in params.stop:
+        # A match must overlap the new text; begin searching just before it.
+        start = max(len(text) - new_len - len(stop) + 1, 0)
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    if best is None:
+        return None
+    idx, stop = best
+    return stop, idx + len(stop) if params.include_stop_str_in_output else idx
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+    """Requests finished by a stop string here: the core must stop them too."""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        self.states[state.request_id] = state
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        return [r for r in request_ids if self.states.pop(r, None) is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def process_outputs(self, engine_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for eo in engine_outputs:
+            state = self.states.get(eo.request_id)
+            if state is None:  # aborted meanwhile
+                continue
+            if state.first_token_time is None and eo.new_token_ids:
+                state.first_token_time = now
+            state.num_cached_tokens = eo.num_cached_tokens
+            state.output_token_ids.extend(eo.new_token_ids)
+            if eo.finish_reason is not None:
+                state.finish_reason, state.stop_reason = eo.finish_reason, eo.stop_reason
+            if state.detokenizer is not None:
+                self._update_text(state, eo)
+                if state.finished and eo.finish_reason is None:
+                    to_abort.append(eo.request_id)  # a stop string matched
+            if state.finished:
+                state.finished_time = now
+                del self.states[eo.request_id]
+            outputs.append(state.to_output())
+        return ProcessedOutputs(outputs, to_abort)
+
+    def _update_text(self, state: RequestState, eo: EngineCoreOutput) -> None:
+        assert state.detokenizer is not None
+        new_text = state.detokenizer.update(eo.new_token_ids)
+        if eo.finish_reason is not None:
+            new_text += state.detokenizer.flush()
+        state.text += new_text
+        params = state.params
+        if not params.stop or not new_text or len(state.output_token_ids) <= params.min_tokens:
+            return
+        match = find_stop_string(state.text, len(new_text), params)
+        if match is not None:
+            stop, cut = match
+            state.text = state.text[:cut]
+            state.finish_reason, state.stop_reason = "stop", stop

@@ -1,0 +1,102 @@
+"""The `pagedllm` command: generate, chat-demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for writing clear code.",
+    "Explain in two sentences what a KV cache is in a language model.",
+    "Write a haiku about the sea.",
+]
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model name, .gguf path or HF directory")
+    EngineArgs.add_cli_args(parser)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.llm import LLM
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    params = _sampling_params(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": c.text, "finish_reason": c.finish_reason}))
+        else:
+            print(f"### {prompt}\n{c.text}\n[finish_reason={c.finish_reason}]\n")
+
+
+def cmd_chat_demo(args: argparse.Namespace) -> None:
+    """What `make run` shows: the default model answering a few chat prompts."""
+    args.prompt, args.chat, args.json = DEMO_QUESTIONS, True, False
+    cmd_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference on CPUs")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts (args or stdin)")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--prompt", "-p", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--json", action="store_true", help="one JSON object per line")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("chat-demo", help="answer a few chat prompts with the default model")
+    _add_engine_args(demo)
+    _add_sampling_args(demo)
+    demo.set_defaults(func=cmd_chat_demo)
+
+    from pagedllm.entrypoints.bench import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

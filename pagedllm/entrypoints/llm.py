@@ -1,0 +1,110 @@
+"""The offline API: LLM(model=...).generate(prompts, sampling_params), as in vLLM."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Engine arguments are named like vLLM's: ``max_model_len``, ``block_size``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``dtype``,
+    ``seed``, ``enable_prefix_caching``.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        requests = [(p, None) for p in prompts]
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Chat: one conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        processor = self.llm_engine.input_processor
+        requests = []
+        for conv in conversations:
+            text, ids = processor.render_chat(conv, chat_template, add_generation_prompt)
+            requests.append((text, ids))
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        requests: list[tuple[PromptType, list[int] | None]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(requests)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(requests):
+                raise ValueError(
+                    f"got {len(params)} SamplingParams for {len(requests)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, ((prompt, ids), p) in enumerate(zip(requests, params)):
+                order[engine.add_request(prompt, p, prompt_token_ids=ids)] = i
+        except Exception:
+            engine.abort_request(list(order))  # a bad prompt: nothing half-queued stays behind
+            raise
+        return self._run_engine(order, use_tqdm)
+
+    def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        num_in = num_out = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[order[out.request_id]] = out
+                    num_in += len(out.prompt_token_ids)
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(
+                        f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                        f"output: {num_out / elapsed:.2f} toks/s"
+                    )
+                    bar.update(1)
+        bar.close()
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]

@@ -1,0 +1,220 @@
+"""Paged attention over a flat batch of tokens from many requests.
+
+The model sees one flat batch of `num_tokens` tokens (no padding). Per-step metadata (slot
+mapping, block tables, sequence lengths) reaches every Attention layer through one scoped
+forward context, set by the model runner around the forward pass.
+
+KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(K at index 0, V at index 1). A token's slot is `block_id * block_size + offset`.
+
+Backends (select with `PAGEDLLM_ATTENTION_BACKEND` or `set_attention_backend`):
+- "torch": decodes batched into one padded SDPA call, prefill chunks one SDPA call each.
+- "reference": a per-request, per-head loop in float64; obviously correct, slow, for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch reads and writes the KV cache.
+
+    Requests are ordered decodes first (query length 1), then prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, physical slot of each token
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with the null block 0
+    seq_lens: torch.Tensor  # [num_reqs] int64, context length including this step's tokens
+    query_start_loc: list[int]  # [num_reqs + 1], token offsets of each request's queries
+    seq_lens_list: list[int]  # seq_lens as Python ints
+    num_decodes: int  # the first num_decodes requests have exactly one query token
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+_forward_metadata: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    """Make `metadata` visible to every Attention layer for one forward pass."""
+    global _forward_metadata
+    prev, _forward_metadata = _forward_metadata, metadata
+    try:
+        yield
+    finally:
+        _forward_metadata = prev
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _forward_metadata is not None, "Attention called outside forward_context()"
+    return _forward_metadata
+
+
+_BACKEND = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "torch")
+
+
+def set_attention_backend(name: str) -> None:
+    global _BACKEND
+    if name not in ("torch", "reference"):
+        raise ValueError(f"attention backend {name!r} is not one of 'torch', 'reference'")
+    _BACKEND = name
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query heads, reading K/V from the paged cache.
+
+    The runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim]) once
+    after allocating the pool.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]
+        md = get_attention_metadata()
+        assert self.kv_cache is not None, "KV cache not bound to this Attention layer"
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv(self.kv_cache, k, v, md.slot_mapping)
+        if _BACKEND == "reference":
+            out = reference_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
+        else:
+            out = torch_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    # kv_cache: [2, num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D]; slot_mapping: [T]
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+
+
+def _gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # block_table: [..., num_blocks] -> K, V: [..., num_blocks * block_size, Hkv, D]
+    k = kv_cache[0][block_table]
+    v = kv_cache[1][block_table]
+    shape = (*block_table.shape[:-1], -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    k, v = k.reshape(shape), v.reshape(shape)
+    if seq_len is not None:
+        k, v = k[..., :seq_len, :, :], v[..., :seq_len, :, :]
+    return k, v
+
+
+def _causal_mask(query_len: int, seq_len: int, sliding_window: int | None) -> torch.Tensor:
+    # Query i sits at position seq_len - query_len + i and sees keys j <= that position
+    # (and, with a sliding window, j > position - window).
+    q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+    k_pos = torch.arange(seq_len).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask  # [query_len, seq_len] bool, True = attend
+
+
+def torch_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    nd = md.num_decodes
+    if nd:
+        # All decodes at once: gather each request's blocks, pad to the longest, mask the rest.
+        max_blocks = (max(md.seq_lens_list[:nd]) + md.block_size - 1) // md.block_size
+        k, v = _gather_context(kv_cache, md.block_tables[:nd, :max_blocks])
+        # k, v: [nd, L, Hkv, D] -> [nd, Hkv, L, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        key_pos = torch.arange(k.shape[2])
+        seq_lens = md.seq_lens[:nd].unsqueeze(1)
+        mask = key_pos.unsqueeze(0) < seq_lens  # [nd, L]
+        if sliding_window is not None:
+            mask &= key_pos.unsqueeze(0) >= seq_lens - sliding_window
+        qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        out[:nd] = o.squeeze(2)
+    for i in range(nd, md.num_reqs):
+        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+        seq_len, query_len = md.seq_lens_list[i], end - start
+        num_blocks = (seq_len + md.block_size - 1) // md.block_size
+        k, v = _gather_context(kv_cache, md.block_tables[i, :num_blocks], seq_len)
+        qi = q[start:end].transpose(0, 1)  # [H, Q, D]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
+        if query_len == seq_len and sliding_window is None:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = _causal_mask(query_len, seq_len, sliding_window)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    assert out.shape[1] == num_heads
+    return out
+
+
+def reference_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Per request, per head, per query: softmax(q.k * scale) @ v in float64."""
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for i in range(md.num_reqs):
+        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+        seq_len = md.seq_lens_list[i]
+        # Read the context token by token through the block table.
+        slots = [
+            int(md.block_tables[i, pos // md.block_size]) * md.block_size + pos % md.block_size
+            for pos in range(seq_len)
+        ]
+        flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])
+        k = flat[0][slots].double()  # [S, Hkv, D]
+        v = flat[1][slots].double()
+        mask = _causal_mask(end - start, seq_len, sliding_window)
+        for h in range(num_heads):
+            kh, vh = k[:, h // group], v[:, h // group]
+            scores = (q[start:end, h].double() @ kh.T) * scale  # [Q, S]
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out[start:end, h] = (scores.softmax(-1) @ vh).to(q.dtype)
+    return out

@@ -1,0 +1,112 @@
+"""Linear layers whose parameters load themselves from checkpoint tensors.
+
+Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, so fused
+projections (QKV, gate/up), tensor-parallel sharding and quantized weights change only the
+loaders here, never the model files.
+
+The matmul itself goes through `kernels.linear_op` (zentorch or plain torch, see there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.kernels import clear_weight_caches, linear_op
+from pagedllm.layers.utils import set_weight_loader
+
+__all__ = ["Linear", "MergedLinear", "QKVLinear", "linear_op"]
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ b), W: [out_features, in_features] as in HF checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            set_weight_loader(self.bias, self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        assert shard_id is None, f"{type(self).__name__} has no shards, got {shard_id!r}"
+        self._copy_rows(param, loaded_weight, 0, param.shape[0])
+
+    @staticmethod
+    def _copy_rows(
+        param: nn.Parameter, loaded_weight: torch.Tensor, offset: int, size: int
+    ) -> None:
+        # Output rows [offset, offset + size) of the weight (or bias) come from this tensor.
+        expected = (size, *param.shape[1:])
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit rows "
+                f"[{offset}, {offset + size}) of a parameter of shape {tuple(param.shape)}"
+            )
+        param.data.narrow(0, offset, size).copy_(loaded_weight)
+        clear_weight_caches()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        return linear_op(x, self.weight, self.bias, persistent_weight=True)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input in one matmul (e.g. gate and up).
+
+    Output i occupies rows [sum(output_sizes[:i]), sum(output_sizes[:i+1])); its checkpoint
+    tensor loads with shard_id=i.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        offset = sum(self.output_sizes[:shard_id])
+        self._copy_rows(param, loaded_weight, offset, self.output_sizes[shard_id])
+
+
+class QKVLinear(Linear):
+    """Fused q/k/v projection: rows are [q (num_heads * head_dim), k, v (num_kv_heads * head_dim)].
+
+    Checkpoint tensors load with shard_id "q", "k" or "v".
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        self._shards = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if shard_id not in self._shards:
+            raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
+        offset, size = self._shards[shard_id]  # type: ignore[index]
+        self._copy_rows(param, loaded_weight, offset, size)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # qkv: [T, q_size + 2 * kv_size] -> q: [T, q_size], k, v: [T, kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v

@@ -1,0 +1,95 @@
+"""Rotary position embedding in the HF "rotate_half" layout.
+
+Each head vector is split in halves (x1, x2) and rotated pairwise, pair i = (x1[i], x2[i]) by
+angle position * inv_freq[i]. cos/sin are precomputed for every position up to
+`max_position` in float32 and gathered per token with `positions` ([num_tokens] int64).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The checkpoint's rope settings as one flat dict with "rope_type" and "rope_theta"."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
+    if "rope_type" not in params:
+        params["rope_type"] = params.get("type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    return params
+
+
+def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    # -> [head_dim // 2] float32, angular speed of each rotated pair
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1 context extension: wavelengths longer than original_len / low_freq_factor are
+    # slowed down by `factor`, shorter than original_len / high_freq_factor kept, and the band
+    # between blends the two linearly in original_len / wavelength.
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    slowed = inv_freq / factor
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * slowed + smooth * inv_freq
+    out = torch.where(wavelen > original_len / low, slowed, blended)
+    return torch.where(wavelen < original_len / high, inv_freq, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embedding to q and k of a flat batch."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = _inv_freq(head_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # cos_sin_cache: [max_position, head_dim] = [cos | sin], each [max_position, head_dim // 2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] int64; q: [T, num_heads * head_dim]; k: [T, num_kv_heads * head_dim]
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
+        cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = x.view(num_tokens, -1, self.head_dim)  # [T, H, D]
+        x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.view(num_tokens, -1)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+def get_rope(head_dim: int, max_position: int, hf_config: Any) -> RotaryEmbedding:
+    """Rotary embedding configured from the checkpoint's rope_theta / rope_scaling."""
+    return RotaryEmbedding(head_dim, max_position, rope_parameters(hf_config))

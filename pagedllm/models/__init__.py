@@ -1,0 +1,1 @@
+"""Model definitions (forward-only, HF parameter names), the registry and the loader."""

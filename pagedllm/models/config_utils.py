@@ -1,0 +1,52 @@
+"""Reading model facts from HF configs uniformly across architectures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def architecture_of(hf_config: Any) -> str:
+    """The HF architecture name, e.g. "LlamaForCausalLM".
+
+    Configs built from GGUF metadata carry no `architectures`; derive it from model_type.
+    """
+    architectures = getattr(hf_config, "architectures", None)
+    if architectures:
+        return architectures[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type)
+    if name is None:
+        raise ValueError(f"no causal-LM architecture known for model_type={hf_config.model_type!r}")
+    return name
+
+
+def head_dim_of(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    return num_kv_heads or hf_config.num_attention_heads
+
+
+def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
+    """The layer's attention window, None for full attention.
+
+    With `layer_types` (transformers 5) only "sliding_attention" layers use the window;
+    without it (e.g. Mistral) every layer does when `sliding_window` is set.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window is None or (layer_types and layer_types[layer_idx] != "sliding_attention"):
+        return None
+    return window
+
+
+def model_sliding_window(hf_config: Any) -> int | None:
+    """The window of the sliding-window layers, None when every layer attends fully."""
+    windows = {sliding_window_of(hf_config, i) for i in range(hf_config.num_hidden_layers)}
+    windows.discard(None)
+    assert len(windows) <= 1, windows
+    return windows.pop() if windows else None

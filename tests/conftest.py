@@ -1,0 +1,79 @@
+"""Session fixtures: one loaded engine per configuration, shared across tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests see two cores at most; keep torch from oversubscribing when pytest runs in parallel.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def default_loaded():
+    """Our loader's view of the real default model (GGUF), float32."""
+    from pagedllm.models.loader import load_model
+
+    return load_model(DEFAULT_MODEL, dtype="float32", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_loaded):
+    return default_loaded.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_loaded):
+    """HF transformers loading the same GGUF file: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_loaded.gguf_path
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from pagedllm import LLM
+
+    return LLM(DEFAULT_MODEL, dtype="float32", max_model_len=2048, kv_cache_memory_bytes="256MiB")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_tokenizer):
+    """A tiny random-weight Llama saved as safetensors with the default model's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=len(default_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,  # peaky logits: few near-ties in greedy comparisons
+        tie_word_embeddings=False,
+        bos_token_id=default_tokenizer.bos_token_id,
+        eos_token_id=default_tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    default_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_llama(tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

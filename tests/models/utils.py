@@ -1,0 +1,294 @@
+"""Helpers to run a model outside the engine: bind KV caches, build attention metadata,
+and drive one or more requests through prefill and decode steps; plus tiny checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
+
+
+def bind_kv_caches(
+    model: nn.Module, num_blocks: int = 64, block_size: int = 16, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Allocate a zeroed KV cache per Attention layer and bind it; returns the caches."""
+    caches = []
+    for module in model.modules():
+        if isinstance(module, Attention):
+            cache_dtype = dtype or next(model.parameters()).dtype
+            shape = (2, num_blocks, block_size, module.num_kv_heads, module.head_dim)
+            module.kv_cache = torch.zeros(shape, dtype=cache_dtype)
+            caches.append(module.kv_cache)
+    return caches
+
+
+@contextlib.contextmanager
+def kv_caches_bound(
+    model: nn.Module, num_blocks: int = 64, block_size: int = 16
+) -> Iterator[list[torch.Tensor]]:
+    """bind_kv_caches for a with-block, restoring the previous bindings after it (for models
+    shared between tests, such as the session's default model)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    previous = [layer.kv_cache for layer in layers]
+    try:
+        yield bind_kv_caches(model, num_blocks, block_size)
+    finally:
+        for layer, cache in zip(layers, previous):
+            layer.kv_cache = cache
+
+
+@dataclass
+class RequestState:
+    """One sequence's tokens and its blocks (block 0 is the reserved null block)."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+
+
+def make_metadata(
+    chunks: list[tuple[RequestState, int]], block_size: int
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """Metadata, input_ids and positions for one step: (request, num_new_tokens) per request.
+
+    Decodes (num_new_tokens == 1) must come first, as the runner orders them.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    num_decodes = 0
+    for req, num_new in chunks:
+        start = req.num_computed_tokens
+        end = start + num_new
+        assert end <= len(req.block_ids) * block_size, "request needs more blocks"
+        if num_new == 1 and num_decodes == len(seq_lens):
+            num_decodes += 1
+        for pos in range(start, end):
+            input_ids.append(req.token_ids[pos])
+            positions.append(pos)
+            slots.append(req.block_ids[pos // block_size] * block_size + pos % block_size)
+        seq_lens.append(end)
+        query_start_loc.append(query_start_loc[-1] + num_new)
+    max_blocks = max(len(req.block_ids) for req, _ in chunks)
+    block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int64)
+    for i, (req, _) in enumerate(chunks):
+        block_tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        query_start_loc=query_start_loc,
+        seq_lens_list=seq_lens,
+        num_decodes=num_decodes,
+        block_size=block_size,
+    )
+    input_ids_t = torch.tensor(input_ids, dtype=torch.int64)
+    return md, input_ids_t, torch.tensor(positions, dtype=torch.int64)
+
+
+@torch.inference_mode()
+def step(model: Any, chunks: list[tuple[RequestState, int]], block_size: int) -> None:
+    """Run one forward over the chunks; append each request's last-token logprobs and
+    advance num_computed_tokens."""
+    md, input_ids, positions = make_metadata(chunks, block_size)
+    with forward_context(md):
+        hidden = model(input_ids, positions)  # [T, hidden]
+    last = torch.tensor(md.query_start_loc[1:]) - 1
+    logprobs = model.compute_logits(hidden[last]).log_softmax(-1)  # [num_reqs, vocab]
+    for i, (req, num_new) in enumerate(chunks):
+        req.num_computed_tokens += num_new
+        req.logprobs.append(logprobs[i])
+
+
+@torch.inference_mode()
+def prompt_logprobs(model: Any, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Log-probabilities after every token of one sequence, processed in a single pass."""
+    req = RequestState(list(token_ids), allocate_blocks(len(token_ids), block_size))
+    md, input_ids, positions = make_metadata([(req, len(token_ids))], block_size)
+    with forward_context(md):
+        hidden = model(input_ids, positions)
+    return model.compute_logits(hidden).log_softmax(-1)  # [T, vocab]
+
+
+def allocate_blocks(num_tokens: int, block_size: int, first_block: int = 1) -> list[int]:
+    """Consecutive block ids [first_block, ...] covering num_tokens (block 0 stays null)."""
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    return list(range(first_block, first_block + num_blocks))
+
+
+def greedy_generate(
+    model: Any,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    block_size: int = 16,
+    prefill_chunk: int | None = None,
+) -> RequestState:
+    """Prefill (in chunks of prefill_chunk tokens, default all at once), then greedy decode.
+
+    req.logprobs[i] is the distribution from which output token i was chosen.
+    """
+    total = len(prompt_ids) + max_new_tokens
+    req = RequestState(list(prompt_ids), allocate_blocks(total, block_size))
+    chunk = prefill_chunk or len(prompt_ids)
+    while req.num_computed_tokens < len(prompt_ids):
+        step(model, [(req, min(chunk, len(prompt_ids) - req.num_computed_tokens))], block_size)
+    req.logprobs = req.logprobs[-1:]
+    for i in range(max_new_tokens):
+        req.token_ids.append(int(req.logprobs[-1].argmax()))
+        if i + 1 < max_new_tokens:
+            step(model, [(req, 1)], block_size)
+    return req
+
+
+# The tiny tokenizer: 256 byte tokens, 3 merges, then <s>, </s>, <|im_end|>.
+TINY_MERGES = [("Ġ", "t"), ("h", "e"), ("t", "h")]
+TINY_BOS_ID, TINY_EOS_ID, TINY_IM_END_ID = 259, 260, 261
+
+
+def save_tiny_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """A byte-level BPE tokenizer (ids above) with a ChatML-like template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in TINY_MERGES]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=TINY_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    assert (fast.bos_token_id, fast.eos_token_id) == (TINY_BOS_ID, TINY_EOS_ID)
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def save_tiny_model(
+    path: str | os.PathLike[str], hf_config: Any, seed: int = 0, max_shard_size: str | None = None
+) -> Any:
+    """Random-weight HF model (float32, eval) saved as safetensors with a tiny tokenizer.
+
+    Weights are drawn wider than HF's init (std 0.1, norms 1 +- 0.1) so the comparison
+    with our model is sensitive to layout mistakes.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    save_tiny_tokenizer(path)
+    return model
+
+
+# HF name part -> GGUF block tensor name (the Llama family's llama.cpp names)
+_GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+
+
+def _llama_cpp_permute(w: Any, num_heads: int) -> Any:
+    # As llama.cpp's converter: each head's halves interleaved row by row.
+    rest = w.shape[1:]
+    w4 = w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *rest)
+    return w4.swapaxes(1, 2).reshape(w.shape)
+
+
+def save_tiny_gguf(
+    path: str | os.PathLike[str], hf_model: Any, tokenizer: Any, qtype: str = "Q8_0"
+) -> None:
+    """Write a Llama HF model and its (byte-level BPE) tokenizer as a llama.cpp-style GGUF.
+
+    2-D projection weights are quantized to `qtype`, the embedding to Q8_0, norms stay F32.
+    """
+    import gguf
+    import numpy as np
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    vocab = tokenizer.get_vocab()
+    tokens = [f"<unused{i}>" for i in range(cfg.vocab_size)]
+    types = [gguf.TokenType.UNUSED] * cfg.vocab_size
+    for token, token_id in vocab.items():
+        tokens[token_id] = token
+        special = token in tokenizer.added_tokens_encoder
+        types[token_id] = gguf.TokenType.CONTROL if special else gguf.TokenType.NORMAL
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([" ".join(m) for m in TINY_MERGES])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer.chat_template)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.float().numpy()
+        if ".q_proj." in name:
+            w = _llama_cpp_permute(w, cfg.num_attention_heads)
+        elif ".k_proj." in name:
+            w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        if w.ndim == 1:
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+            continue
+        qt = gguf.GGMLQuantizationType["Q8_0" if "embed" in name else qtype]
+        if qt == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(_gguf_name(name), w.astype(np.float16))
+            continue
+        writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qt), raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,67 @@
+"""The fast attention path against the reference one, on a mixed batch through block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers.attention import (
+    AttentionMetadata,
+    reference_attention,
+    torch_attention,
+    write_kv,
+)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+HKV, GROUP, D = 2, 3, 8
+
+
+def _metadata(computed: list[int], query_lens: list[int]) -> AttentionMetadata:
+    """Scatter each request's blocks over the pool in a shuffled order (non-contiguous)."""
+    gen = torch.Generator().manual_seed(0)
+    free = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    seq_lens = [c + q for c, q in zip(computed, query_lens)]
+    max_blocks = max(-(-s // BLOCK_SIZE) for s in seq_lens)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int64)
+    slots = []
+    for i, (c, s) in enumerate(zip(computed, seq_lens)):
+        n = -(-s // BLOCK_SIZE)
+        tables[i, :n] = torch.tensor([free.pop() for _ in range(n)])
+        slots += [int(tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c, s)]
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=qsl,
+        seq_lens_list=seq_lens,
+        num_decodes=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
+        block_size=BLOCK_SIZE,
+    )
+    return md
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_torch_attention_matches_reference(sliding_window):
+    torch.manual_seed(0)
+    # Three decodes (long, short, one-token context), then a first prefill and a later chunk.
+    computed = [17, 3, 0, 0, 9]
+    query_lens = [1, 1, 1, 7, 6]
+    md = _metadata(computed, query_lens)
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D)
+    # Earlier context: random K/V at the already-computed positions.
+    num_tokens = sum(query_lens)
+    for i, c in enumerate(computed):
+        for p in range(c):
+            slot = int(md.block_tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+            cache.view(2, -1, HKV, D)[:, slot] = torch.randn(2, HKV, D)
+    q = torch.randn(num_tokens, HKV * GROUP, D)
+    k = torch.randn(num_tokens, HKV, D)
+    v = torch.randn(num_tokens, HKV, D)
+    write_kv(cache, k, v, md.slot_mapping)
+    ref = reference_attention(q, cache, md, 0.3, sliding_window)
+    fast = torch_attention(q, cache, md, 0.3, sliding_window)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
