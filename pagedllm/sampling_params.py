@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Fields accepted for vLLM compatibility whose behaviour has not landed yet: a non-default
+# value raises instead of being silently ignored. Remove a name when its behaviour lands.
+_NOT_YET_SUPPORTED: dict[str, object] = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "logprobs": None,
+    "prompt_logprobs": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+}
+
 
 @dataclass
 class SamplingParams:
@@ -13,6 +28,8 @@ class SamplingParams:
     normalised: after construction ``top_k`` is ``None`` when off.
     """
 
+    n: int = 1
+    """Number of output sequences for the prompt (sharing its KV blocks)."""
     max_tokens: int | None = 16
     """Most tokens to generate (None: up to max_model_len)."""
     min_tokens: int = 0
@@ -20,8 +37,17 @@ class SamplingParams:
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     top_k: int | None = None
-    """None, 0 or -1: off."""
+    """Keep the k most likely tokens; None, 0 or -1: off."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token present in the output so far."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per occurrence in the output so far."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output."""
     seed: int | None = None
     """Per-request seed: the same tokens whatever else is in the batch."""
     stop: list[str] | str | None = None
@@ -29,7 +55,18 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return this many top logprobs per output token (plus the sampled token's)."""
+    prompt_logprobs: int | None = None
+    """Return this many top logprobs per prompt token."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of the given token ids."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled."""
+    bad_words: list[str] | None = None
+    """Words (token sequences) that may never be generated."""
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
 
     def __post_init__(self) -> None:
@@ -42,6 +79,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name, default in _NOT_YET_SUPPORTED.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported yet")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
