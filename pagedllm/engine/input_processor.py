@@ -8,7 +8,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, dict]
-"""A string, {"prompt": str} or {"prompt_token_ids": [int, ...]}."""
+"""A string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; a dict may also carry a
+"cache_salt": requests with different salts never share cached prefix blocks."""
 
 
 class InputProcessor:

@@ -67,6 +67,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input."""
         if prompt_token_ids is None:
@@ -81,6 +82,7 @@ class LLMEngine:
             params,
             eos_token_ids=self.model_config.eos_token_ids,
             max_tokens=max_tokens,
+            cache_salt=cache_salt,
         )
         self.output_processor.add_request(
             RequestState(request_id, text, prompt_token_ids, params, self.tokenizer, request.arrival_time)
@@ -94,6 +96,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing reset) while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         engine_outputs = self.engine_core.step()

@@ -31,6 +31,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (as vLLM); returns False if requests are running."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -81,7 +85,8 @@ class LLM:
         order: dict[str, int] = {}
         try:
             for i, ((prompt, ids), p) in enumerate(zip(requests, params)):
-                order[engine.add_request(prompt, p, prompt_token_ids=ids)] = i
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                order[engine.add_request(prompt, p, prompt_token_ids=ids, cache_salt=salt)] = i
         except Exception:
             engine.abort_request(list(order))  # a bad prompt: nothing half-queued stays behind
             raise
