@@ -8,7 +8,8 @@ KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]
 (K at index 0, V at index 1). A token's slot is `block_id * block_size + offset`.
 
 Backends (select with `PAGEDLLM_ATTENTION_BACKEND` or `set_attention_backend`):
-- "torch": decodes batched into one padded SDPA call, prefill chunks one SDPA call each.
+- "torch": decodes in one call of the compiled paged kernel (or, where it cannot be built,
+  one padded SDPA call), prefill chunks one SDPA call each.
 - "reference": a per-request, per-head loop in float64; obviously correct, slow, for tests.
 """
 
@@ -22,6 +23,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.layers.cpu_kernels import paged_attention_ops
 
 
 @dataclass
@@ -64,6 +67,8 @@ def get_attention_metadata() -> AttentionMetadata:
 
 
 _BACKEND = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "torch")
+# Decode attention from the compiled kernel (layers/cpu_kernels.py) when it builds.
+_USE_COMPILED = os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0"
 
 
 def set_attention_backend(name: str) -> None:
@@ -109,7 +114,7 @@ class Attention(nn.Module):
         if _BACKEND == "reference":
             out = reference_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
         else:
-            out = torch_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
+            out = torch_attention(q, k, v, self.kv_cache, md, self.scale, self.sliding_window)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
@@ -148,45 +153,62 @@ def _causal_mask(query_len: int, seq_len: int, sliding_window: int | None) -> to
 
 def torch_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     kv_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    num_heads = q.shape[1]
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to kv_cache) -> [T, H, D]."""
     out = torch.empty_like(q)
     nd = md.num_decodes
     if nd:
-        # All decodes at once: gather each request's blocks, pad to the longest, mask the rest.
-        max_blocks = (max(md.seq_lens_list[:nd]) + md.block_size - 1) // md.block_size
-        k, v = _gather_context(kv_cache, md.block_tables[:nd, :max_blocks])
-        # k, v: [nd, L, Hkv, D] -> [nd, Hkv, L, D]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        key_pos = torch.arange(k.shape[2])
-        seq_lens = md.seq_lens[:nd].unsqueeze(1)
-        mask = key_pos.unsqueeze(0) < seq_lens  # [nd, L]
-        if sliding_window is not None:
-            mask &= key_pos.unsqueeze(0) >= seq_lens - sliding_window
-        qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        out[:nd] = o.squeeze(2)
+        out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window)
     for i in range(nd, md.num_reqs):
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         seq_len, query_len = md.seq_lens_list[i], end - start
-        num_blocks = (seq_len + md.block_size - 1) // md.block_size
-        k, v = _gather_context(kv_cache, md.block_tables[i, :num_blocks], seq_len)
+        if query_len == seq_len:
+            # A first chunk: its whole context is this step's K/V, no need to read the cache.
+            ki, vi = k[start:end], v[start:end]
+        else:
+            num_blocks = (seq_len + md.block_size - 1) // md.block_size
+            ki, vi = _gather_context(kv_cache, md.block_tables[i, :num_blocks], seq_len)
         qi = q[start:end].transpose(0, 1)  # [H, Q, D]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
+        ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hkv, S, D]
         if query_len == seq_len and sliding_window is None:
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             mask = _causal_mask(query_len, seq_len, sliding_window)
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
-    assert out.shape[1] == num_heads
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    """One query token per request: q [nd, H, D] -> [nd, H, D]."""
+    nd = q.shape[0]
+    ops = paged_attention_ops() if _USE_COMPILED else None
+    if ops is not None:
+        # Reads K/V through the block table in place (no dense copy).
+        return ops.paged_decode_attention(
+            q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, sliding_window or 0
+        )
+    # Torch fallback: gather each request's blocks, pad to the longest, mask the rest.
+    max_blocks = (max(md.seq_lens_list[:nd]) + md.block_size - 1) // md.block_size
+    k, v = _gather_context(kv_cache, md.block_tables[:nd, :max_blocks])
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, L, Hkv, D] -> [nd, Hkv, L, D]
+    key_pos = torch.arange(k.shape[2]).unsqueeze(0)
+    seq_lens = md.seq_lens[:nd].unsqueeze(1)
+    mask = key_pos < seq_lens  # [nd, L]
+    if sliding_window is not None:
+        mask &= key_pos >= seq_lens - sliding_window
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return o.squeeze(2)
 
 
 def reference_attention(

@@ -17,6 +17,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
+from pagedllm.layers.cpu_kernels import paged_attention_ops
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache import allocate_kv_caches
@@ -53,6 +54,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, model_config.dtype)
+        # Build (or load the cached build of) the compiled kernels now, not in the first step.
+        paged_attention_ops()
 
     # ---- state -------------------------------------------------------------------------
 

@@ -44,8 +44,14 @@ def _metadata(computed: list[int], query_lens: list[int]) -> AttentionMetadata:
     return md
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-kernel", "torch-ops"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_torch_attention_matches_reference(sliding_window):
+def test_torch_attention_matches_reference(sliding_window, compiled, monkeypatch):
+    import pagedllm.layers.attention as attention
+
+    monkeypatch.setattr(attention, "_USE_COMPILED", compiled)
+    if compiled:
+        assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
     torch.manual_seed(0)
     # Three decodes (long, short, one-token context), then a first prefill and a later chunk.
     computed = [17, 3, 0, 0, 9]
@@ -63,5 +69,5 @@ def test_torch_attention_matches_reference(sliding_window):
     v = torch.randn(num_tokens, HKV, D)
     write_kv(cache, k, v, md.slot_mapping)
     ref = reference_attention(q, cache, md, 0.3, sliding_window)
-    fast = torch_attention(q, cache, md, 0.3, sliding_window)
+    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,51 @@
+"""Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use.
+
+The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions (default ~/.cache/pagedllm),
+so only the first start on a machine compiles. If the build fails (no compiler), callers
+fall back to the torch formulation and say so once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_module: ModuleType | None = None
+_failed = False
+
+
+def _build_dir() -> str:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR", os.path.expanduser("~/.cache/pagedllm"))
+    path = os.path.join(root, "torch_extensions")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def paged_attention_ops() -> ModuleType | None:
+    """The compiled module, or None where it cannot be built (or PAGEDLLM_CPU_KERNELS=0)."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        _failed = True
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _module = load(
+            name="pagedllm_paged_attention",
+            sources=[str(_CSRC / "paged_attention.cpp")],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=_build_dir(),
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, headers, or ninja: use the torch path
+        logger.warning("compiled paged attention unavailable, using torch ops: %s", str(e).splitlines()[0])
+        _failed = True
+    return _module
