@@ -87,7 +87,8 @@ class KVCacheManager:
         Blocks are not referenced until ``allocate_slots`` is called with them.
         """
         empty: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
-        if not self.enable_caching:
+        # A request asking for prompt logprobs must compute every prompt position itself.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return empty, 0
         hashes = self._get_block_hashes(request)
         num_hit = (request.num_tokens - 1) // self.block_size

@@ -207,8 +207,9 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
-        for request_id, token_ids in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids
+        runner_logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
+        for request_id, token_ids, logprobs in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, runner_logprobs
         ):
             assert request_id in scheduler_output.num_scheduled_tokens, request_id
             request = self.requests.get(request_id)
@@ -231,6 +232,8 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    new_logprobs=logprobs[: len(new_token_ids)] if logprobs is not None else None,
+                    prompt_logprobs=model_runner_output.prompt_logprobs.get(request_id),
                 )
             )
         if finished:

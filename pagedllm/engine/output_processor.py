@@ -13,7 +13,8 @@ from typing import Any
 
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.core.sched_output import PositionLogprobsData
+from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -21,7 +22,8 @@ class RequestState:
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids",
         "text", "finish_reason", "stop_reason", "num_cached_tokens", "arrival_time",
-        "first_token_time", "finished_time", "max_stop_len",
+        "first_token_time", "finished_time", "max_stop_len", "logprobs", "cumulative_logprob",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -45,6 +47,9 @@ class RequestState:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,6 +68,8 @@ class RequestState:
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
         return RequestOutput(
             request_id=self.request_id,
@@ -70,6 +77,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
             finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics={
                 "arrival_time": self.arrival_time,
@@ -132,6 +140,7 @@ class OutputProcessor:
             state.output_token_ids.extend(eo.new_token_ids)
             if eo.finish_reason is not None:
                 state.finish_reason, state.stop_reason = eo.finish_reason, eo.stop_reason
+            self._update_logprobs(state, eo)
             if state.detokenizer is not None:
                 self._update_text(state, eo)
                 if state.finished and eo.finish_reason is None:
@@ -141,6 +150,24 @@ class OutputProcessor:
                 del self.states[eo.request_id]
             outputs.append(state.to_output())
         return ProcessedOutputs(outputs, to_abort)
+
+    def _update_logprobs(self, state: RequestState, eo: EngineCoreOutput) -> None:
+        if eo.new_logprobs is not None and state.logprobs is not None:
+            for entry in eo.new_logprobs:
+                state.logprobs.append(self._to_position_logprobs(entry))
+                state.cumulative_logprob += entry.logprobs[0]
+        if eo.prompt_logprobs is not None:
+            # The first prompt token has no logprob (nothing precedes it).
+            state.prompt_logprobs = [None] + [self._to_position_logprobs(e) for e in eo.prompt_logprobs]
+
+    def _to_position_logprobs(self, entry: PositionLogprobsData) -> PositionLogprobs:
+        """Chosen token first (with its rank), then the top-k with ranks 1..k."""
+        texts = self.tokenizer.batch_decode([[t] for t in entry.token_ids])
+        out: PositionLogprobs = {}
+        for i, (token_id, logprob, text) in enumerate(zip(entry.token_ids, entry.logprobs, texts)):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob, entry.rank if i == 0 else i, text)
+        return out
 
     def _update_text(self, state: RequestState, eo: EngineCoreOutput) -> None:
         assert state.detokenizer is not None
