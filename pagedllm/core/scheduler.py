@@ -100,6 +100,18 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in removed]
             self.waiting = deque(r for r in self.waiting if r.request_id not in removed)
 
+    def add_forked_request(self, parent: Request, child: Request) -> None:
+        """Run ``child`` (same tokens as ``parent`` but possibly its last, uncomputed one)
+        sharing ``parent``'s blocks: a beam-search fork. The child joins ``running``."""
+        assert parent.status == RequestStatus.RUNNING and child.num_tokens == parent.num_tokens
+        assert parent.num_computed_tokens == parent.num_tokens - 1
+        self.kv_cache_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        self._unsent.add(child.request_id)
+
     def _detach_from_group(self, request: Request, removed: set[str]) -> None:
         """A finished sequence leaves its group's fork bookkeeping: a leader hands its pending
         sequences to ``waiting`` (they then admit as a group); a pending one leaves its leader."""
