@@ -82,7 +82,7 @@ def test_group_preemption_gives_same_outputs(big_llm, tiny_llama_dir):
     assert _all_free(small)
 
 
-def test_n_with_stop_string_and_abort(big_llm, default_tokenizer):
+def test_abort_of_a_group_frees_its_blocks(big_llm):
     engine = big_llm.llm_engine
     prompt = _prompt(20, seed=5)
     engine.add_request({"prompt_token_ids": prompt}, SamplingParams(n=3, max_tokens=50, seed=1), request_id="x")
