@@ -55,6 +55,8 @@ class Request:
         "stop_reason",
         "max_tokens",
         "cache_salt",
+        "group_id",
+        "pending_forks",
     )
 
     def __init__(
@@ -66,6 +68,7 @@ class Request:
         max_tokens: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -84,6 +87,12 @@ class Request:
         # Folded into the first block's prefix-cache hash: only requests with the same salt
         # share cached KV (isolation between tenants, as vLLM's cache_salt).
         self.cache_salt = cache_salt
+        # Sequences of one parent request (n > 1) share group_id; the scheduler admits,
+        # preempts and resumes them together. The first sequence (the leader) computes the
+        # prompt but its last token; then the others fork from it (pending_forks) and share
+        # its blocks.
+        self.group_id = group_id
+        self.pending_forks: list[Request] = []
 
     @property
     def num_tokens(self) -> int:

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 # Fields accepted for vLLM compatibility whose behaviour has not landed yet: a non-default
 # value raises instead of being silently ignored. Remove a name when its behaviour lands.
-_NOT_YET_SUPPORTED: dict[str, object] = {
-    "n": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "logprobs": None,
-    "prompt_logprobs": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-}
+_NOT_YET_SUPPORTED: dict[str, object] = {}
+
+MAX_N = 128
+"""Most sequences one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES is 256)."""
+MAX_LOGPROBS = 20
+"""Most top logprobs per position (vLLM's default max_logprobs)."""
 
 
 @dataclass
@@ -68,6 +63,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+    """``bad_words`` as token sequences, set by the engine's input processor (its tokenizer)."""
 
     def __post_init__(self) -> None:
         if self.top_k in (0, -1):
@@ -82,8 +79,8 @@ class SamplingParams:
         for name, default in _NOT_YET_SUPPORTED.items():
             if getattr(self, name) != default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported yet")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -98,6 +95,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        self._validate_token_lists()
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -106,6 +117,63 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
             )
+
+    def _validate_token_lists(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            # JSON gives string keys; normalise to int -> float.
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
+            for token_id, bias in self.logit_bias.items():
+                if token_id < 0 or not -100.0 <= bias <= 100.0:
+                    raise ValueError(
+                        f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token_id}: {bias}"
+                    )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids >= 0, got {ids!r}"
+                )
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if any(not isinstance(w, str) or not w for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the user must exist in the model's vocabulary."""
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is out of the vocabulary [0, {vocab_size})")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Turn ``bad_words`` into token sequences: each word as written and with a leading
+        space (the form it takes inside a sentence), as vLLM does."""
+        if not self.bad_words:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self.bad_words_token_ids = sequences
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -191,6 +191,10 @@ class BlockPool:
         """The block holding ``block_hash`` in group ``group_id``, or None (free or in use)."""
         return self._cached.get(make_cache_key(block_hash, group_id))
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop ``block`` from the prefix cache (its KV was never computed)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             removed = self._cached.pop(block.block_hash, None)

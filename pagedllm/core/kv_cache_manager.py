@@ -17,14 +17,16 @@ Where later features go (each is an addition, not a rewrite):
   ``cdiv(num_tokens, block_size)`` (lookahead slots are already allocated and capped by
   ``max_model_len`` here). Rejected tokens are never cached: caching stops at
   ``request.num_tokens``, which drafts are not part of.
-- Fork with copy-on-write (n > 1, beams): ``fork(parent_id, child_id)`` copies the parent's
-  lists and ``touch``es every block; ``allocate_slots`` then copies a shared (ref_cnt > 1),
-  partially filled last block before the first write into it and reports (src, dst) block
-  pairs for the runner to copy (a new SchedulerOutput field). Full shared blocks are never
-  written again and need no copy.
+- Fork with copy-on-write (n > 1, beams): ``fork(parent, child)`` copies the parent's lists
+  and takes a reference on every block; ``allocate_slots`` copies a shared (ref_cnt > 1),
+  partially filled block before the first write into it and records the (src, dst) pair in
+  ``last_copied_blocks`` for the scheduler to pass to the runner. Full shared blocks are never
+  written again and stay shared.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
@@ -34,6 +36,13 @@ from pagedllm.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class KVFigures(NamedTuple):
+    num_blocks: int
+    """Blocks the request holds, over all groups."""
+    num_shared_blocks: int
+    """Of those, blocks also held by another request (fork or prefix hit)."""
 
 
 class _RequestBlocks:
@@ -76,6 +85,8 @@ class KVCacheManager:
         # The request object is kept to tell a reused request id from the same request.
         self._block_hashes: dict[str, tuple[Request, list[BlockHash]]] = {}
         self._stats = PrefixCacheStats()
+        # (src, dst) pairs of the last allocate_slots call (copy-on-write): the runner copies.
+        self.last_copied_blocks: list[tuple[int, int]] = []
 
     # ---- the scheduler's interface -----------------------------------------------------
 
@@ -87,7 +98,8 @@ class KVCacheManager:
         Blocks are not referenced until ``allocate_slots`` is called with them.
         """
         empty: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
-        if not self.enable_caching:
+        # A request asking for prompt logprobs must compute every prompt position itself.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return empty, 0
         hashes = self._get_block_hashes(request)
         num_hit = (request.num_tokens - 1) // self.block_size
@@ -127,6 +139,7 @@ class KVCacheManager:
         Blocks that become full with computed tokens (``num_computed + hits + num_new``, but
         never past ``request.num_tokens``) are entered into the prefix cache.
         """
+        self.last_copied_blocks = []
         req = self._requests.get(request.request_id)
         num_existing = len(req.blocks[0]) if req is not None else 0
         hits = new_computed_blocks or [[] for _ in range(self.num_groups)]
@@ -139,11 +152,16 @@ class KVCacheManager:
             self.block_size,
         )
         num_new_blocks = max(0, num_required_blocks - num_existing - num_hit_blocks)
+        cow_index = self._cow_index(req, request.num_computed_tokens, num_new_tokens)
 
         # Hit blocks that are free right now leave the free queue when touched.
         num_free_hits = sum(b.ref_cnt == 0 for group in hits for b in group)
-        if num_new_blocks * self.num_groups > self.block_pool.get_num_free_blocks() - num_free_hits:
+        num_needed = (num_new_blocks + (cow_index is not None)) * self.num_groups
+        if num_needed > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
+        if cow_index is not None:
+            assert req is not None
+            self._copy_on_write(req, cow_index)
 
         if req is None:
             req = self._requests[request.request_id] = _RequestBlocks(self.num_groups)
@@ -163,14 +181,52 @@ class KVCacheManager:
             self._cache_full_blocks(request, req, num_full)
         return new_block_ids
 
-    def free(self, request: Request) -> None:
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` shares every block of ``parent`` by reference (ref counts), including a
+        partially filled last block, which the first write of either copies."""
+        assert child.request_id not in self._requests, f"{child.request_id} holds blocks"
+        src = self._requests[parent.request_id]
+        dst = self._requests[child.request_id] = _RequestBlocks(self.num_groups)
+        for blocks, parent_blocks in zip(dst.blocks, src.blocks):
+            self.block_pool.touch(parent_blocks)
+            blocks.extend(parent_blocks)
+        dst.num_cached_blocks = src.num_cached_blocks
+
+    def get_kv_figures(self, request_id: str) -> KVFigures:
+        """Blocks the request holds (over all groups) and how many of them are shared."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return KVFigures(0, 0)
+        blocks = [b for group in req.blocks for b in group]
+        return KVFigures(len(blocks), sum(b.ref_cnt > 1 for b in blocks))
+
+    def get_num_distinct_blocks(self, request_ids: list[str]) -> int:
+        """Physical blocks held by any of the requests, each counted once (a group's memory)."""
+        ids = {
+            b.block_id
+            for r in request_ids
+            if (req := self._requests.get(r)) is not None
+            for group in req.blocks
+            for b in group
+        }
+        return len(ids)
+
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release every block of ``request``, deepest first so those are evicted first.
 
         A finished request (``request.is_finished``) also loses its block hashes; a preempted
-        one keeps them for its prefix lookup when it resumes.
+        one keeps them for its prefix lookup when it resumes. With ``num_valid_tokens`` (a
+        request taken back in the step that allocated for it), blocks past those tokens were
+        entered into the prefix cache but never computed: they leave the cache.
         """
         req = self._requests.pop(request.request_id, None)
         if req is not None:
+            if num_valid_tokens is not None:
+                first_invalid = num_valid_tokens // self.block_size
+                for blocks in req.blocks:
+                    for block in blocks[first_invalid:]:
+                        if block.ref_cnt == 1:
+                            self.block_pool.uncache(block)
             for blocks in req.blocks:
                 self.block_pool.free_blocks(reversed(blocks))
         if request.is_finished:
@@ -221,6 +277,26 @@ class KVCacheManager:
             extra = first_block_extra_keys(self.hash_extra_keys, request.cache_salt)
             extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra)
         return hashes
+
+    def _cow_index(
+        self, req: _RequestBlocks | None, num_computed: int, num_new_tokens: int
+    ) -> int | None:
+        """Logical index of a shared, partly filled block this step writes into, if any."""
+        if req is None or num_new_tokens <= 0 or num_computed % self.block_size == 0:
+            return None
+        index = num_computed // self.block_size
+        if index >= len(req.blocks[0]) or req.blocks[0][index].ref_cnt <= 1:
+            return None
+        return index
+
+    def _copy_on_write(self, req: _RequestBlocks, index: int) -> None:
+        """Give the request its own copy of the shared block at ``index``, in every group."""
+        for blocks in req.blocks:
+            src = blocks[index]
+            (dst,) = self.block_pool.get_new_blocks(1)
+            blocks[index] = dst
+            self.block_pool.free_blocks([src])  # still referenced by its other holders
+            self.last_copied_blocks.append((src.block_id, dst.block_id))
 
     def _cache_full_blocks(self, request: Request, req: _RequestBlocks, num_full: int) -> None:
         if num_full <= req.num_cached_blocks:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.core.sched_output import PositionLogprobsData
+
 
 @dataclass(slots=True)
 class EngineCoreOutput:
@@ -19,6 +21,10 @@ class EngineCoreOutput:
     """The stop token id that ended the request; None for EOS, length or still running."""
     num_cached_tokens: int
     """Prompt tokens served by the prefix cache at the request's first scheduling."""
+    new_logprobs: list[PositionLogprobsData] | None = None
+    """Per token in new_token_ids, when the request asked for logprobs."""
+    prompt_logprobs: list[PositionLogprobsData] | None = None
+    """Once, with the first output token, when the request asked for prompt logprobs."""
 
     @property
     def finished(self) -> bool:

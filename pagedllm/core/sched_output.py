@@ -35,6 +35,8 @@ class CachedRequestData:
     new_block_ids: list[list[int]]
     """Blocks appended since the last step, per KV cache group."""
     num_computed_tokens: int
+    copied_blocks: list[tuple[int, int]] = field(default_factory=list)
+    """Copy-on-write this step: in the request's block table, block src becomes dst."""
 
 
 @dataclass
@@ -46,10 +48,23 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or preempted since the last step: the runner drops their state."""
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) physical blocks: copy src's KV into dst in every layer before the forward
+    (copy-on-write of a shared, partly filled block)."""
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class PositionLogprobsData:
+    """Logprobs at one position: the chosen (or actual prompt) token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+    """Rank of the chosen token under the model's raw distribution (1 = most likely)."""
 
 
 @dataclass
@@ -58,3 +73,8 @@ class ModelRunnerOutput:
     """Requests that sampled a token this step, in the runner's order."""
     sampled_token_ids: list[list[int]]
     """New tokens per request in req_ids (one each until speculative decoding)."""
+    logprobs: list[list[PositionLogprobsData] | None] | None = None
+    """Per request in req_ids, per new token (None: not asked for); None if no request asked."""
+    prompt_logprobs: dict[str, list[PositionLogprobsData]] = field(default_factory=dict)
+    """For requests that sampled their first token this step and asked for prompt logprobs:
+    one entry per prompt token after the first."""

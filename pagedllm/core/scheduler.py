@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -49,6 +50,8 @@ class Scheduler:
         # Finished or preempted since the last schedule(): the runner must drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since start
+        # Forked sequences not yet sent to the runner (they go as NewRequestData).
+        self._unsent: set[str] = set()
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -62,8 +65,17 @@ class Scheduler:
                 f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens; "
                 f"it needs at least 1 and fewer than max_model_len={self.max_model_len}"
             )
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        num_seqs = 1 + len(request.pending_forks)
+        if num_seqs > self.max_num_seqs:
+            raise ValueError(
+                f"request {request.request_id!r} asks for {num_seqs} sequences, more than "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        for r in [request, *request.pending_forks]:
+            if r is not request and r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in the engine")
+            r.status = RequestStatus.WAITING
+            self.requests[r.request_id] = r
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -83,9 +95,32 @@ class Scheduler:
             request.status = status
             self._free_finished(request)
             removed.add(request_id)
+            self._detach_from_group(request, removed)
         if removed:
             self.running = [r for r in self.running if r.request_id not in removed]
             self.waiting = deque(r for r in self.waiting if r.request_id not in removed)
+
+    def add_forked_request(self, parent: Request, child: Request) -> None:
+        """Run ``child`` (same tokens as ``parent`` but possibly its last, uncomputed one)
+        sharing ``parent``'s blocks: a beam-search fork. The child joins ``running``."""
+        assert parent.status == RequestStatus.RUNNING and child.num_tokens == parent.num_tokens
+        assert parent.num_computed_tokens == parent.num_tokens - 1
+        self.kv_cache_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        self._unsent.add(child.request_id)
+
+    def _detach_from_group(self, request: Request, removed: set[str]) -> None:
+        """A finished sequence leaves its group's fork bookkeeping: a leader hands its pending
+        sequences to ``waiting`` (they then admit as a group); a pending one leaves its leader."""
+        if request.pending_forks:
+            pending, request.pending_forks = request.pending_forks, []
+            self.waiting.extendleft(reversed([p for p in pending if p.request_id not in removed]))
+        for leader in [*self.running, *self.waiting]:
+            if request in leader.pending_forks:
+                leader.pending_forks.remove(request)
 
     @property
     def num_running(self) -> int:
@@ -113,20 +148,40 @@ class Scheduler:
         Advances ``num_computed_tokens`` of every scheduled request optimistically, as if the
         step succeeds; ``update_from_output`` then appends the sampled tokens.
         """
-        kv = self.kv_cache_manager
-        token_budget = self.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted = False
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        # Waiting requests, FCFS. Skipped after a preemption: memory is short.
+        while not step.preempted and self.waiting and step.token_budget > 0:
+            if not self._admit_waiting_group(step):
+                break
 
-        # Pass 1: running requests, in admission order; the newest yield memory to older ones.
+        # As if the step succeeds; the runner reads the pre-step values from the output.
+        for request_id, num_tokens in step.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+
+        dropped = step.unscheduled
+        output = SchedulerOutput(
+            scheduled_new_reqs=[r for r in step.new_reqs if r.req_id not in dropped],
+            scheduled_cached_reqs=[r for r in step.cached_reqs if r.req_id not in dropped],
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
+            finished_req_ids=self.finished_req_ids,
+            blocks_to_copy=step.blocks_to_copy,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, in admission order; the newest yield memory to older ones."""
+        kv = self.kv_cache_manager
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
+            if request.pending_forks and request.num_computed_tokens == request.num_prompt_tokens - 1:
+                self._fork_group(request, req_index)
             num_new_tokens = min(
-                request.num_tokens - request.num_computed_tokens,
-                token_budget,
+                self._num_tokens_to_compute(request),
+                step.token_budget,
                 # Position max_model_len - 1 is never computed: the request stops first.
                 self.max_model_len - 1 - request.num_computed_tokens,
             )
@@ -134,68 +189,122 @@ class Scheduler:
                 req_index += 1
                 continue
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
-                # The victim is at or after req_index, so it holds no work of this step.
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
+                # The victim group is at the tail; any of its members scheduled earlier in
+                # this step are unscheduled with it (then the current request is among them).
+                victims = self._pop_victim_group()
+                for victim in victims:
+                    step.unschedule(victim.request_id)
+                    self._preempt(victim)
+                step.preempted = True
+                if request in victims:
                     break
             if new_block_ids is None:
-                break  # the request preempted itself: nothing runs after it
-            cached_reqs.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+                return  # the request preempted itself: nothing runs after it
+            step.blocks_to_copy.extend(kv.last_copied_blocks)
+            if request.request_id in self._unsent:  # forked this step or earlier: new to the runner
+                self._unsent.discard(request.request_id)
+                step.new_reqs.append(self._new_request_data(request))
+            else:
+                step.cached_reqs.append(
+                    CachedRequestData(
+                        request.request_id, new_block_ids, request.num_computed_tokens,
+                        list(kv.last_copied_blocks),
+                    )
+                )
+            step.schedule(request.request_id, num_new_tokens)
             req_index += 1
 
-        # Pass 2: waiting requests, FCFS. Skipped after a preemption: memory is short.
+    def _admit_waiting_group(self, step: _Step) -> bool:
+        """Admit the head of ``waiting`` with the rest of its group, all or nothing.
+
+        A fresh group enters as its leader (the others fork from it later); a preempted
+        group resumes every member at once, sharing the prompt through the prefix cache.
+        """
+        kv = self.kv_cache_manager
+        head = self.waiting[0]
+        members = [head]
         while (
-            not preempted
-            and self.waiting
-            and token_budget > 0
-            and len(self.running) < self.max_num_seqs
+            head.group_id is not None
+            and len(members) < len(self.waiting)
+            and self.waiting[len(members)].group_id == head.group_id
         ):
-            request = self.waiting[0]
+            members.append(self.waiting[len(members)])
+        num_from_waiting = len(members)
+        num_seqs = num_from_waiting + len(head.pending_forks)
+        if len(self.running) + num_seqs > self.max_num_seqs or step.token_budget < num_seqs:
+            return False
+        admitted: list[tuple[Request, int, list[list[int]], int]] = []
+        i = 0
+        while i < len(members):
+            request = members[i]
             assert request.num_computed_tokens == 0
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            # Chunked prefill: whatever the budget allows; the rest comes in later steps.
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            # Leave each later member at least one token of the budget.
+            budget = step.token_budget - sum(n for _, n, _, _ in admitted) - (len(members) - i - 1)
+            num_new_tokens = min(self._num_tokens_to_compute(request, num_hit_tokens), budget)
+            if request.pending_forks and num_new_tokens == 0:
+                # The cache holds all of the prompt but its last token: no fork needed, the
+                # members share those blocks as prefix hits and each computes the last token.
+                members.extend(request.pending_forks)
+                request.pending_forks = []
+                continue
             block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
-            if block_ids is None:
-                break  # FCFS: nothing overtakes the head of the queue
+            if block_ids is None or num_new_tokens <= 0:
+                # Roll back: the group waits whole (FCFS, nothing overtakes it).
+                rollback = admitted + ([(request, 0, block_ids, num_hit_tokens)] if block_ids else [])
+                for r, _, _, num_hit in rollback:
+                    kv.free(r, num_valid_tokens=num_hit)
+                return False
+            admitted.append((request, num_new_tokens, block_ids, num_hit_tokens))
+            i += 1
+        for _ in range(num_from_waiting):
             self.waiting.popleft()
+        for request, num_new_tokens, block_ids, num_hit_tokens in admitted:
             self.running.append(request)
             if request.status == RequestStatus.WAITING:  # first scheduling, not a resume
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    block_ids=block_ids,  # the request held no blocks: these are all of them
-                    num_computed_tokens=num_hit_tokens,
-                )
-            )
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            self._unsent.discard(request.request_id)
+            # The request held no blocks: block_ids are all of them.
+            step.new_reqs.append(self._new_request_data(request, block_ids))
+            step.schedule(request.request_id, num_new_tokens)
+        return True
 
-        # As if the step succeeds; the runner reads the pre-step values from the output.
-        for request_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+    def _num_tokens_to_compute(self, request: Request, num_hit_tokens: int = 0) -> int:
+        """Tokens still to compute; a leader stops before the prompt's last token until its
+        group has forked."""
+        end = request.num_tokens - 1 if request.pending_forks else request.num_tokens
+        return end - max(request.num_computed_tokens, num_hit_tokens)
 
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
-            finished_req_ids=self.finished_req_ids,
+    def _fork_group(self, leader: Request, index: int) -> None:
+        """The leader computed all of the prompt but its last token: its pending sequences
+        share its blocks and join ``running`` right after it."""
+        for offset, child in enumerate(leader.pending_forks, start=1):
+            self.kv_cache_manager.fork(leader, child)
+            child.num_computed_tokens = leader.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.insert(index + offset, child)
+            self._unsent.add(child.request_id)
+        leader.pending_forks = []
+
+    def _pop_victim_group(self) -> list[Request]:
+        """Pop the newest running request with every member of its group (contiguous)."""
+        victims = [self.running.pop()]
+        group_id = victims[0].group_id
+        while group_id is not None and self.running and self.running[-1].group_id == group_id:
+            victims.append(self.running.pop())
+        return victims
+
+    def _new_request_data(self, request: Request, block_ids: list[list[int]] | None = None) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids if block_ids is not None else self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
         )
-        self.finished_req_ids = set()
-        return output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -207,8 +316,9 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
-        for request_id, token_ids in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids
+        runner_logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
+        for request_id, token_ids, logprobs in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, runner_logprobs
         ):
             assert request_id in scheduler_output.num_scheduled_tokens, request_id
             request = self.requests.get(request_id)
@@ -231,6 +341,8 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    new_logprobs=logprobs[: len(new_token_ids)] if logprobs is not None else None,
+                    prompt_logprobs=model_runner_output.prompt_logprobs.get(request_id),
                 )
             )
         if finished:
@@ -255,10 +367,13 @@ class Scheduler:
         """Preempt by recompute: drop the KV, requeue at the front of ``waiting``."""
         num_computed = request.num_computed_tokens
         request.status = RequestStatus.PREEMPTED
-        self.kv_cache_manager.free(request)  # keeps the block hashes: not finished
+        # Keeps the block hashes (not finished); blocks allocated for this step's tokens,
+        # if it was scheduled before being taken back, leave the prefix cache.
+        self.kv_cache_manager.free(request, num_valid_tokens=num_computed)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._unsent.discard(request.request_id)
         self.waiting.appendleft(request)
         self.finished_req_ids.add(request.request_id)
         logger.debug(
@@ -275,3 +390,28 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    unscheduled: set[str] = field(default_factory=set)
+    preempted: bool = False
+
+    def schedule(self, request_id: str, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request_id] = num_tokens
+        self.token_budget -= num_tokens
+        self.unscheduled.discard(request_id)
+
+    def unschedule(self, request_id: str) -> None:
+        """Take back a request preempted after it was scheduled in this step."""
+        num_tokens = self.num_scheduled_tokens.pop(request_id, None)
+        if num_tokens is not None:
+            self.token_budget += num_tokens
+            self.unscheduled.add(request_id)

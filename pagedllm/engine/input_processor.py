@@ -73,6 +73,8 @@ class InputProcessor:
                 f"the prompt has {n} tokens, but max_model_len is {max_len}, which leaves no "
                 f"room for output; shorten the prompt or raise max_model_len"
             )
+        params.validate_vocab(vocab)
+        params.update_from_tokenizer(self.tokenizer)
         room = max_len - n
         if params.max_tokens is None:
             return room

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -11,7 +12,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -76,23 +77,53 @@ class LLMEngine:
             text = prompt if isinstance(prompt, str) else None
         max_tokens = self.input_processor.validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        request = Request(
+        if params.n == 1:
+            request = self._make_request(request_id, prompt_token_ids, params, max_tokens, cache_salt=cache_salt)
+            self.output_processor.add_request(
+                RequestState(request_id, text, prompt_token_ids, params, self.tokenizer, request.arrival_time)
+            )
+            self.engine_core.add_request(request)
+            return request_id
+        # n > 1: one core request per sequence, "{i}_{request_id}" as vLLM, in one group.
+        children = [
+            self._make_request(
+                f"{i}_{request_id}", prompt_token_ids, child_params(params, i), max_tokens, request_id, cache_salt
+            )
+            for i in range(params.n)
+        ]
+        leader = children[0]
+        leader.pending_forks = children[1:]
+        states = [
+            RequestState(c.request_id, text, prompt_token_ids, c.sampling_params, self.tokenizer, c.arrival_time, index=i)
+            for i, c in enumerate(children)
+        ]
+        self.output_processor.add_parent_request(ParentRequest(request_id, states))
+        try:
+            self.engine_core.add_request(leader)
+        except ValueError:
+            self.output_processor.abort_requests([request_id])
+            raise
+        return request_id
+
+    def _make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        max_tokens: int, group_id: str | None = None, cache_salt: str | None = None,
+    ) -> Request:
+        return Request(
             request_id,
             prompt_token_ids,
             params,
             eos_token_ids=self.model_config.eos_token_ids,
             max_tokens=max_tokens,
+            group_id=group_id,
             cache_salt=cache_salt,
         )
-        self.output_processor.add_request(
-            RequestState(request_id, text, prompt_token_ids, params, self.tokenizer, request.arrival_time)
-        )
-        self.engine_core.add_request(request)
-        return request_id
 
     def abort_request(self, request_ids: list[str]) -> None:
+        """Abort user requests (for n > 1, every sequence of each)."""
+        core_ids = self.output_processor.core_request_ids(request_ids)
         self.output_processor.abort_requests(request_ids)
-        self.engine_core.abort_requests(request_ids)
+        self.engine_core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -108,6 +139,19 @@ class LLMEngine:
             # Stop strings matched in the front end: the core stops and frees them too.
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th sequence's own parameters: n=1, seed + i; only the first reports prompt
+    logprobs (the prompt is computed once, by it)."""
+    child = dataclasses.replace(
+        params,
+        n=1,
+        seed=params.seed + index if params.seed is not None else None,
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+    )
+    child.bad_words_token_ids = params.bad_words_token_ids
+    return child
 
 
 def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, budget: int) -> None:

@@ -13,7 +13,8 @@ from typing import Any
 
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.core.sched_output import PositionLogprobsData
+from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -21,14 +22,16 @@ class RequestState:
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids",
         "text", "finish_reason", "stop_reason", "num_cached_tokens", "arrival_time",
-        "first_token_time", "finished_time", "max_stop_len",
+        "first_token_time", "finished_time", "max_stop_len", "logprobs", "cumulative_logprob",
+        "prompt_logprobs", "index",
     )
 
     def __init__(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-        params: SamplingParams, tokenizer: Any, arrival_time: float,
+        params: SamplingParams, tokenizer: Any, arrival_time: float, index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.index = index  # position among the sequences of its parent request (n > 1)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -45,6 +48,9 @@ class RequestState:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,11 +64,13 @@ class RequestState:
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(
-            index=0,
+            index=self.index,
             text=self.visible_text(),
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
         return RequestOutput(
             request_id=self.request_id,
@@ -70,11 +78,44 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
             finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics={
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time,
                 "finished_time": self.finished_time,
+            },
+        )
+
+
+class ParentRequest:
+    """n > 1: the sequences of one user request (core requests of their own), reported as
+    one RequestOutput with a CompletionOutput each, finished when all are."""
+
+    def __init__(self, request_id: str, children: list[RequestState]) -> None:
+        self.request_id = request_id
+        self.children = children
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+    def to_output(self) -> RequestOutput:
+        outputs = [c.to_output() for c in self.children]
+        first = outputs[0]
+        first_token_times = [o.metrics["first_token_time"] for o in outputs if o.metrics["first_token_time"]]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[o.outputs[0] for o in outputs],
+            finished=self.finished,
+            prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics={
+                "arrival_time": first.metrics["arrival_time"],
+                "first_token_time": min(first_token_times, default=None),
+                "finished_time": max((o.metrics["finished_time"] or 0.0) for o in outputs) if self.finished else None,
             },
         )
 
@@ -107,13 +148,35 @@ class ProcessedOutputs:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, RequestState] = {}  # by core request id
+        self.parents: dict[str, ParentRequest] = {}  # n > 1, by user request id
+        self._parent_of: dict[str, ParentRequest] = {}  # core request id -> its parent
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.request_id] = state
 
+    def add_parent_request(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+        for child in parent.children:
+            self.states[child.request_id] = child
+            self._parent_of[child.request_id] = parent
+
+    def core_request_ids(self, request_ids: list[str]) -> list[str]:
+        """User request ids -> the core requests behind them (a parent's sequences)."""
+        out: list[str] = []
+        for r in request_ids:
+            parent = self.parents.get(r)
+            out += [c.request_id for c in parent.children] if parent is not None else [r]
+        return out
+
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        return [r for r in request_ids if self.states.pop(r, None) is not None]
+        """Forget the requests (user ids); returns the core ids that were still running."""
+        core_ids = self.core_request_ids(request_ids)
+        for r in request_ids:
+            self.parents.pop(r, None)
+        for r in core_ids:
+            self._parent_of.pop(r, None)
+        return [r for r in core_ids if self.states.pop(r, None) is not None]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -122,6 +185,7 @@ class OutputProcessor:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         to_abort: list[str] = []
+        touched_parents: dict[str, ParentRequest] = {}
         for eo in engine_outputs:
             state = self.states.get(eo.request_id)
             if state is None:  # aborted meanwhile
@@ -132,6 +196,7 @@ class OutputProcessor:
             state.output_token_ids.extend(eo.new_token_ids)
             if eo.finish_reason is not None:
                 state.finish_reason, state.stop_reason = eo.finish_reason, eo.stop_reason
+            self._update_logprobs(state, eo)
             if state.detokenizer is not None:
                 self._update_text(state, eo)
                 if state.finished and eo.finish_reason is None:
@@ -139,8 +204,36 @@ class OutputProcessor:
             if state.finished:
                 state.finished_time = now
                 del self.states[eo.request_id]
-            outputs.append(state.to_output())
+            parent = self._parent_of.get(eo.request_id)
+            if parent is None:
+                outputs.append(state.to_output())
+            else:
+                touched_parents[parent.request_id] = parent
+                if state.finished:
+                    del self._parent_of[eo.request_id]
+        for parent in touched_parents.values():
+            outputs.append(parent.to_output())
+            if parent.finished:
+                del self.parents[parent.request_id]
         return ProcessedOutputs(outputs, to_abort)
+
+    def _update_logprobs(self, state: RequestState, eo: EngineCoreOutput) -> None:
+        if eo.new_logprobs is not None and state.logprobs is not None:
+            for entry in eo.new_logprobs:
+                state.logprobs.append(self._to_position_logprobs(entry))
+                state.cumulative_logprob += entry.logprobs[0]
+        if eo.prompt_logprobs is not None:
+            # The first prompt token has no logprob (nothing precedes it).
+            state.prompt_logprobs = [None] + [self._to_position_logprobs(e) for e in eo.prompt_logprobs]
+
+    def _to_position_logprobs(self, entry: PositionLogprobsData) -> PositionLogprobs:
+        """Chosen token first (with its rank), then the top-k with ranks 1..k."""
+        texts = self.tokenizer.batch_decode([[t] for t in entry.token_ids])
+        out: PositionLogprobs = {}
+        for i, (token_id, logprob, text) in enumerate(zip(entry.token_ids, entry.logprobs, texts)):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob, entry.rank if i == 0 else i, text)
+        return out
 
     def _update_text(self, state: RequestState, eo: EngineCoreOutput) -> None:
         assert state.detokenizer is not None

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -63,6 +64,16 @@ class LLM:
             text, ids = processor.render_chat(conv, chat_template, add_generation_prompt)
             requests.append((text, ids))
         return self._run(requests, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt; each output holds its beams best first (as vLLM)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        ids = [engine.input_processor.tokenize(p)[1] for p in prompts]
+        return BeamSearchDriver(engine, params).run(ids)
 
     def _run(
         self,

@@ -1,9 +1,10 @@
 """Token sampling over a batch of logits, vectorised across requests.
 
-Order (as vLLM): mask tokens that may not be sampled yet (min_tokens) -> greedy argmax, or
-temperature -> top-k / top-p -> softmax -> sample with the exponential race
-(argmax(p / E), E ~ Exp(1)), which equals sampling from p. Seeded requests draw their E from
-their own generator, so their tokens do not depend on the rest of the batch.
+Order (as vLLM): raw logprobs are taken from the model's logits first -> restrictions
+(allowed_token_ids, logit_bias, banned tokens: min_tokens and bad_words) -> penalties ->
+greedy argmax, or temperature -> min_p -> top-k / top-p -> softmax -> sample with the
+exponential race (argmax(p / E), E ~ Exp(1)), which equals sampling from p. Seeded requests
+draw their E from their own generator, so their tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
+from pagedllm.sample.penalties import PenaltyMetadata, apply_penalties
 
 
 @dataclass
@@ -21,7 +25,18 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [B] float32, 1.0 where off; None if off for every row
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     banned_rows: torch.Tensor | None  # [N] int64 } (row, token) pairs that may not be sampled
-    banned_token_ids: torch.Tensor | None  # [N] int64 } this step (min_tokens)
+    banned_token_ids: torch.Tensor | None  # [N] int64 } this step (min_tokens, bad_words)
+    min_p: torch.Tensor | None = None  # [B] float32, 0 where off
+    allowed_mask: torch.Tensor | None = None  # [B, V] bool, all True for unrestricted rows
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values [N]
+    penalties: PenaltyMetadata | None = None
+    max_num_logprobs: int | None = None  # largest k over rows asking for logprobs
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # rows of every request; None if none asked
 
 
 class Sampler:
@@ -29,19 +44,50 @@ class Sampler:
         # Unseeded requests share one engine-wide generator: runs are reproducible per engine seed.
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        # logits: [B, V] float32 -> token ids [B] int64
-        if md.banned_rows is not None:
-            logits = logits.index_put((md.banned_rows, md.banned_token_ids), torch.tensor(float("-inf")))
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # logits: [B, V] float32
+        raw_logits = logits
+        logits = apply_restrictions(logits, md)
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
+        sampled = self.sample(logits, md)
+        logprobs = None
+        if md.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw_logits, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        # logits: [B, V] after restrictions and penalties -> token ids [B]
         greedy = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy
         temperature = torch.where(md.temperature > 0, md.temperature, 1.0)
         logits = logits / temperature.unsqueeze(1)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1)
         sampled = exponential_race(probs, self.generator, md.generators)
         return torch.where(md.temperature > 0, sampled, greedy)
+
+
+def apply_restrictions(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, then logit_bias, then banned (row, token) pairs; logits: [B, V]."""
+    if md.allowed_mask is not None:
+        logits = logits.masked_fill(~md.allowed_mask, float("-inf"))
+    if md.logit_bias is not None:
+        rows, ids, values = md.logit_bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
+    if md.banned_rows is not None:
+        logits = logits.index_put((md.banned_rows, md.banned_token_ids), torch.tensor(float("-inf")))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's. logits: [B, V]."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(

@@ -48,3 +48,11 @@ def allocate_kv_caches(
         layer.kv_cache = cache
         caches.append(cache)
     return caches
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: list[tuple[int, int]]) -> None:
+    """Copy-on-write: copy each src block's K and V into dst, in every layer."""
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64)
+    for cache in kv_caches:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        cache[:, dst] = cache[:, src]

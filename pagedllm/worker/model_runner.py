@@ -15,25 +15,15 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
 from pagedllm.layers.cpu_kernels import paged_attention_ops
-from pagedllm.sample.sampler import Sampler, SamplingMetadata
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.kv_cache import allocate_kv_caches
+from pagedllm.sample.logprobs import compute_logprobs
+from pagedllm.sample.sampler import Sampler
+from pagedllm.worker.kv_cache import allocate_kv_caches, copy_blocks
+from pagedllm.worker.sampling_inputs import CachedRequestState, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + every token sampled so far
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[list[int]]  # per KV cache group
-    num_computed_tokens: int
-    generator: torch.Generator | None
 
 
 class ModelRunner:
@@ -64,9 +54,9 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            gen = None
-            if params.seed is not None and not params.greedy:
-                gen = torch.Generator().manual_seed(params.seed)
+            wants_prompt_logprobs = (
+                params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens
+            )
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
@@ -74,10 +64,14 @@ class ModelRunner:
                 sampling_params=params,
                 block_ids=[list(g) for g in new.block_ids],
                 num_computed_tokens=new.num_computed_tokens,
-                generator=gen,
+                prompt_logprobs=[] if wants_prompt_logprobs else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            for src, dst in cached.copied_blocks:
+                for group in state.block_ids:
+                    if src in group:
+                        group[group.index(src)] = dst
             for group, new_ids in zip(state.block_ids, cached.new_block_ids):
                 group.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
@@ -87,6 +81,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.blocks_to_copy:
+            copy_blocks(self.kv_caches, so.blocks_to_copy)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         # Decodes (one query token) first: the attention backend batches them.
@@ -95,18 +91,54 @@ class ModelRunner:
         batch = self._prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids])
         with forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
+        self._prompt_logprobs(hidden, states, batch)
         sample_rows = batch.sample_rows
         if not sample_rows:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling_states = [states[i] for i in sample_rows]
-        tokens = self.sampler(logits, self._sampling_metadata(sampling_states)).tolist()
+        md = build_sampling_metadata(sampling_states, logits.shape[1], self.eos_token_ids)
+        out = self.sampler(logits, md)
+        tokens = out.sampled_token_ids.tolist()
+        logprobs: list[list[PositionLogprobsData] | None] | None = None
+        if out.logprobs is not None:
+            ks = [s.sampling_params.logprobs or 0 for s in sampling_states]
+            lists = out.logprobs.tolists(ks)
+            logprobs = [
+                [entry] if s.sampling_params.logprobs is not None else None
+                for s, entry in zip(sampling_states, lists)
+            ]
+        prompt_logprobs: dict[str, list[PositionLogprobsData]] = {}
         for state, token in zip(sampling_states, tokens):
+            if state.prompt_logprobs is not None:
+                prompt_logprobs[state.req_id] = state.prompt_logprobs
+                state.prompt_logprobs = None
             state.token_ids.append(token)
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in sampling_states],
             sampled_token_ids=[[t] for t in tokens],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, states: list[CachedRequestState], batch: _Batch
+    ) -> None:
+        """Logprobs of the actual next prompt token at every prompt position this step
+        computes, for requests that want them (accumulated across prefill chunks)."""
+        for i, state in enumerate(states):
+            if state.prompt_logprobs is None:
+                continue
+            start = batch.query_start[i]
+            first = int(batch.positions[start])
+            # Position p predicts prompt token p + 1; the last prompt position predicts output.
+            end = min(first + batch.num_scheduled[i], state.num_prompt_tokens - 1)
+            if end <= first:
+                continue
+            logits = self.model.compute_logits(hidden[start : start + end - first])  # [n, V]
+            targets = torch.tensor(state.token_ids[first + 1 : end + 1], dtype=torch.int64)
+            k = state.sampling_params.prompt_logprobs or 0
+            state.prompt_logprobs.extend(compute_logprobs(logits, targets, k).tolists([k] * len(targets)))
 
     def _prepare_inputs(self, states: list[CachedRequestState], num_scheduled: list[int]) -> _Batch:
         bs = self.block_size
@@ -147,33 +179,8 @@ class ModelRunner:
             attn_metadata=md,
             logits_indices=logits_indices,
             sample_rows=sample_rows,
-        )
-
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        vocab = self.model_config.vocab_size
-        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-        top_k = top_p = None
-        if any(p.top_k is not None for p in params):
-            top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.int64)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        banned_rows: list[int] = []
-        banned_ids: list[int] = []
-        for row, s in enumerate(states):
-            p = s.sampling_params
-            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
-                stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                banned_rows += [row] * len(stop_ids)
-                banned_ids += stop_ids
-        return SamplingMetadata(
-            temperature=temperature,
-            all_greedy=all(p.greedy for p in params),
-            top_k=top_k,
-            top_p=top_p,
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            banned_rows=torch.tensor(banned_rows, dtype=torch.int64) if banned_rows else None,
-            banned_token_ids=torch.tensor(banned_ids, dtype=torch.int64) if banned_ids else None,
+            query_start=query_start[:-1].tolist(),
+            num_scheduled=counts.tolist(),
         )
 
 
@@ -184,3 +191,5 @@ class _Batch:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampling] index into the flat batch
     sample_rows: list[int]  # which requests (rows of this step) sample
+    query_start: list[int]  # [R] offset of each request's first token in the flat batch
+    num_scheduled: list[int]  # [R] tokens of each request this step

@@ -47,6 +47,16 @@ def make_request(
     )
 
 
+def make_group(request_id: str, n: int, **kwargs) -> Request:
+    """A parent request of n sequences as the engine builds it: the leader ("0_<id>") with
+    the others pending a fork; every sequence in group ``request_id``."""
+    children = [make_request(f"{i}_{request_id}", **kwargs) for i in range(n)]
+    for child in children:
+        child.group_id = request_id
+    children[0].pending_forks = children[1:]
+    return children[0]
+
+
 def make_kv_cache_manager(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -117,13 +127,21 @@ class FakeRunner:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.requests, f"{new.req_id} is new but known"
-            assert new.num_computed_tokens % self.block_size == 0
+            # A prefix hit is whole blocks; a forked sequence has all but its last token.
+            assert (
+                new.num_computed_tokens % self.block_size == 0
+                or new.num_computed_tokens == len(new.token_ids) - 1
+            )
             self.requests[new.req_id] = _RunnerState(
                 list(new.token_ids), list(new.block_ids[0]), new.num_computed_tokens
             )
+        for src, dst in so.blocks_to_copy:  # copy-on-write, before any write of this step
+            self.kv[dst] = list(self.kv[src])
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             assert cached.num_computed_tokens == state.num_computed_tokens, cached.req_id
+            for src, dst in cached.copied_blocks:
+                state.block_ids[state.block_ids.index(src)] = dst
             state.block_ids.extend(cached.new_block_ids[0])
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
 
