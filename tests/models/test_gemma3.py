@@ -86,3 +86,36 @@ def test_engine_greedy_matches_hf(tiny_gemma3: tuple[Any, str]) -> None:
         ref, gaps = hf_greedy(hf_model, out.prompt_token_ids, NUM_STEPS)
         assert len(out.outputs[0].token_ids) == NUM_STEPS
         assert_greedy_match(out.outputs[0].token_ids, ref, gaps, str(out.prompt))
+
+
+def test_long_request_holds_window_sized_kv_on_sliding_layers(tiny_gemma3: tuple[Any, str]) -> None:
+    hf_model, path = tiny_gemma3
+    block_size = 4
+    llm = LLM(
+        path, dtype="float32", kv_cache_memory_bytes="8MiB", block_size=block_size,
+        max_num_batched_tokens=16, max_num_seqs=4,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    manager = engine.scheduler.kv_cache_manager
+    assert [spec.sliding_window for spec in manager.group_specs] == [None, WINDOW]
+    prompt = np.random.default_rng(2).integers(0, VOCAB, size=150).tolist()
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    req_id = engine.add_request(None, params, prompt_token_ids=prompt)
+    held: list[list[int]] = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        held.append(manager.get_num_held_blocks(req_id))
+    # Each step computes at most 16 tokens; they and the 11 positions before them (the
+    # window) span at most cdiv(16 + 11, 4) + 1 blocks, however they fall on block edges.
+    # The full-attention group holds the whole sequence: the last observed step (before the
+    # one that finishes and frees) has computed positions 0..195 -> 49 blocks.
+    window_blocks = max(h[1] for h in held[:-1])
+    assert window_blocks <= -(-(16 + WINDOW - 1) // block_size) + 1
+    assert max(h[0] for h in held[:-1]) == -(-(150 + 48 - 2) // block_size)
+    # Once decoding, one token per step: the window alone, cdiv(11, 4) + 1 blocks at most.
+    assert max(h[1] for h in held[-40:-1]) <= -(-(WINDOW - 1) // block_size) + 1
+    assert held[-1] == [0, 0]  # finished: everything freed
+    ref, gaps = hf_greedy(hf_model, prompt, 48)
+    assert_greedy_match(tokens, ref, gaps, "long prompt, windowed KV")
