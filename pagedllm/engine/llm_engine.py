@@ -36,8 +36,8 @@ class LLMEngine:
         model_config = loaded.model_config
         budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
         block_size = budget_config.block_size
-        # One KV cache group per attention type (full, sliding window); a block spans one
-        # layer slice per layer of the largest group (worker/kv_cache.py).
+        # Equal-sized KV cache groups per attention type (full, sliding window); a block
+        # spans one layer slice per layer of a group (worker/kv_cache.py).
         layers = attention_layers(loaded.model)
         group_specs = [KVCacheGroupSpec(g.sliding_window) for g in kv_cache_groups(layers)]
         layer_slots = num_layer_slots(layers)
@@ -74,11 +74,11 @@ class LLMEngine:
         pool_tokens = (num_blocks - 1) * block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB per block over %d layers, %s), "
-            "groups (sliding window: layers) %s; %d tokens, max concurrency %.1fx at "
+            "group windows %s; %d tokens, max concurrency %.1fx at "
             "max_model_len=%d. Ready in %.1f s.",
             num_blocks - 1, block_size, kv_bytes_per_block(model_config, block_size, layer_slots) / 2**20,
             layer_slots, model_config.dtype,
-            {g.sliding_window: len(g.layer_indices) for g in kv_cache_groups(layers)}, pool_tokens,
+            [g.sliding_window for g in kv_cache_groups(layers)], pool_tokens,
             pool_tokens / model_config.max_model_len, model_config.max_model_len,
             time.monotonic() - t0,
         )

@@ -1,15 +1,18 @@
 """KV cache tensors of the paged backend, the KV cache groups, and the pool sizing.
 
-Layers with the same attention type (full, or one sliding window) form a KV cache group;
-each group has its own block ids per request (core/kv_cache_manager.py). Groups share the
-block pool and the tensors: tensor j holds the j-th layer of every group, so a block id,
-owned by one group at a time, addresses one slice in each of that group's layers' tensors.
-A model with a single group has one tensor per layer, as before.
+Layers with the same attention type (full, or one sliding window) form KV cache groups;
+each group has its own block ids per request (core/kv_cache_manager.py). Every group has
+the same number of layers (the gcd of the per-type layer counts: Gemma 3 270M's 3 global and
+15 local layers make 1 + 5 groups of 3), so that groups can share the block pool and the
+tensors: tensor j holds the j-th layer of every group, and a block id, owned by one group at
+a time, addresses one slice in each of that group's layers' tensors with none left idle.
+A model with one attention type has one group and one tensor per layer, as before.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -37,17 +40,21 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 
 
 def kv_cache_groups(layers: list[Attention]) -> list[KVCacheGroup]:
-    """Layers grouped by attention type: full attention first, then windows ascending."""
+    """Equal-sized groups of layers of one attention type: full attention first, then
+    windows ascending, each type split into runs of `num_layer_slots` layers."""
     windows = sorted({layer.sliding_window for layer in layers}, key=lambda w: (w is not None, w or 0))
+    by_type = {w: [i for i, layer in enumerate(layers) if layer.sliding_window == w] for w in windows}
+    size = math.gcd(*(len(indices) for indices in by_type.values()))
     return [
-        KVCacheGroup(w, [i for i, layer in enumerate(layers) if layer.sliding_window == w])
-        for w in windows
+        KVCacheGroup(w, indices[start : start + size])
+        for w, indices in by_type.items()
+        for start in range(0, len(indices), size)
     ]
 
 
 def num_layer_slots(layers: list[Attention]) -> int:
-    """Layer-sized slices one block spans: the size of the largest group."""
-    return max(len(g.layer_indices) for g in kv_cache_groups(layers))
+    """Layer-sized slices one block spans: the (common) size of the groups."""
+    return len(kv_cache_groups(layers)[0].layer_indices)
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, num_layers: int | None = None) -> int:

@@ -97,7 +97,8 @@ def test_long_request_holds_window_sized_kv_on_sliding_layers(tiny_gemma3: tuple
     )  # fmt: skip
     engine = llm.llm_engine
     manager = engine.scheduler.kv_cache_manager
-    assert [spec.sliding_window for spec in manager.group_specs] == [None, WINDOW]
+    # 1 global and 3 local layers: groups of one layer each, the global one first.
+    assert [spec.sliding_window for spec in manager.group_specs] == [None, WINDOW, WINDOW, WINDOW]
     prompt = np.random.default_rng(2).integers(0, VOCAB, size=150).tolist()
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     req_id = engine.add_request(None, params, prompt_token_ids=prompt)
@@ -111,11 +112,29 @@ def test_long_request_holds_window_sized_kv_on_sliding_layers(tiny_gemma3: tuple
     # window) span at most cdiv(16 + 11, 4) + 1 blocks, however they fall on block edges.
     # The full-attention group holds the whole sequence: the last observed step (before the
     # one that finishes and frees) has computed positions 0..195 -> 49 blocks.
-    window_blocks = max(h[1] for h in held[:-1])
+    window_blocks = max(max(h[1:]) for h in held[:-1])
     assert window_blocks <= -(-(16 + WINDOW - 1) // block_size) + 1
     assert max(h[0] for h in held[:-1]) == -(-(150 + 48 - 2) // block_size)
     # Once decoding, one token per step: the window alone, cdiv(11, 4) + 1 blocks at most.
-    assert max(h[1] for h in held[-40:-1]) <= -(-(WINDOW - 1) // block_size) + 1
-    assert held[-1] == [0, 0]  # finished: everything freed
+    assert max(max(h[1:]) for h in held[-40:-1]) <= -(-(WINDOW - 1) // block_size) + 1
+    assert held[-1] == [0, 0, 0, 0]  # finished: everything freed
     ref, gaps = hf_greedy(hf_model, prompt, 48)
     assert_greedy_match(tokens, ref, gaps, "long prompt, windowed KV")
+
+
+def test_kv_cache_groups_are_equal_sized() -> None:
+    from pagedllm.layers.attention import Attention
+    from pagedllm.worker.kv_cache import allocate_kv_caches, kv_cache_groups
+
+    # Gemma 3 270M's pattern: 5 local layers, then 1 global, 3 times.
+    windows = ([512] * 5 + [None]) * 3
+    layers = [Attention(4, 16, 2, 0.25, sliding_window=w) for w in windows]
+    groups = kv_cache_groups(layers)
+    assert [(g.sliding_window, g.layer_indices) for g in groups] == [
+        (None, [5, 11, 17]), (512, [0, 1, 2]), (512, [3, 4, 6]), (512, [7, 8, 9]),
+        (512, [10, 12, 13]), (512, [14, 15, 16]),
+    ]  # fmt: skip
+    caches = allocate_kv_caches(layers, num_blocks=4, block_size=2, dtype="float32")
+    assert len(caches) == 3  # a block spans 3 layer slices
+    assert layers[5].kv_cache is caches[0] and layers[5].kv_cache_group == 0
+    assert layers[16].kv_cache is caches[2] and layers[16].kv_cache_group == 5

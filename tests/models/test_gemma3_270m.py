@@ -62,7 +62,8 @@ def test_model_config(llm: LLM) -> None:
     )  # fmt: skip
     assert cfg.vocab_size == 262144 and cfg.sliding_window == 512
     specs = llm.llm_engine.scheduler.kv_cache_manager.group_specs
-    assert [s.sliding_window for s in specs] == [None, 512]
+    # 3 global and 15 local layers: KV cache groups of 3 layers, the global one first.
+    assert [s.sliding_window for s in specs] == [None] + [512] * 5
     assert llm.llm_engine.tokenizer.convert_ids_to_tokens(list(cfg.eos_token_ids)).count(
         "<end_of_turn>"
     ) == 1
