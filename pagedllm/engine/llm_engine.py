@@ -72,14 +72,16 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         pool_tokens = (num_blocks - 1) * block_size
+        # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
+        max_concurrency = (num_blocks - 1) / kv_manager.max_blocks_per_request(model_config.max_model_len)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB per block over %d layers, %s), "
-            "group windows %s; %d tokens, max concurrency %.1fx at "
+            "group windows %s; %d token slots, max concurrency %.1fx at "
             "max_model_len=%d. Ready in %.1f s.",
             num_blocks - 1, block_size, kv_bytes_per_block(model_config, block_size, layer_slots) / 2**20,
             layer_slots, model_config.dtype,
             [g.sliding_window for g in kv_cache_groups(layers)], pool_tokens,
-            pool_tokens / model_config.max_model_len, model_config.max_model_len,
+            max_concurrency, model_config.max_model_len,
             time.monotonic() - t0,
         )
 
