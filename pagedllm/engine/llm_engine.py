@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
@@ -23,7 +23,13 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         from pagedllm.models.loader import load_model
-        from pagedllm.worker.kv_cache import kv_bytes_per_block, num_blocks_for_budget
+        from pagedllm.worker.kv_cache import (
+            attention_layers,
+            kv_bytes_per_block,
+            kv_cache_groups,
+            num_blocks_for_budget,
+            num_layer_slots,
+        )
         from pagedllm.worker.model_runner import ModelRunner
 
         t0 = time.monotonic()
@@ -31,8 +37,14 @@ class LLMEngine:
         model_config = loaded.model_config
         budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
         block_size = budget_config.block_size
-        num_blocks = num_blocks_for_budget(model_config, block_size, budget_config.kv_cache_memory_bytes)
-        check_kv_capacity(num_blocks, block_size, model_config.max_model_len, budget_config.kv_cache_memory_bytes)
+        # Equal-sized KV cache groups per attention type (full, sliding window); a block
+        # spans one layer slice per layer of a group (worker/kv_cache.py).
+        layers = attention_layers(loaded.model)
+        group_specs = [KVCacheGroupSpec(g.sliding_window) for g in kv_cache_groups(layers)]
+        layer_slots = num_layer_slots(layers)
+        num_blocks = num_blocks_for_budget(
+            model_config, block_size, budget_config.kv_cache_memory_bytes, layer_slots
+        )
         self.config = args.create_engine_config(model_config, num_blocks)
         kv_manager = KVCacheManager(
             num_blocks=num_blocks,
@@ -40,6 +52,16 @@ class LLMEngine:
             max_model_len=model_config.max_model_len,
             enable_caching=args.enable_prefix_caching,
             hash_extra_keys=(model_config.model, model_config.dtype, block_size),
+            group_specs=group_specs,
+        )
+        check_kv_capacity(
+            num_blocks,
+            kv_manager.max_blocks_per_request(
+                model_config.max_model_len, self.config.scheduler_config.max_num_batched_tokens
+            ),
+            block_size,
+            model_config.max_model_len,
+            budget_config.kv_cache_memory_bytes,
         )
         self.scheduler = Scheduler(self.config.scheduler_config, kv_manager)
         runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
@@ -51,12 +73,16 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         pool_tokens = (num_blocks - 1) * block_size
+        # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
+        max_concurrency = (num_blocks - 1) / kv_manager.max_blocks_per_request(model_config.max_model_len)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB per block over %d layers, %s); "
-            "%d tokens, max concurrency %.1fx at max_model_len=%d. Ready in %.1f s.",
-            num_blocks - 1, block_size, kv_bytes_per_block(model_config, block_size) / 2**20,
-            model_config.num_layers, model_config.dtype, pool_tokens,
-            pool_tokens / model_config.max_model_len, model_config.max_model_len,
+            "KV cache: %d blocks of %d tokens (%.1f MiB per block over %d layers, %s), "
+            "group windows %s; %d token slots, max concurrency %.1fx at "
+            "max_model_len=%d. Ready in %.1f s.",
+            num_blocks - 1, block_size, kv_bytes_per_block(model_config, block_size, layer_slots) / 2**20,
+            layer_slots, model_config.dtype,
+            [g.sliding_window for g in kv_cache_groups(layers)], pool_tokens,
+            max_concurrency, model_config.max_model_len,
             time.monotonic() - t0,
         )
 
@@ -154,9 +180,11 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return child
 
 
-def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, budget: int) -> None:
-    """Start-up fails unless the pool holds at least one request of max_model_len."""
-    needed = -(-max_model_len // block_size)
+def check_kv_capacity(
+    num_blocks: int, needed: int, block_size: int, max_model_len: int, budget: int
+) -> None:
+    """Start-up fails unless the pool holds at least one request of max_model_len
+    (`needed` blocks, summed over the KV cache groups)."""
     if num_blocks - 1 < needed:
         raise ValueError(
             f"the KV cache budget of {budget} bytes holds {max(num_blocks - 1, 0)} blocks of "

@@ -47,12 +47,17 @@ class AttentionMetadata:
         return len(self.seq_lens_list)
 
 
-_forward_metadata: AttentionMetadata | None = None
+# One metadata for every layer, or one per KV cache group (indexed by the layer's group).
+_forward_metadata: AttentionMetadata | list[AttentionMetadata] | None = None
 
 
 @contextlib.contextmanager
-def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
-    """Make `metadata` visible to every Attention layer for one forward pass."""
+def forward_context(metadata: AttentionMetadata | list[AttentionMetadata]) -> Iterator[None]:
+    """Make `metadata` visible to every Attention layer for one forward pass.
+
+    A list gives each KV cache group its own metadata (groups differ only in slot_mapping
+    and block_tables: each group's layers keep their KV in that group's blocks).
+    """
     global _forward_metadata
     prev, _forward_metadata = _forward_metadata, metadata
     try:
@@ -61,9 +66,10 @@ def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
         _forward_metadata = prev
 
 
-def get_attention_metadata() -> AttentionMetadata:
-    assert _forward_metadata is not None, "Attention called outside forward_context()"
-    return _forward_metadata
+def get_attention_metadata(kv_cache_group: int = 0) -> AttentionMetadata:
+    md = _forward_metadata
+    assert md is not None, "Attention called outside forward_context()"
+    return md[kv_cache_group] if isinstance(md, list) else md
 
 
 _BACKEND = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "torch")
@@ -81,8 +87,8 @@ def set_attention_backend(name: str) -> None:
 class Attention(nn.Module):
     """Multi-head attention with grouped-query heads, reading K/V from the paged cache.
 
-    The runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim]) once
-    after allocating the pool.
+    The runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim]) and
+    `kv_cache_group` (whose block tables this layer reads) once after allocating the pool.
     """
 
     def __init__(
@@ -101,10 +107,11 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
+        self.kv_cache_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]
-        md = get_attention_metadata()
+        md = get_attention_metadata(self.kv_cache_group)
         assert self.kv_cache is not None, "KV cache not bound to this Attention layer"
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)

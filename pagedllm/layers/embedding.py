@@ -40,3 +40,20 @@ class LMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [N, hidden] -> logits: [N, vocab] in the model dtype
         return linear_op(hidden_states, self.weight, persistent_weight=True)
+
+
+class LearnedPositionEmbedding(nn.Module):
+    """Absolute position table [num_positions + offset, hidden] (GPT-2; OPT with offset 2).
+
+    OPT's checkpoints reserve `offset` leading rows, so position p reads row p + offset.
+    """
+
+    def __init__(self, num_positions: int, hidden_size: int, offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(num_positions + offset, hidden_size), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        # positions: [num_tokens] int64 -> [num_tokens, hidden]
+        return F.embedding(positions + self.offset, self.weight)

@@ -1,10 +1,12 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""Normalisation layers: RMSNorm (optionally fused with the residual add before it),
+LayerNorm (GPT-2, OPT) and Gemma's RMSNorm with its (1 + weight) scale."""
 
 from __future__ import annotations
 
 from typing import overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -42,6 +44,50 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = residual + x
         return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim (GPT-2, OPT).
+
+    `elementwise_affine=False` (some OPT checkpoints) has neither weight nor bias.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, affine={self.weight is not None}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, then
+    cast to the input dtype (Llama's casts before the scale; Gemma's after, as HF's does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        # Stored as in checkpoints: the offset from 1, so zeros is the identity scale.
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., hidden] -> [..., hidden]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT_VERSION = 1
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 # GGUF architectures whose Q/K rows llama.cpp's converter permuted (for its rope kernel).
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
 SUPPORTED_TENSOR_TYPES = (
@@ -53,6 +53,17 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's block tensors: its norms sit around attention and MLP, and it norms q and k.
+_GEMMA3_BLOCK_NAMES = _BLOCK_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_BLOCK_NAMES_BY_ARCH = {"gemma3": _GEMMA3_BLOCK_NAMES}
+# GGUF architectures whose RMSNorm scales llama.cpp's converter stored as (1 + weight).
+_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
 # llama.cpp's precomputed llama3 rope factors; our rotary embedding derives them from config.
 _SKIPPED_TENSORS = ("rope_freqs.weight",)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -118,8 +129,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
     hf_config.architectures = [architecture_of(hf_config)]
-    permute = arch in _PERMUTED_QK_ARCHITECTURES
-    tensors = dict(read_gguf_tensors(reader, hf_config, permute))
+    tensors = dict(read_gguf_tensors(reader, hf_config, arch))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del tensors
     hf_config.save_pretrained(out_dir)
@@ -137,17 +147,18 @@ def check_tensor_types(reader: GGUFReader, gguf_path: str) -> None:
         )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a Llama-family GGUF tensor, None for tensors that are not loaded."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of `arch`, None for tensors that are not loaded."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
+    block_names = _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None or m.group(2) not in block_names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -161,15 +172,17 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def read_gguf_tensors(
-    reader: GGUFReader, hf_config: PretrainedConfig, permute_qk: bool
+    reader: GGUFReader, hf_config: PretrainedConfig, arch: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor in HF layout) for every loadable tensor of the file."""
     from gguf.quants import dequantize
 
+    permute_qk = arch in _PERMUTED_QK_ARCHITECTURES
+    norm_plus_one = arch in _NORM_PLUS_ONE_ARCHITECTURES
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         # GGUF lists dims fastest-first; HF shapes are the reverse.
@@ -179,4 +192,6 @@ def read_gguf_tensors(
             w = unpermute_qk(w, num_heads)
         elif permute_qk and ".k_proj." in name:
             w = unpermute_qk(w, num_kv_heads)
+        elif norm_plus_one and name.endswith("norm.weight"):
+            w = w - 1.0  # back to HF's offset-from-one form
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))

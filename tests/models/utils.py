@@ -292,3 +292,31 @@ def save_tiny_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def save_random_model(
+    path: str | os.PathLike[str], hf_config: Any, std: float = 0.2, seed: int = 0
+) -> Any:
+    """Random-weight HF model (float32, eval) saved as safetensors with the tiny tokenizer.
+
+    Every matrix and bias is drawn N(0, std) (std 0.2: peaky logits, so few near-ties in
+    greedy comparisons); norm scales 1 +- 0.1 (Gemma's, stored as an offset from 1, +- 0.1).
+    Zero biases and unit norms would hide layout mistakes in them.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    gemma = "gemma" in hf_config.model_type
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm = "norm" in name or ".ln_" in name
+            if is_norm and name.endswith("weight") and not gemma:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif is_norm:
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(std * torch.randn_like(param))
+    model.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return model

@@ -1,0 +1,124 @@
+"""GPT-2 over a flat batch of tokens: learned positions, pre-LayerNorm blocks, GELU (tanh).
+
+Parameter names are HF's. GPT-2 checkpoints store their projections as Conv1D weights,
+[in_features, out_features]; the loader transposes them to our Linear's [out, in]. The fused
+`c_attn` projection stays fused (one matmul), its output split into q, k, v.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import get_act_fn
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import LearnedPositionEmbedding, LMHead, VocabEmbedding
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.norm import LayerNorm
+from pagedllm.layers.utils import default_dtype
+from pagedllm.models.utils import load_named_weights
+
+# Conv1D weights, stored [in, out] in checkpoints.
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Causal-mask buffers some checkpoints carry.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        hidden, num_heads = config.hidden_size, config.num_attention_heads
+        head_dim = hidden // num_heads
+        self.hidden_size = hidden
+        self.c_attn = Linear(hidden, 3 * hidden, bias=True)  # rows: [q | k | v]
+        self.c_proj = Linear(hidden, hidden, bias=True)
+        scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= layer_idx + 1
+        self.attn = Attention(num_heads, head_dim, num_heads, scale=scale)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [T, hidden] -> qkv: [T, 3 * hidden] -> [T, hidden]
+        q, k, v = self.c_attn(hidden_states).split(self.hidden_size, dim=-1)
+        return self.c_proj(self.attn(q, k, v))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        inner = config.n_inner or 4 * config.hidden_size
+        self.c_fc = Linear(config.hidden_size, inner, bias=True)
+        self.c_proj = Linear(inner, config.hidden_size, bias=True)
+        self.act = get_act_fn(config.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, inner] -> [T, hidden]
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.layer_norm_epsilon
+        self.ln_1 = LayerNorm(config.hidden_size, eps)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = LayerNorm(config.hidden_size, eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states))
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.wte = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.wpe = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] int64 -> [T, hidden]
+        hidden_states = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            hidden_states = block(hidden_states)
+        return self.ln_f(hidden_states)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if getattr(hf_config, "add_cross_attention", False):
+            raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported")
+        self.config = hf_config
+        with default_dtype(dtype):
+            self.transformer = GPT2Model(hf_config)
+            self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.transformer.wte)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] int64 -> hidden_states: [num_tokens, hidden]
+        return self.transformer(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [N, hidden] -> logits: [N, vocab] float32
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def transform(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+            if name.endswith(_IGNORED_SUFFIXES):
+                return None
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                return None  # the tied head is the embedding, loaded under its own name
+            if not name.startswith(("transformer.", "lm_head.")):
+                name = "transformer." + name  # GPT2Model checkpoints have no prefix
+            if name.endswith(_CONV1D_WEIGHTS):
+                tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
+            return name, tensor
+
+        return load_named_weights(self, weights, transform=transform)
