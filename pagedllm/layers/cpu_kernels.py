@@ -26,6 +26,33 @@ def _build_dir() -> str:
     return path
 
 
+def _load_locked(build_dir: str) -> ModuleType:
+    """Build or load the extension under an flock, which the kernel releases if we die.
+
+    torch's own build lock is a plain file: a build killed midway leaves it behind and every
+    later start waits on it forever. Holding our flock, no other pagedllm process is
+    building, so such a file is stale and can go.
+    """
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    with open(os.path.join(build_dir, "pagedllm.flock"), "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
+            os.remove(stale)
+        return load(
+            name="pagedllm_paged_attention",
+            sources=[str(_CSRC / "paged_attention.cpp")],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
+            verbose=False,
+        )
+
+
 def paged_attention_ops() -> ModuleType | None:
     """The compiled module, or None where it cannot be built (or PAGEDLLM_CPU_KERNELS=0)."""
     global _module, _failed
@@ -35,16 +62,7 @@ def paged_attention_ops() -> ModuleType | None:
         _failed = True
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        _module = load(
-            name="pagedllm_paged_attention",
-            sources=[str(_CSRC / "paged_attention.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=_build_dir(),
-            verbose=False,
-        )
+        _module = _load_locked(_build_dir())
     except Exception as e:  # no compiler, headers, or ninja: use the torch path
         logger.warning("compiled paged attention unavailable, using torch ops: %s", str(e).splitlines()[0])
         _failed = True
