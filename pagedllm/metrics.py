@@ -60,6 +60,15 @@ class EngineMetrics:
             "e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        # Create every labelled child now, so each series is exported from the start.
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                       self.kv_cache_free_blocks, self.kv_cache_total_blocks, self.prompt_tokens,
+                       self.generation_tokens, self.num_preemptions, self.prefix_cache_queries,
+                       self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
+                       self.e2e_request_latency, self.request_queue_time):
+            self._l(metric)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
         self._last_preemptions = 0
         self.last_stats: CoreStats | None = None
         self._log_prompt_tokens = 0

@@ -28,6 +28,7 @@ from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,20 @@ class EngineCoreProc:
         self._stop = False
         self._unscheduled: dict[str, Request] = {}  # added, not yet scheduled: for queue time
         self._queue_times: list[float] = []
+        self._warm_up()
         info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks)
         out_sock.send(dumps("ready", info))
+
+    def _warm_up(self) -> None:
+        """One short request before reporting ready: the first steps pay one-time kernel
+        set-up costs that would otherwise land on the first client."""
+        t0 = time.monotonic()
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        self.core.add_request(Request("pagedllm-warmup", [1] * 32, params))
+        while self._has_work():
+            self.core.step()
+        self.core.get_stats()  # drop the warm-up's prefix-cache lookups from the stats
+        logger.info("warm-up done in %.2f s", time.monotonic() - t0)
 
     def request_stop(self) -> None:
         self._stop = True

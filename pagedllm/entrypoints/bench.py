@@ -139,3 +139,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--hf-batch-size", type=int, default=16)
     tp.add_argument("--save-json", default=None)
     tp.set_defaults(func=run_bench)
+
+    from pagedllm.entrypoints.bench_serve import add_serve_bench_parser
+
+    add_serve_bench_parser(bench_sub)
