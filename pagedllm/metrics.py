@@ -76,6 +76,7 @@ class EngineMetrics:
         self._log_queries = 0
         self._log_hits = 0
         self._last_log = time.monotonic()
+        self._logged_idle = False
 
     def _l(self, metric):  # the child for this engine's model name
         return metric.labels(model_name=self.model_name)
@@ -130,6 +131,11 @@ class EngineMetrics:
         if elapsed < LOG_INTERVAL_S or self.last_stats is None:
             return False
         s = self.last_stats.scheduler_stats
+        idle = not (s.num_running or s.num_waiting or self._log_prompt_tokens or self._log_generation_tokens)
+        if idle and self._logged_idle:
+            self._last_log = now
+            return False  # one line for an idle stretch is enough
+        self._logged_idle = idle
         hit_rate = self._log_hits / self._log_queries if self._log_queries else 0.0
         logger.info(
             "Engine: running %d, waiting %d, KV cache usage %.1f%%, prompt %.1f tok/s, "
