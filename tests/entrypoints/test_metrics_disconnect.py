@@ -113,3 +113,13 @@ def test_reset_prefix_cache(server):
     wait_all_blocks_free(server)
     r = httpx.post(server.url + "/reset_prefix_cache")
     assert r.status_code == 200 and r.json() == {"reset": True}
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    before = metric_value(metrics(server), "pagedllm:request_success_total", {"finished_reason": "abort"}) or 0.0
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": "Write a long story.", "max_tokens": 1000, "ignore_eos": True})
+    text = wait_all_blocks_free(server, timeout_s=20)  # 1000 tokens would take far longer
+    after = metric_value(text, "pagedllm:request_success_total", {"finished_reason": "abort"})
+    assert after - before == 1

@@ -78,6 +78,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), param
 
 
+class APIKeyMiddleware:
+    """Bearer-token check on the API paths, as plain ASGI (so client disconnects still reach
+    the handlers, which BaseHTTPMiddleware would hide)."""
+
+    def __init__(self, app: Any, api_key: bytes) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            given = header[7:] if header.lower().startswith(b"bearer ") else b""
+            if not hmac.compare_digest(given, self.api_key):
+                response = error_response(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,16 +107,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, model_name)
     chat = OpenAIServingChat(engine, model_name, config.chat_template)
-    api_key = config.api_key.encode() if config.api_key else None
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith(_PROTECTED_PREFIXES):
-            header = request.headers.get("authorization", "")
-            given = header[7:].encode() if header.lower().startswith("bearer ") else b""
-            if not hmac.compare_digest(given, api_key):
-                return error_response(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key.encode())
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
