@@ -1,13 +1,14 @@
 # Two commands work on a fresh machine with only Python installed:
-#   make run    set up .venv, then answer a few chat prompts with the default model
+#   make serve  set up .venv, then serve the default model (OpenAI API) on 127.0.0.1:8000
 #   make test   set up .venv, then run the test suite
+# (make run: the offline demo, a few chat prompts answered by the default model.)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup bench clean
+.PHONY: serve run test setup bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +27,13 @@ $(STAMP): pyproject.toml Makefile
 		$(PIP) install -q zentorch==2.13.0.1 || echo "zentorch not installed; using plain torch"; fi
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+
+serve: $(STAMP)
+	$(PY) -m pagedllm.entrypoints.cli serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 run: $(STAMP)
 	$(PY) -m pagedllm.entrypoints.cli chat-demo

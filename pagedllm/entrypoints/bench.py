@@ -141,5 +141,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp.set_defaults(func=run_bench)
 
     from pagedllm.entrypoints.bench_prefix import add_prefix_bench_parser
+    from pagedllm.entrypoints.bench_serve import add_serve_bench_parser
 
     add_prefix_bench_parser(bench_sub)
+    add_serve_bench_parser(bench_sub)

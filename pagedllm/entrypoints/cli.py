@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate, chat-demo, bench."""
+"""The `pagedllm` command: serve, generate, chat-demo, bench."""
 
 from __future__ import annotations
 
@@ -68,6 +68,37 @@ def cmd_chat_demo(args: argparse.Namespace) -> None:
     cmd_generate(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
+    import os
+
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template, run_server
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
+        chat_template=load_chat_template(args.chat_template),
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+    run_server(EngineArgs.from_cli_args(args), config)
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    _add_engine_args(serve)
+    # Online defaults, as vLLM's for its API server on CPUs.
+    serve.set_defaults(max_num_seqs=128, max_num_batched_tokens=2048)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    serve.add_argument("--api-key", default=None, help="require this bearer token (or set PAGEDLLM_API_KEY)")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template: a file path or the text")
+    serve.add_argument("--uvicorn-log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference on CPUs")
     parser.add_argument("--log-level", default="INFO")
@@ -85,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(demo)
     _add_sampling_args(demo)
     demo.set_defaults(func=cmd_chat_demo)
+
+    _add_serve_parser(sub)
 
     from pagedllm.entrypoints.bench import add_bench_parser
 

@@ -1,0 +1,228 @@
+"""The engine-core process behind the server: a busy loop of scheduler + model runner.
+
+The front end (``core_client.py``) and this process talk over two ZMQ PUSH/PULL sockets,
+each message one pickle (protocol 5) of ``(kind, payload)``:
+
+- front end -> core: ``add`` (a Request), ``abort`` ((request ids, stopped)), ``reset_prefix_cache``,
+  ``shutdown``;
+- core -> front end: ``ready`` (ReadyInfo) or ``failed`` (a message) once at start-up, then
+  ``outputs`` (CoreOutputs: engine outputs and, periodically, stats), ``utility`` (a result).
+
+The loop drains the input socket, steps while any request is unfinished, and blocks on the
+socket when idle, waking every ``IDLE_STATS_INTERVAL_S`` to send stats, so gauges stay current.
+The process dies with its parent: PR_SET_PDEATHSIG on Linux, and a parent-pid check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_STATS_INTERVAL_S = 0.5
+BUSY_STATS_INTERVAL_S = 0.25
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ReadyInfo:
+    """What the front end needs from the loaded engine: it never loads the weights itself."""
+
+    model_config: ModelConfig
+    config: EngineConfig
+    tokenizer: Any
+    num_total_blocks: int
+    """Usable KV blocks (the null block excluded)."""
+
+
+@dataclass
+class CoreStats:
+    scheduler_stats: SchedulerStats
+    num_free_blocks: int
+    num_total_blocks: int
+    queue_times: list[float] = field(default_factory=list)
+    """Seconds from arrival to first scheduling, for requests first scheduled since the last stats."""
+
+
+@dataclass
+class CoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats | None = None
+
+
+def dumps(kind: str, payload: Any = None) -> bytes:
+    return pickle.dumps((kind, payload), protocol=5)
+
+
+def loads(data: bytes) -> tuple[str, Any]:
+    return pickle.loads(data)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the parent-pid check in the loop still applies
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def run_engine_core(
+    args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: int
+) -> None:
+    """Entry point of the core process (spawned by the front end)."""
+    _die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group: the front end decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    import zmq
+
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.connect(output_addr)
+    try:
+        proc = EngineCoreProc(args, in_sock, out_sock, parent_pid)
+    except Exception as e:  # start-up failed: say why, then exit
+        logger.exception("engine core failed to start")
+        out_sock.send(dumps("failed", f"{type(e).__name__}: {e}"))
+        out_sock.close(linger=2000)
+        ctx.term()
+        raise SystemExit(1) from e
+    signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
+    try:
+        proc.run()
+    finally:
+        in_sock.close(linger=0)
+        out_sock.close(linger=1000)
+        ctx.term()
+
+
+class EngineCoreProc:
+    def __init__(self, args: EngineArgs, in_sock: Any, out_sock: Any, parent_pid: int) -> None:
+        import zmq
+
+        from pagedllm.engine.core_builder import build_engine_core
+
+        self._zmq = zmq
+        built = build_engine_core(args)
+        self.core = built.engine_core
+        self.scheduler = built.scheduler
+        self.kv = built.scheduler.kv_cache_manager
+        self.num_total_blocks = built.config.num_blocks - 1
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.parent_pid = parent_pid
+        self._stop = False
+        self._unscheduled: dict[str, Request] = {}  # added, not yet scheduled: for queue time
+        self._queue_times: list[float] = []
+        self._warm_up()
+        info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks)
+        out_sock.send(dumps("ready", info))
+
+    def _warm_up(self) -> None:
+        """One short request before reporting ready: the first steps pay one-time kernel
+        set-up costs that would otherwise land on the first client."""
+        t0 = time.monotonic()
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        self.core.add_request(Request("pagedllm-warmup", [1] * 32, params))
+        while self._has_work():
+            self.core.step()
+        self.core.get_stats()  # drop the warm-up's prefix-cache lookups from the stats
+        logger.info("warm-up done in %.2f s", time.monotonic() - t0)
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+
+    def run(self) -> None:
+        poller = self._zmq.Poller()
+        poller.register(self.in_sock, self._zmq.POLLIN)
+        next_stats = 0.0
+        was_busy = False
+        while not self._stop:
+            busy = self._has_work()
+            timeout_ms = 0 if busy else int(IDLE_STATS_INTERVAL_S * 1000)
+            if poller.poll(timeout_ms):
+                self._drain_input()
+            if os.getppid() != self.parent_pid:
+                logger.warning("front end process is gone; engine core exits")
+                return
+            outputs = self.core.step() if self._has_work() else []
+            self._note_scheduled()
+            now = time.monotonic()
+            busy = self._has_work()
+            stats = None
+            if now >= next_stats or (was_busy and not busy):
+                stats = self._make_stats()
+                next_stats = now + (BUSY_STATS_INTERVAL_S if busy else IDLE_STATS_INTERVAL_S)
+            was_busy = busy
+            if outputs or stats is not None:
+                self.out_sock.send(dumps("outputs", CoreOutputs(outputs, stats)))
+        logger.info("engine core stopped")
+
+    def _drain_input(self) -> None:
+        zmq = self._zmq
+        while True:
+            try:
+                kind, payload = loads(self.in_sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._handle(kind, payload)
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            try:
+                self.core.add_request(payload)
+                self._unscheduled[payload.request_id] = payload
+            except ValueError as e:  # validated in the front end; still never crash the loop
+                logger.error("rejected request %s: %s", payload.request_id, e)
+                out = EngineCoreOutput(payload.request_id, [], "abort", None, 0)
+                self.out_sock.send(dumps("outputs", CoreOutputs([out])))
+        elif kind == "abort":
+            request_ids, stopped = payload
+            status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+            self.scheduler.finish_requests(request_ids, status)
+            for request_id in request_ids:
+                self._unscheduled.pop(request_id, None)
+        elif kind == "reset_prefix_cache":
+            self.out_sock.send(dumps("utility", ("reset_prefix_cache", self.kv.reset_prefix_cache())))
+        elif kind == "shutdown":
+            self._stop = True
+        else:
+            logger.error("unknown message kind %r", kind)
+
+    def _note_scheduled(self) -> None:
+        if not self._unscheduled:
+            return
+        now = time.monotonic()
+        for request_id, request in list(self._unscheduled.items()):
+            if request.status != RequestStatus.WAITING:
+                del self._unscheduled[request_id]  # aborted ones left in _handle
+                self._queue_times.append(now - request.arrival_time)
+
+    def _make_stats(self) -> CoreStats:
+        queue_times, self._queue_times = self._queue_times, []
+        return CoreStats(
+            scheduler_stats=self.core.get_stats(),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.num_total_blocks,
+            queue_times=queue_times,
+        )

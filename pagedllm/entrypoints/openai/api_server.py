@@ -1,0 +1,281 @@
+"""The OpenAI-compatible server: FastAPI routes over AsyncLLM, served by uvicorn.
+
+The engine core runs in its own process, so the HTTP side never waits on a model step.
+``/health`` answers 503 until the model is loaded and again once shutdown begins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 8000
+    """Port to bind."""
+    served_model_name: str | None = None
+    """The name clients use in `model`; default: the model argument."""
+    api_key: str | None = None
+    """Bearer token required on /v1, /tokenize, /detokenize, /reset_prefix_cache."""
+    chat_template: str | None = None
+    """A Jinja chat template (text) replacing the model's."""
+    uvicorn_log_level: str = "info"
+    """uvicorn's own log level."""
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    if first.get("type") == "extra_forbidden":
+        return f"unknown field {'.'.join(loc)!r}: not supported", param
+    parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:3]]
+    return "invalid request: " + "; ".join(parts), param
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on the API paths, as plain ASGI (so client disconnects still reach
+    the handlers, which BaseHTTPMiddleware would hide)."""
+
+    def __init__(self, app: Any, api_key: bytes) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            given = header[7:] if header.lower().startswith(b"bearer ") else b""
+            if not hmac.compare_digest(given, self.api_key):
+                response = error_response(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    completion = OpenAIServingCompletion(engine, model_name)
+    chat = OpenAIServingChat(engine, model_name, config.chat_template)
+
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key.encode())
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(bad_request(message, param))
+
+    @app.exception_handler(EngineNotReadyError)
+    async def _not_ready(_: Request, exc: EngineNotReadyError) -> JSONResponse:
+        return error_response(OpenAIError(str(exc), 503, "ServiceUnavailableError"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "HTTPError"
+        return error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500, "InternalServerError"))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise OpenAIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
+
+    def check_ready() -> None:
+        engine._check_ready()
+
+    async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+        """Run `work`, cancelling it (and so aborting its requests) if the client leaves."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise OpenAIError("client disconnected", 499, "ClientClosedRequest")
+
+    async def respond(request: Request, result: Any) -> Response:
+        if isinstance(result, AsyncIterator):
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result.model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        check_ready()
+        return await respond(request, await until_disconnected(request, completion.create(body)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        check_ready()
+        return await respond(request, await until_disconnected(request, chat.create(body)))
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        max_len = engine.model_config.max_model_len if engine.model_config is not None else None
+        return ModelList(data=[ModelCard(id=model_name, root=engine.args.model, max_model_len=max_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.ready and not engine.shutting_down:
+            return Response(status_code=200)
+        return Response(status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        check_ready()
+        assert engine.input_processor is not None and engine.model_config is not None
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            _, tokens = chat.render(body.messages, None, body.add_generation_prompt)
+        elif body.add_special_tokens:
+            tokens = engine.input_processor.encode(body.prompt or "")
+        else:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=False)
+        return {"count": len(tokens), "max_model_len": engine.model_config.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        check_ready()
+        assert engine.model_config is not None
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        return {"reset": await engine.reset_prefix_cache()}
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the engine first when a signal asks it to stop."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.engine.shutting_down = True  # /health answers 503 from now on
+        super().handle_exit(sig, frame)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A path to a template file, or the template text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+async def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
+    model_name = config.served_model_name or engine_args.model
+    engine = AsyncLLM(engine_args, model_name)
+    app = build_app(engine, config, model_name)
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+        timeout_graceful_shutdown=10, timeout_keep_alive=5,
+    )
+    server = _Server(uv_config, engine)
+
+    async def exit_if_engine_fails() -> None:
+        while engine._client is None and not server.should_exit:
+            await asyncio.sleep(0.05)
+        try:
+            await engine.wait_ready()
+        except Exception as e:  # noqa: BLE001
+            logger.error("the engine failed: %s; stopping the server", e)
+            server.should_exit = True
+            return
+        logger.info("pagedllm is serving %s on http://%s:%d", model_name, config.host, config.port)
+        while engine.dead_error is None:
+            await asyncio.sleep(1.0)
+        logger.error("the engine core died: %s; stopping the server", engine.dead_error)
+        server.should_exit = True
+
+    watcher = asyncio.create_task(exit_if_engine_fails())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+    if engine.dead_error is not None:
+        raise SystemExit(1)
+
+
+def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
+    asyncio.run(serve(engine_args, config))

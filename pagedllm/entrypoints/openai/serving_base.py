@@ -1,0 +1,241 @@
+"""What completions and chat share: errors, SamplingParams from a request body, the
+context-length check, logprobs in OpenAI's shapes, and merging the streams of many prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.entrypoints.openai.protocol import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+    TopLogprob,
+)
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error the client gets back in OpenAI's shape."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param = message, status, type, param
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, "BadRequestError", param)
+
+
+def sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Map a request body onto SamplingParams; an invalid value becomes a 400 naming it."""
+    if req.use_beam_search:
+        raise bad_request("use_beam_search=true is not supported yet", "use_beam_search")
+    logit_bias = None
+    if req.logit_bias is not None:
+        try:
+            logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        logit_bias=logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        match = re.match(r"(\w+)", str(e))
+        param = match.group(1) if match and match.group(1) in kwargs else None
+        raise bad_request(str(e), param) from None
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len or (
+        max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len
+    ):
+        asked = max_tokens or 0
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + asked} tokens ({num_prompt_tokens} in the prompt, "
+            f"{asked} in the completion). Please reduce the prompt or max_tokens.",
+            "max_tokens" if num_prompt_tokens < max_model_len else "prompt",
+        )
+
+
+# ---- logprobs ----------------------------------------------------------------------------
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _MIN_LOGPROB
+
+
+def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
+    """The k best candidates at a position, by rank."""
+    return sorted(position.items(), key=lambda kv: kv[1].rank)[:k]
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[PositionLogprobs],
+    num_top: int,
+    decode: Callable[[int], str],
+    text_offset: int = 0,
+) -> CompletionLogprobs:
+    """OpenAI completions shape: tokens, token_logprobs, top_logprobs (k per position), text_offset."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for token_id, position in zip(token_ids, logprobs):
+        chosen = position.get(token_id)
+        token = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else decode(token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
+        top: dict[str, float] = {}
+        for tid, lp in _top(position, num_top):
+            top[lp.decoded_token if lp.decoded_token is not None else decode(tid)] = _finite(lp.logprob)
+        out.top_logprobs.append(top if num_top > 0 else None)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[PositionLogprobs], num_top: int, decode: Callable[[int], str]
+) -> list[ChatTokenLogprob]:
+    """OpenAI chat shape: per token {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+    content = []
+    for token_id, position in zip(token_ids, logprobs):
+        chosen = position.get(token_id)
+        token = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else decode(token_id)
+        top = []
+        for tid, lp in _top(position, num_top):
+            t = lp.decoded_token if lp.decoded_token is not None else decode(tid)
+            top.append(TopLogprob(token=t, logprob=_finite(lp.logprob), bytes=list(t.encode())))
+        logprob = _finite(chosen.logprob) if chosen is not None else _MIN_LOGPROB
+        content.append(ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
+    return content
+
+
+# ---- running prompts ---------------------------------------------------------------------
+
+
+def add_requests(
+    engine: AsyncLLM, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+    cache_salt: str | None,
+) -> list[RequestStream]:
+    """Queue one request per prompt; on a bad one, abort those already queued and raise a 400."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(engine.add_request(request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt))
+    except ValueError as e:
+        for s in streams:
+            s.abort()
+        raise bad_request(str(e), "prompt") from None
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several requests as they come; abort all if stopped early."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # handed to the consumer
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The last (finished) output of every request, in prompt order."""
+    results: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        results[i] = out
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def usage_of(outputs: list[RequestOutput]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens summed over every choice)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return prompt, completion
+
+
+def choice_logprob_slice(c: CompletionOutput, start: int) -> tuple[list[int], list[PositionLogprobs]]:
+    if c.logprobs is None:
+        return [], []
+    return c.token_ids[start:], c.logprobs[start:]

@@ -1,0 +1,151 @@
+"""POST /v1/chat/completions: the chat template, then one request; streaming as OpenAI does
+(a role chunk, content deltas, a finish chunk, optionally a usage chunk)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    OpenAIError,
+    add_requests,
+    bad_request,
+    chat_logprobs,
+    check_context_length,
+    choice_logprob_slice,
+    final_outputs,
+    merge_streams,
+    sampling_params_from,
+    sse,
+    usage_of,
+)
+
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+
+
+def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
+    """Plain dicts for the template; content parts must be text."""
+    result = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        content = d.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"only text content parts are supported, got {part.get('type')!r}", "messages")
+                texts.append(part["text"])
+            d["content"] = "\n".join(texts)
+        result.append(d)
+    return result
+
+
+class OpenAIServingChat:
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.chat_template = chat_template
+
+    def render(self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool):
+        processor = self.engine.input_processor
+        assert processor is not None
+        if not req_messages:
+            raise bad_request("messages must not be empty", "messages")
+        try:
+            return processor.render_chat(
+                messages_to_dicts(req_messages), chat_template or self.chat_template, add_generation_prompt
+            )
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+
+    def _check(self, req: ChatCompletionRequest) -> int | None:
+        """Reject what we do not support; return the logprobs count for SamplingParams."""
+        for name in _UNSUPPORTED:
+            if getattr(req, name) is not None:
+                raise bad_request(f"{name} is not supported yet (no tool calling)", name)
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise bad_request("response_format other than text is not supported yet", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+
+    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        num_logprobs = self._check(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params_from(req, max_tokens, num_logprobs)
+        text, ids = self.render(req.messages, req.chat_template, req.add_generation_prompt)
+        assert self.engine.model_config is not None
+        check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
+        request_id = req.request_id or random_id("chatcmpl")
+        streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt)
+        if req.stream:
+            return self._stream(req, request_id, streams)
+        try:
+            (out,) = await final_outputs(streams)
+        except EngineNotReadyError as e:
+            raise OpenAIError(str(e), 503, "ServiceUnavailableError") from None
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if num_logprobs is not None and c.logprobs is not None:
+                logprobs = ChatChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, num_logprobs, self._decode))
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ))
+        num_prompt, num_completion = usage_of([out])
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                          total_tokens=num_prompt + num_completion)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    def _decode(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def _chunk(self, request_id: str, choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        out = None
+        try:
+            for index in range(req.n):  # the role first, for every choice
+                yield self._chunk(request_id, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            async for _, out in merge_streams(streams):
+                for c in out.outputs:
+                    delta = c.text[sent_text.get(c.index, 0):]
+                    if not delta and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if num_logprobs is not None and c.logprobs is not None:
+                        ids, lps = choice_logprob_slice(c, sent_tokens.get(c.index, 0))
+                        logprobs = ChatChoiceLogprobs(content=chat_logprobs(ids, lps, num_logprobs, self._decode))
+                    sent_text[c.index] = len(c.text)
+                    sent_tokens[c.index] = len(c.token_ids)
+                    yield self._chunk(request_id, ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                        logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    ))
+            if out is not None and req.stream_options is not None and req.stream_options.include_usage:
+                num_prompt, num_completion = usage_of([out])
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                                  total_tokens=num_prompt + num_completion)
+                yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage))
+        except EngineNotReadyError as e:
+            yield sse(OpenAIError(str(e), 503, "ServiceUnavailableError").to_response())
+        yield SSE_DONE

@@ -1,0 +1,145 @@
+"""POST /v1/completions: prompts as text, token ids, or lists of either; echo; streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    OpenAIError,
+    add_requests,
+    bad_request,
+    check_context_length,
+    choice_logprob_slice,
+    completion_logprobs,
+    final_outputs,
+    merge_streams,
+    sampling_params_from,
+    sse,
+    usage_of,
+)
+from pagedllm.outputs import RequestOutput
+
+
+class OpenAIServingCompletion:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt."""
+        p = req.prompt
+        if isinstance(p, str):
+            raw: list = [p]
+        elif not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        elif isinstance(p[0], int):
+            raw = [p]
+        else:
+            raw = list(p)
+        processor = self.engine.input_processor
+        assert processor is not None
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                prompts.append((item, processor.encode(item)))
+            else:
+                prompts.append((None, list(item)))
+        return prompts
+
+    def _check(self, req: CompletionRequest) -> None:
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (as in vLLM V1); use n", "best_of")
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", "echo")
+
+    async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        self._check(req)
+        params = sampling_params_from(req, req.max_tokens, req.logprobs)
+        prompts = self._prompts(req)
+        assert self.engine.model_config is not None
+        for _, ids in prompts:
+            check_context_length(len(ids), req.max_tokens, self.engine.model_config.max_model_len)
+        request_id = req.request_id or random_id("cmpl")
+        streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt)
+        if req.stream:
+            return self._stream(req, request_id, prompts, streams)
+        try:
+            outputs = await final_outputs(streams)
+        except EngineNotReadyError as e:
+            raise OpenAIError(str(e), 503, "ServiceUnavailableError") from None
+        return self._response(req, request_id, prompts, outputs)
+
+    def _prompt_text(self, prompt: tuple[str | None, list[int]]) -> str:
+        text, ids = prompt
+        return text if text is not None else self.engine.tokenizer.decode(ids)
+
+    def _decode(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def _response(
+        self, req: CompletionRequest, request_id: str, prompts: list, outputs: list[RequestOutput]
+    ) -> CompletionResponse:
+        choices = []
+        for i, out in enumerate(outputs):
+            prefix = self._prompt_text(prompts[i]) if req.echo else ""
+            for c in out.outputs:
+                logprobs = None
+                if req.logprobs is not None and c.logprobs is not None:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, self._decode, len(prefix))
+                choices.append(CompletionChoice(
+                    index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                ))
+        num_prompt, num_completion = usage_of(outputs)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                          total_tokens=num_prompt + num_completion)
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    async def _stream(self, req: CompletionRequest, request_id: str, prompts: list, streams) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}  # choice index -> chars sent
+        sent_tokens: dict[int, int] = {}
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge_streams(streams):
+                last[i] = out
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    first = index not in sent_text
+                    delta = c.text[sent_text.get(index, 0):]
+                    if first and req.echo:
+                        delta = self._prompt_text(prompts[i]) + delta
+                    if not delta and c.finish_reason is None and not first:
+                        continue
+                    start = sent_tokens.get(index, 0)
+                    logprobs = None
+                    if req.logprobs is not None and c.logprobs is not None:
+                        ids, lps = choice_logprob_slice(c, start)
+                        logprobs = completion_logprobs(ids, lps, req.logprobs, self._decode, sent_text.get(index, 0))
+                    sent_text[index] = len(c.text)
+                    sent_tokens[index] = len(c.token_ids)
+                    if not delta and c.finish_reason is None:
+                        continue
+                    chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
+                        index=index, text=delta, logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    )])
+                    yield sse(chunk)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                num_prompt, num_completion = usage_of(list(last.values()))
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                                  total_tokens=num_prompt + num_completion)
+                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
+        except EngineNotReadyError as e:
+            yield sse(OpenAIError(str(e), 503, "ServiceUnavailableError").to_response())
+        yield SSE_DONE

@@ -1,0 +1,148 @@
+"""Prometheus metrics under vLLM's names with a ``pagedllm:`` prefix, and the stats log line.
+
+Gauges come from the engine core's periodic stats (sent even while idle, so they stay
+current); counters and latency histograms are recorded in the front end as outputs arrive.
+Each EngineMetrics has its own registry, so several engines in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.engine.core_proc import CoreStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pagedllm:"
+LOG_INTERVAL_S = 5.0
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.model_name = model_name
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.")
+        self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV blocks free (cached or not).")
+        self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "Usable KV blocks in the pool.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
+        self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        # Create every labelled child now, so each series is exported from the start.
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                       self.kv_cache_free_blocks, self.kv_cache_total_blocks, self.prompt_tokens,
+                       self.generation_tokens, self.num_preemptions, self.prefix_cache_queries,
+                       self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
+                       self.e2e_request_latency, self.request_queue_time):
+            self._l(metric)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
+        self._last_preemptions = 0
+        self.last_stats: CoreStats | None = None
+        self._log_prompt_tokens = 0
+        self._log_generation_tokens = 0
+        self._log_queries = 0
+        self._log_hits = 0
+        self._last_log = time.monotonic()
+        self._logged_idle = False
+
+    def _l(self, metric):  # the child for this engine's model name
+        return metric.labels(model_name=self.model_name)
+
+    # ---- from the engine core ---------------------------------------------------------
+
+    def record_stats(self, stats: CoreStats) -> None:
+        s = stats.scheduler_stats
+        self.last_stats = stats
+        self._l(self.num_requests_running).set(s.num_running)
+        self._l(self.num_requests_waiting).set(s.num_waiting)
+        self._l(self.kv_cache_usage_perc).set(s.kv_cache_usage)
+        self._l(self.kv_cache_free_blocks).set(stats.num_free_blocks)
+        self._l(self.kv_cache_total_blocks).set(stats.num_total_blocks)
+        if s.num_preemptions > self._last_preemptions:
+            self._l(self.num_preemptions).inc(s.num_preemptions - self._last_preemptions)
+            self._last_preemptions = s.num_preemptions
+        pc = s.prefix_cache_stats  # an interval: add it up
+        self._l(self.prefix_cache_queries).inc(pc.queries)
+        self._l(self.prefix_cache_hits).inc(pc.hits)
+        self._log_queries += pc.queries
+        self._log_hits += pc.hits
+        for t in stats.queue_times:
+            self._l(self.request_queue_time).observe(t)
+
+    # ---- from the front end's output processing ---------------------------------------
+
+    def observe_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        self._l(self.time_to_first_token).observe(ttft)
+        self._l(self.prompt_tokens).inc(num_prompt_tokens)
+        self._log_prompt_tokens += num_prompt_tokens
+
+    def observe_tokens(self, num_tokens: int, itl: float | None) -> None:
+        self._l(self.generation_tokens).inc(num_tokens)
+        self._log_generation_tokens += num_tokens
+        if itl is not None:
+            self._l(self.inter_token_latency).observe(itl)
+
+    def observe_finished(self, finish_reason: str, e2e: float) -> None:
+        self.request_success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()
+        self._l(self.e2e_request_latency).observe(e2e)
+
+    # ---- output ------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def maybe_log(self, now: float | None = None) -> bool:
+        """Log the stats line when LOG_INTERVAL_S has passed; True if it logged."""
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_log
+        if elapsed < LOG_INTERVAL_S or self.last_stats is None:
+            return False
+        s = self.last_stats.scheduler_stats
+        idle = not (s.num_running or s.num_waiting or self._log_prompt_tokens or self._log_generation_tokens)
+        if idle and self._logged_idle:
+            self._last_log = now
+            return False  # one line for an idle stretch is enough
+        self._logged_idle = idle
+        hit_rate = self._log_hits / self._log_queries if self._log_queries else 0.0
+        logger.info(
+            "Engine: running %d, waiting %d, KV cache usage %.1f%%, prompt %.1f tok/s, "
+            "generation %.1f tok/s, prefix cache hit rate %.1f%%",
+            s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
+            self._log_prompt_tokens / elapsed, self._log_generation_tokens / elapsed, 100 * hit_rate,
+        )
+        self._log_prompt_tokens = self._log_generation_tokens = self._log_queries = self._log_hits = 0
+        self._last_log = now
+        return True

@@ -1,0 +1,107 @@
+"""Every bad request gets an OpenAI-shaped error with the right status, and the server still
+answers a normal request afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+
+OK_BODY = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "unset", contains: str = "") -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == status and err["message"] and err["type"]
+    if param != "unset":
+        assert err["param"] == param, err
+    assert contains in err["message"], err
+
+
+def assert_still_serving(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", json=OK_BODY, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+COMPLETION_CASES = [
+    ("unknown model", {**OK_BODY, "model": "no-such-model"}, 404, "model", "does not exist"),
+    ("negative max_tokens", {**OK_BODY, "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ("temperature out of range", {**OK_BODY, "temperature": 3.5}, 400, "temperature", "temperature"),
+    ("top_p out of range", {**OK_BODY, "top_p": 0}, 400, "top_p", "top_p"),
+    ("beyond max_model_len", {**OK_BODY, "max_tokens": 4000}, 400, "max_tokens", "maximum context length"),
+    ("wrong type", {**OK_BODY, "max_tokens": "many"}, 400, "max_tokens", ""),
+    ("prompt of wrong type", {**OK_BODY, "prompt": {"a": 1}}, 400, "prompt", ""),
+    ("missing prompt", {"model": MODEL}, 400, "prompt", ""),
+    ("empty prompt list", {**OK_BODY, "prompt": []}, 400, "prompt", ""),
+    ("token id out of vocab", {**OK_BODY, "prompt": [1, 10**9]}, 400, "prompt", "vocabulary"),
+    ("best_of", {**OK_BODY, "best_of": 3}, 400, "best_of", "not supported"),
+    ("suffix", {**OK_BODY, "suffix": "x"}, 400, "suffix", "not supported"),
+    ("use_beam_search", {**OK_BODY, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    ("unknown field", {**OK_BODY, "frobnicate": 1}, 400, "frobnicate", "unknown field"),
+    ("bad logit_bias key", {**OK_BODY, "logit_bias": {"abc": 1.0}}, 400, "logit_bias", ""),
+    ("min_tokens above max_tokens", {**OK_BODY, "min_tokens": 5}, 400, "min_tokens", "min_tokens"),
+    ("empty stop string", {**OK_BODY, "stop": [""]}, 400, "stop", "stop"),
+]
+
+
+@pytest.mark.parametrize("label,body,status,param,contains", COMPLETION_CASES, ids=[c[0] for c in COMPLETION_CASES])
+def test_completion_errors(server, label, body, status, param, contains):
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/completions", json={**body, "stream": stream}, timeout=60)
+        assert_error(r, status, param, contains)
+    assert_still_serving(server)
+
+
+CHAT_CASES = [
+    ("unknown model", {"model": "nope", "messages": CHAT}, 404, "model"),
+    ("negative max_completion_tokens", {"messages": CHAT, "max_completion_tokens": -3}, 400, "max_tokens"),
+    ("temperature out of range", {"messages": CHAT, "temperature": -1}, 400, "temperature"),
+    ("tools", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool_choice", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("functions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+    ("response_format json", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("messages of wrong type", {"messages": "hi"}, 400, "messages"),
+    ("image content part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ("chat template rejects", {"messages": CHAT, "chat_template": "{{ raise_exception('no system role here') }}"}, 400, "messages"),
+    ("top_logprobs without logprobs", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("beyond max_model_len", {"messages": CHAT, "max_tokens": 5000}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("label,body,status,param", CHAT_CASES, ids=[c[0] for c in CHAT_CASES])
+def test_chat_errors(server, label, body, status, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert_error(r, status, param)
+    assert_still_serving(server)
+
+
+def test_malformed_json(server):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        r = httpx.post(server.url + path, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+        assert_error(r, 400, contains="malformed JSON")
+    assert_still_serving(server)
+
+
+def test_unknown_route_is_404_in_openai_shape(server):
+    assert_error(httpx.get(server.url + "/v1/nothing"), 404)
+
+
+def test_openai_client_raises_typed_errors(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=9)
+    assert "temperature" in str(e.value)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
