@@ -81,7 +81,7 @@ def test_beam_search_matches_hf_default(default_llm, hf_default_model, k):
         for q in ("Say hi.",)
     ]
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    outs = _run(default_llm, hf_default_model, ids, k, 12, 1.0, f"default k={k}")
+    outs = _run(default_llm, hf_default_model, ids, k, 24, 1.0, f"default k={k}")
     assert any(s.finish_reason == "stop" for o in outs for s in o.sequences)  # EOS was reached
     assert all(s.text is not None for o in outs for s in o.sequences)
 
