@@ -6,6 +6,18 @@ import torch
 
 TIE_TOLERANCE = 1e-3
 
+# Eight short text prompts for greedy comparisons on tiny models.
+TEXT_PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "Paged attention stores the KV cache in blocks",
+    "The quick brown fox",
+    "In the beginning",
+]
+
 
 def hf_greedy(
     model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] | frozenset = frozenset()

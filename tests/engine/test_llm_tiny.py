@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import assert_greedy_match, hf_greedy
+from tests.utils import TEXT_PROMPTS, assert_greedy_match, hf_greedy
 
 NUM_STEPS = 32
 
@@ -44,16 +44,7 @@ def _assert_all_blocks_free(llm: LLM) -> None:
 
 def test_text_prompts_match_hf(tiny_llama_dir, hf_tiny_llama, default_tokenizer):
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes="8MiB")
-    texts = [
-        "Hello, my name is",
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time",
-        "1, 2, 3, 4,",
-        "Paged attention stores the KV cache in blocks",
-        "The quick brown fox",
-        "In the beginning",
-    ]
+    texts = TEXT_PROMPTS
     params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(texts, params, use_tqdm=False)
     for text, out in zip(texts, outs):

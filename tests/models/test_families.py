@@ -22,20 +22,11 @@ from tests.models.utils import (
     prompt_logprobs,
     save_random_model,
 )
-from tests.utils import assert_greedy_match, hf_greedy
+from tests.utils import TEXT_PROMPTS, assert_greedy_match, hf_greedy
 
 NUM_STEPS = 32
 VOCAB = 262  # = len(tiny tokenizer): 256 bytes, 3 merges, <s>, </s>, <|im_end|>
-TEXTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "1, 2, 3, 4,",
-    "Paged attention stores the KV cache in blocks",
-    "The quick brown fox",
-    "In the beginning",
-]
+TEXTS = TEXT_PROMPTS
 
 
 def tiny_config(kind: str) -> Any:

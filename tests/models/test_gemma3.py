@@ -13,21 +13,12 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_model
 from tests.models.utils import TINY_BOS_ID, TINY_EOS_ID, bind_kv_caches, prompt_logprobs, save_random_model
-from tests.utils import assert_greedy_match, hf_greedy
+from tests.utils import TEXT_PROMPTS, assert_greedy_match, hf_greedy
 
 NUM_STEPS = 32
 VOCAB = 262
 WINDOW = 12
-TEXTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "1, 2, 3, 4,",
-    "Paged attention stores the KV cache in blocks",
-    "The quick brown fox",
-    "In the beginning",
-]
+TEXTS = TEXT_PROMPTS
 
 
 def tiny_gemma3_config(window: int = WINDOW) -> Any:
