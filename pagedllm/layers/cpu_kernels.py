@@ -1,12 +1,13 @@
 """Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use.
 
-The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions (default ~/.cache/pagedllm),
+The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions/<source hash> (default ~/.cache/pagedllm),
 so only the first start on a machine compiles. If the build fails (no compiler), callers
 fall back to the torch formulation and say so once in the log.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -15,13 +16,19 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention.cpp"]
 _module: ModuleType | None = None
 _failed = False
 
 
-def _build_dir() -> str:
+def _build_dir(sources: list[Path]) -> str:
+    """One directory per content of the sources: an edited kernel (or another checkout's)
+    builds beside the old one instead of rebuilding over it under a running process."""
     root = os.environ.get("PAGEDLLM_CACHE_DIR", os.path.expanduser("~/.cache/pagedllm"))
-    path = os.path.join(root, "torch_extensions")
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update(src.read_bytes())
+    path = os.path.join(root, "torch_extensions", digest.hexdigest()[:16])
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -45,7 +52,7 @@ def _load_locked(build_dir: str) -> ModuleType:
             os.remove(stale)
         return load(
             name="pagedllm_paged_attention",
-            sources=[str(_CSRC / "paged_attention.cpp")],
+            sources=[str(src) for src in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
@@ -62,7 +69,7 @@ def paged_attention_ops() -> ModuleType | None:
         _failed = True
         return None
     try:
-        _module = _load_locked(_build_dir())
+        _module = _load_locked(_build_dir(_SOURCES))
     except Exception as e:  # no compiler, headers, or ninja: use the torch path
         logger.warning("compiled paged attention unavailable, using torch ops: %s", str(e).splitlines()[0])
         _failed = True
