@@ -25,6 +25,11 @@ class EngineCoreOutput:
     """Per token in new_token_ids, when the request asked for logprobs."""
     prompt_logprobs: list[PositionLogprobsData] | None = None
     """Once, with the first output token, when the request asked for prompt logprobs."""
+    beams: list | None = None
+    """A finished beam search: its sequences (engine.beam_search.BeamSearchSequence), best
+    first. Set only on the one output that ends a search."""
+    error: str | None = None
+    """Why the request failed (finish_reason "abort"), for the client to read."""
 
     @property
     def finished(self) -> bool:

@@ -15,14 +15,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_client import CoreClient, EngineDeadError
 from pagedllm.engine.core_proc import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.llm_engine import make_requests
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.metrics import EngineMetrics
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 class EngineNotReadyError(RuntimeError):
     """The model is still loading, or the engine is shutting down."""
+
+
+class RequestFailedError(EngineNotReadyError):
+    """The engine could not complete this request for lack of resources (a beam search whose
+    beams were preempted); the client may retry (the server answers 503)."""
 
 
 class RequestStream:
@@ -78,6 +85,8 @@ class AsyncLLM:
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
         self._streams: dict[str, RequestStream] = {}
+        self._beam_searches: dict[str, tuple[str | None, list[int], float]] = {}
+        """Beam searches in flight: (prompt text, prompt token ids, arrival time)."""
         self._last_token_time: dict[str, float] = {}
         self._client: CoreClient | None = None
         self._task: asyncio.Task | None = None
@@ -151,6 +160,52 @@ class AsyncLLM:
         self._client.add_request(request)
         return stream
 
+    def add_beam_search(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> RequestStream:
+        """Queue a beam search (run in the core over shared KV blocks). Its stream yields one
+        finished RequestOutput with the beams, best first, as its outputs."""
+        self._check_ready()
+        assert self.input_processor is not None and self.model_config is not None
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if prompt_token_ids is None:
+            text, prompt_token_ids = self.input_processor.tokenize(prompt)
+        else:
+            text = prompt if isinstance(prompt, str) else None
+        self.input_processor.validate(
+            prompt_token_ids, SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
+        )
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._beam_searches[request_id] = (text, list(prompt_token_ids), time.monotonic())
+        assert self._client is not None
+        self._client.add_beam_search(request_id, list(prompt_token_ids), params)
+        return stream
+
+    def _beam_search_output(self, eo: EngineCoreOutput, now: float) -> RequestOutput | BaseException:
+        text, prompt_token_ids, arrival = self._beam_searches.pop(eo.request_id)
+        if eo.error is not None or eo.beams is None:
+            self.metrics.observe_finished("abort", now - arrival)
+            return RequestFailedError(eo.error or "beam search failed")
+        outputs = [
+            CompletionOutput(
+                index=i, text=self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
+                token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+                cumulative_logprob=seq.cum_logprob,
+            )
+            for i, seq in enumerate(eo.beams)
+        ]
+        self.metrics.observe_finished("stop", now - arrival)
+        return RequestOutput(
+            eo.request_id, text, prompt_token_ids, outputs, finished=True,
+            metrics={"arrival_time": arrival, "finished_time": now},
+        )
+
     async def generate(
         self,
         prompt: PromptType,
@@ -171,6 +226,11 @@ class AsyncLLM:
         """Abort a request (unknown or finished ids are ignored)."""
         self._streams.pop(request_id, None)
         self._last_token_time.pop(request_id, None)
+        if self._beam_searches.pop(request_id, None) is not None:
+            self.metrics.request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+            if self._client is not None and not self.shutting_down:
+                self._client.abort_requests([request_id])
+            return
         if self.output_processor is None:
             return
         core_ids = self.output_processor.core_request_ids([request_id])  # n > 1: every sequence
@@ -220,6 +280,11 @@ class AsyncLLM:
         now = time.monotonic()
         states = self.output_processor.states
         for eo in core_outputs.outputs:
+            if eo.request_id in self._beam_searches and eo.finished:
+                stream = self._streams.pop(eo.request_id, None)
+                result = self._beam_search_output(eo, now)
+                if stream is not None:
+                    stream.put(result)
             state = states.get(eo.request_id)
             if state is None or not eo.new_token_ids:
                 continue

@@ -16,6 +16,7 @@ uncomputed token is the chosen one, and the old beam is freed.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.core.scheduler import Scheduler
     from pagedllm.engine.llm_engine import LLMEngine
 
 
@@ -55,6 +57,8 @@ class BeamSearchSequence:
     score: float = 0.0
     """cum_logprob / generated_len ** length_penalty: the ranking key."""
     finish_reason: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    """The generated tokens (without the prompt and an ending EOS)."""
 
 
 @dataclass
@@ -74,73 +78,124 @@ class _Group:
     group_id: str
     prompt_token_ids: list[int]
     beams: list[_Beam]
+    params: BeamSearchParams
+    beam_params: SamplingParams
     finished: list[BeamSearchSequence] = field(default_factory=list)
     reported: dict[str, EngineCoreOutput] = field(default_factory=dict)
 
 
-class BeamSearchDriver:
-    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
-        self.engine = engine
-        self.params = params
-        self.scheduler = engine.scheduler
-        self.eos_token_ids = set(engine.model_config.eos_token_ids)
+class BeamSearchManager:
+    """Runs beam-search groups inside an engine core, step by step, beside ordinary requests.
+
+    ``add`` queues a search; groups start while their beams fit ``max_num_seqs`` (a group
+    holds up to k running sequences). ``process`` takes one step's outputs, keeps those of
+    beams, advances every group whose beams all reported, and returns the other outputs plus
+    one final ``EngineCoreOutput`` (with ``beams`` set, best first) per finished search.
+    """
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: list[int] | tuple[int, ...]) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = set(eos_token_ids)
+        self._eos_list = list(eos_token_ids)
         self._ids = itertools.count()
-        # The core never stops a beam: the driver decides (EOS and length).
-        self._beam_params = SamplingParams(
-            temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True,
-            logprobs=2 * params.beam_width, detokenize=False,
-        )
+        self._pending: deque[tuple[str, list[int], BeamSearchParams]] = deque()
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}  # core request id -> group id
 
-    def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
-        k = self.params.beam_width
-        max_groups = max(1, self.scheduler.max_num_seqs // k)
-        results: list[BeamSearchOutput] = []
-        for start in range(0, len(prompts), max_groups):
-            groups = [self._start(p) for p in prompts[start : start + max_groups]]
-            active = {g.group_id: g for g in groups}
-            while active:
-                for out in self.engine.engine_core.step():
-                    group = active[self.scheduler_group(out.request_id)]
-                    group.reported[out.request_id] = out
-                for group in list(active.values()):
-                    if not group.reported:
-                        continue
-                    if len(group.reported) != len(group.beams):
-                        raise RuntimeError(
-                            "beam search lost lockstep (a beam was preempted): raise "
-                            "kv_cache_memory_bytes or lower the beam width"
-                        )
-                    if self._advance(group):
-                        del active[group.group_id]
-            results += [self._output(g) for g in groups]
-        self.engine.engine_core.step()  # flush the freed beams' ids to the runner
-        return results
-
-    def scheduler_group(self, request_id: str) -> str:
-        return request_id.rsplit("/", 1)[0]
-
-    def _new_request(self, group_id: str, prompt: list[int], output: list[int]) -> Request:
-        request = Request(
-            f"{group_id}/{next(self._ids)}", prompt, self._beam_params,
-            eos_token_ids=self.engine.model_config.eos_token_ids, group_id=group_id,
-        )
-        request.append_output_token_ids(output)
-        return request
-
-    def _start(self, prompt: list[int]) -> _Group:
-        if len(prompt) + self.params.max_tokens >= self.scheduler.max_model_len:
+    def add(self, request_id: str, prompt: list[int], params: BeamSearchParams) -> None:
+        if len(prompt) + params.max_tokens >= self.scheduler.max_model_len:
             raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens={self.params.max_tokens} does "
+                f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} does "
                 f"not fit max_model_len={self.scheduler.max_model_len}"
             )
-        group_id = f"beam-{next(self._ids)}"
-        request = self._new_request(group_id, prompt, [])
-        self.engine.engine_core.add_request(request)
-        return _Group(group_id, list(prompt), [_Beam(request, 0.0)])
+        if request_id in self._groups or any(p[0] == request_id for p in self._pending):
+            raise ValueError(f"request id {request_id!r} is already running")
+        self._pending.append((request_id, list(prompt), params))
+        self._start_pending()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups or self._pending)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._groups or any(p[0] == request_id for p in self._pending)
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort searches by their ids; returns the ids that were not searches."""
+        others = []
+        for request_id in request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is not None:
+                self._drop_beams(group.beams)
+            elif any(p[0] == request_id for p in self._pending):
+                self._pending = deque(p for p in self._pending if p[0] != request_id)
+            else:
+                others.append(request_id)
+        self._start_pending()
+        return others
+
+    def process(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        if not self._groups:
+            return outputs
+        others: list[EngineCoreOutput] = []
+        touched: dict[str, _Group] = {}
+        for out in outputs:
+            group_id = self._group_of.get(out.request_id)
+            if group_id is None:
+                others.append(out)
+                continue
+            group = self._groups[group_id]
+            group.reported[out.request_id] = out
+            touched[group_id] = group
+        for group_id, group in touched.items():
+            if len(group.reported) != len(group.beams):
+                # A beam was preempted: its siblings ran a step it did not. Fail the search.
+                del self._groups[group_id]
+                self._drop_beams(group.beams)
+                others.append(self._final(group, error=(
+                    "beam search lost lockstep (a beam was preempted for lack of KV cache): "
+                    "raise kv_cache_memory_bytes or lower the beam width"
+                )))
+            elif self._advance(group):
+                del self._groups[group_id]
+                others.append(self._final(group))
+        if touched:
+            self._start_pending()
+        return others
+
+    # ---- groups ------------------------------------------------------------------------
+
+    def _start_pending(self) -> None:
+        in_use = sum(g.params.beam_width for g in self._groups.values())
+        while self._pending and (
+            not self._groups or in_use + self._pending[0][2].beam_width <= self.scheduler.max_num_seqs
+        ):
+            group_id, prompt, params = self._pending.popleft()
+            group = _Group(group_id, prompt, [], params, _beam_params(params))
+            request = self._new_request(group, [])
+            self.scheduler.add_request(request)
+            group.beams.append(_Beam(request, 0.0))
+            self._groups[group_id] = group
+            in_use += params.beam_width
+
+    def _new_request(self, group: _Group, output: list[int]) -> Request:
+        request = Request(
+            f"{group.group_id}/{next(self._ids)}", group.prompt_token_ids, group.beam_params,
+            eos_token_ids=self._eos_list, group_id=group.group_id,
+        )
+        request.append_output_token_ids(output)
+        self._group_of[request.request_id] = group.group_id
+        return request
+
+    def _drop_beams(self, beams: list[_Beam]) -> None:
+        ids = [b.request.request_id for b in beams]
+        for request_id in ids:
+            self._group_of.pop(request_id, None)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def _advance(self, group: _Group) -> bool:
         """Score this step's candidates, fork the chosen ones, free the rest. True when done."""
-        k, p = self.params.beam_width, self.params
+        p = group.params
+        k = p.beam_width
         generated_len = group.beams[0].request.num_output_tokens  # including the core's token
         at_max = generated_len >= p.max_tokens
         candidates: list[tuple[float, int, int]] = []  # (cum logprob, beam index, token)
@@ -174,21 +229,64 @@ class BeamSearchDriver:
         if not done:
             for cum, i, token in continuing:
                 parent = old[i].request
-                child = self._new_request(
-                    group.group_id, group.prompt_token_ids, parent.output_token_ids[:-1] + [token]
-                )
+                child = self._new_request(group, parent.output_token_ids[:-1] + [token])
                 self.scheduler.add_forked_request(parent, child)
                 group.beams.append(_Beam(child, cum))
         # Dropped beams (and the parents of forks) release their blocks now.
-        self.scheduler.finish_requests([b.request.request_id for b in old], RequestStatus.FINISHED_ABORTED)
+        self._drop_beams(old)
         return done
 
-    def _output(self, group: _Group) -> BeamSearchOutput:
-        tokenizer = self.engine.tokenizer
+    def _final(self, group: _Group, error: str | None = None) -> EngineCoreOutput:
         num_prompt = len(group.prompt_token_ids)
         for seq in group.finished:
             output = seq.tokens[num_prompt:]
-            if output and output[-1] in self.eos_token_ids and not self.params.ignore_eos:
-                output = output[:-1]
-            seq.text = tokenizer.decode(output, skip_special_tokens=True)
-        return BeamSearchOutput(group.finished)
+            if output and output[-1] in self.eos_token_ids and not group.params.ignore_eos:
+                seq.output_token_ids = output[:-1]
+            else:
+                seq.output_token_ids = output
+        return EngineCoreOutput(
+            group.group_id, [], "abort" if error else "stop", None, 0,
+            beams=None if error else group.finished, error=error,
+        )
+
+
+def _beam_params(params: BeamSearchParams) -> SamplingParams:
+    # The core never stops a beam: the manager decides (EOS and length).
+    return SamplingParams(
+        temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True,
+        logprobs=2 * params.beam_width, detokenize=False,
+    )
+
+
+class BeamSearchDriver:
+    """Offline beam search: the LLM class's loop over an in-process engine core."""
+
+    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
+        self.engine = engine
+        self.params = params
+
+    def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
+        core = self.engine.engine_core
+        ids = [f"beam-search-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            core.add_beam_search(request_id, prompt, self.params)
+        finals: dict[str, EngineCoreOutput] = {}
+        try:
+            while core.has_unfinished_requests():
+                for out in core.step():
+                    if out.request_id in ids:
+                        if out.error:
+                            raise RuntimeError(out.error)
+                        finals[out.request_id] = out
+        except BaseException:
+            core.abort_requests(ids)
+            core.step()
+            raise
+        core.step()  # flush the freed beams' ids to the runner
+        return [self._output(finals[i].beams) for i in ids]
+
+    def _output(self, sequences: list[BeamSearchSequence]) -> BeamSearchOutput:
+        tokenizer = self.engine.tokenizer
+        for seq in sequences:
+            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return BeamSearchOutput(sequences)

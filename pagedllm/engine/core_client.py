@@ -64,6 +64,9 @@ class CoreClient:
     def add_request(self, request: Request) -> None:
         self._send("add", request)
 
+    def add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        self._send("add_beam_search", (request_id, prompt_token_ids, params))
+
     def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         if request_ids and not self._closed:
             self._send("abort", (list(request_ids), stopped))

@@ -150,7 +150,7 @@ class EngineCoreProc:
         self._stop = True
 
     def _has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        return self.core.has_unfinished_requests() or self.scheduler.has_finished_requests()
 
     def run(self) -> None:
         poller = self._zmq.Poller()
@@ -196,10 +196,20 @@ class EngineCoreProc:
                 logger.error("rejected request %s: %s", payload.request_id, e)
                 out = EngineCoreOutput(payload.request_id, [], "abort", None, 0)
                 self.out_sock.send(dumps("outputs", CoreOutputs([out])))
+        elif kind == "add_beam_search":
+            request_id, prompt_token_ids, params = payload
+            try:
+                self.core.add_beam_search(request_id, prompt_token_ids, params)
+            except ValueError as e:
+                logger.error("rejected beam search %s: %s", request_id, e)
+                out = EngineCoreOutput(request_id, [], "abort", None, 0, error=str(e))
+                self.out_sock.send(dumps("outputs", CoreOutputs([out])))
         elif kind == "abort":
             request_ids, stopped = payload
-            status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
-            self.scheduler.finish_requests(request_ids, status)
+            if stopped:
+                self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+            else:
+                self.core.abort_requests(request_ids)
             for request_id in request_ids:
                 self._unscheduled.pop(request_id, None)
         elif kind == "reset_prefix_cache":

@@ -54,6 +54,7 @@ class SamplingFields(StrictModel):
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
     use_beam_search: bool = False
+    length_penalty: float = 1.0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None

@@ -8,11 +8,13 @@ import json
 import math
 import re
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -48,10 +50,44 @@ def sse(obj: BaseModel | dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Map a request body onto SamplingParams; an invalid value becomes a 400 naming it."""
+@dataclass(frozen=True)
+class BeamSearchRequest:
+    """use_beam_search=true: BeamSearchParams whose max_tokens, when the body leaves it out,
+    is resolved per prompt (what the context has left, as for sampling)."""
+
+    params: BeamSearchParams
+    max_tokens: int | None
+
+    def params_for(self, num_prompt_tokens: int, max_model_len: int) -> BeamSearchParams:
+        if self.max_tokens is not None:
+            return self.params
+        return replace(self.params, max_tokens=max(1, max_model_len - num_prompt_tokens - 1))
+
+
+def beam_search_params_from(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> BeamSearchRequest:
+    """use_beam_search=true as vLLM reads it: n is the beam width, n beams come back."""
+    for name, unsupported in (("logprobs", logprobs is not None), ("stop", bool(req.stop)),
+                              ("prompt_logprobs", req.prompt_logprobs is not None)):
+        if unsupported:
+            raise bad_request(f"{name} is not supported with use_beam_search=true", name)
+    try:
+        params = BeamSearchParams(
+            beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else 1,
+            ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
+        )
+    except ValueError as e:
+        param = "n" if "beam_width" in str(e) else "max_tokens" if "max_tokens" in str(e) else "temperature"
+        raise bad_request(str(e).replace("beam_width", "n (the beam width)"), param) from None
+    return BeamSearchRequest(params, max_tokens)
+
+
+def sampling_params_from(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams | BeamSearchRequest:
+    """Map a request body onto SamplingParams (or beam search); an invalid value becomes a
+    400 naming it."""
     if req.use_beam_search:
-        raise bad_request("use_beam_search=true is not supported yet", "use_beam_search")
+        return beam_search_params_from(req, max_tokens, logprobs)
     logit_bias = None
     if req.logit_bias is not None:
         try:
@@ -162,14 +198,19 @@ def chat_logprobs(
 
 
 def add_requests(
-    engine: AsyncLLM, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-    cache_salt: str | None,
+    engine: AsyncLLM, base_id: str, prompts: list[tuple[str | None, list[int]]],
+    params: SamplingParams | BeamSearchRequest, cache_salt: str | None,
 ) -> list[RequestStream]:
     """Queue one request per prompt; on a bad one, abort those already queued and raise a 400."""
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            if isinstance(params, BeamSearchRequest):
+                assert engine.model_config is not None
+                beam = params.params_for(len(ids), engine.model_config.max_model_len)
+                streams.append(engine.add_beam_search(request_id, text, beam, prompt_token_ids=ids))
+                continue
             streams.append(engine.add_request(request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt))
     except ValueError as e:
         for s in streams:
