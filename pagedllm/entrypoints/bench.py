@@ -140,8 +140,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--save-json", default=None)
     tp.set_defaults(func=run_bench)
 
+    from pagedllm.entrypoints.bench_latency import add_latency_bench_parser
     from pagedllm.entrypoints.bench_prefix import add_prefix_bench_parser
     from pagedllm.entrypoints.bench_serve import add_serve_bench_parser
 
+    add_latency_bench_parser(bench_sub)
     add_prefix_bench_parser(bench_sub)
     add_serve_bench_parser(bench_sub)

@@ -1,0 +1,130 @@
+"""`pagedllm bench latency`: decode step time and tokens/s at fixed batch sizes.
+
+For each batch size B, B random-token prompts are prefilled, then every request is decoding
+and the engine's steps are timed (each step computes one token per request, EOS ignored).
+Besides tokens/s it prints what a step reads and computes, so the figures can be read
+against the machine's limits: the achieved GFLOP/s of the linear layers (2 x weights x B per
+step) and the bytes a step must read (the weights once, plus the KV of every request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+@dataclass
+class LatencyResult:
+    batch_size: int
+    context_len: int
+    """Prompt length; the context grows by one per timed step from there."""
+    step_ms: float
+    """Median wall time of a decode step."""
+    decode_tok_s: float
+    linear_gflop_s: float
+    """2 x linear weights x batch / step time: how hard the matmuls run."""
+    read_gb_s: float
+    """(weight bytes + the batch's KV bytes) / step time: against the memory bandwidth."""
+
+    def summary(self) -> str:
+        return (
+            f"batch {self.batch_size:>4}: {self.step_ms:8.1f} ms/step, {self.decode_tok_s:8.1f} tok/s, "
+            f"linears {self.linear_gflop_s:6.1f} GFLOP/s, reads {self.read_gb_s:5.1f} GB/s"
+        )
+
+
+def _linear_weight_numel(model) -> int:
+    import torch
+
+    seen: dict[int, int] = {}  # data pointer -> numel: a tied head counts once
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            seen[weight.data_ptr()] = weight.numel()
+    return sum(seen.values())
+
+
+def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed: int) -> LatencyResult:
+    import numpy as np
+
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    model_config = engine.model_config
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True, detokenize=False)
+    ids = [
+        engine.add_request({"prompt_token_ids": rng.integers(100, model_config.vocab_size, context_len).tolist()}, params)
+        for _ in range(batch_size)
+    ]
+    scheduler = engine.scheduler
+    # Prefill (chunked as the engine likes), then two untimed decode steps.
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    assert len(scheduler.running) == batch_size, "the KV cache cannot hold this batch: raise --kv-cache-memory-bytes"
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    step_s = float(np.median(times))
+    runner_model = engine.engine_core.runner.model
+    linear_numel = _linear_weight_numel(runner_model)
+    itemsize = next(runner_model.parameters()).element_size()
+    kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+    read_bytes = linear_numel * itemsize + batch_size * (context_len + num_steps // 2) * kv_bytes_per_token
+    return LatencyResult(
+        batch_size=batch_size,
+        context_len=context_len,
+        step_ms=step_s * 1e3,
+        decode_tok_s=batch_size / step_s,
+        linear_gflop_s=2 * linear_numel * batch_size / step_s / 1e9,
+        read_gb_s=read_bytes / step_s / 1e9,
+    )
+
+
+def run_latency(args: argparse.Namespace) -> None:
+    import os
+
+    from pagedllm.entrypoints.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    # A short warm-up request pays one-time costs (kernel builds, weight packing).
+    llm.generate([{"prompt_token_ids": [100] * 16}], use_tqdm=False)
+    dtype = llm.llm_engine.model_config.dtype
+    zentorch = os.environ.get("PAGEDLLM_ZENTORCH", "1") != "0"
+    print(f"pagedllm decode, {dtype}, zentorch {'allowed' if zentorch else 'off'}, context {args.input_len}:")
+    results = []
+    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+        result = measure_decode(llm, batch_size, args.input_len, args.num_steps, args.seed)
+        print(result.summary(), flush=True)
+        results.append(result)
+    if args.save_json:
+        with open(args.save_json, "w") as f:
+            json.dump(
+                {"model": args.model, "dtype": str(dtype), "zentorch_allowed": zentorch,
+                 "results": [asdict(r) for r in results]},
+                f, indent=2,
+            )
+
+
+def add_latency_bench_parser(sub: argparse._SubParsersAction) -> None:
+    lat = sub.add_parser("latency", help="decode step time and tokens/s at fixed batch sizes")
+    lat.add_argument("model", nargs="?", default=EngineArgs.model)
+    EngineArgs.add_cli_args(lat)
+    lat.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated, e.g. 1,32")
+    lat.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    lat.add_argument("--num-steps", type=int, default=16, help="timed decode steps per batch size")
+    lat.add_argument("--save-json", default=None)
+    lat.set_defaults(func=lambda args: run_latency(args))

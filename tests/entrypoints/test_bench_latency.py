@@ -1,0 +1,21 @@
+"""`pagedllm bench latency` measures real decode steps and leaves the engine empty."""
+
+from __future__ import annotations
+
+from pagedllm import LLM
+from pagedllm.entrypoints.bench_latency import _linear_weight_numel, measure_decode
+
+
+def test_measure_decode_counts_and_frees(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes="8MiB")
+    engine = llm.llm_engine
+    result = measure_decode(llm, batch_size=3, context_len=40, num_steps=5, seed=0)
+    assert result.batch_size == 3 and result.step_ms > 0
+    assert abs(result.decode_tok_s - 3 / (result.step_ms / 1e3)) < 1e-6 * result.decode_tok_s
+    # Linear FLOPs count the projections and the head, not the embedding table.
+    model = engine.engine_core.runner.model
+    hidden = model.model.embed_tokens.weight.shape[1]
+    assert _linear_weight_numel(model) < sum(p.numel() for p in model.parameters())
+    assert _linear_weight_numel(model) > 2 * 4 * hidden * hidden  # 2 layers' attention at least
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.scheduler.kv_cache_manager.block_pool.num_blocks - 1
