@@ -6,13 +6,22 @@ Invariants (checked by tests/core/test_block_pool.py):
   the head of the free queue and is handed out again, which evicts it. So eviction is LRU:
   blocks are appended to the tail when freed and taken from the head.
 - ``_cached`` maps a cache key to exactly the one block whose ``block_hash`` is that key.
+- ``ref_cnts[i]`` and ``cached[i]`` mirror block i's ``ref_cnt`` and ``block_hash is not None``;
+  ``owners[i]`` is NO_OWNER whenever ``ref_cnt`` is 0 (the KV manager fills it in). These
+  arrays let the dashboard copy the pool's state between steps without touching a block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from pagedllm.core.kv_cache_utils import BlockHash
+
+
+NO_OWNER = -1
+"""``BlockPool.owners`` value of a block that no request holds."""
 
 
 class KVCacheBlock:
@@ -114,6 +123,11 @@ class BlockPool:
         # Initially free in id order, so a fresh pool hands out 1, 2, 3, ...
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # Array mirrors of the blocks' state, for cheap snapshots (see the module docstring).
+        self.ref_cnts = np.zeros(num_blocks, dtype=np.int32)  # [num_blocks]
+        self.cached = np.zeros(num_blocks, dtype=np.bool_)  # [num_blocks]
+        # Owner slot of each held block (an index into the KV manager's owner table).
+        self.owners = np.full(num_blocks, NO_OWNER, dtype=np.int32)  # [num_blocks]
 
     # ---- allocation --------------------------------------------------------------------
 
@@ -134,6 +148,7 @@ class BlockPool:
             assert block.ref_cnt == 0
             block.ref_cnt = 1
             out.append(block)
+        self.ref_cnts[[b.block_id for b in out]] = 1
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -142,6 +157,7 @@ class BlockPool:
             if block.ref_cnt == 0 and block is not self.null_block:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            self.ref_cnts[block.block_id] = block.ref_cnt
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference on each block; those reaching 0 go to the tail in the given order.
@@ -154,7 +170,9 @@ class BlockPool:
                 continue
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
+            self.ref_cnts[block.block_id] = block.ref_cnt
             if block.ref_cnt == 0:
+                self.owners[block.block_id] = NO_OWNER
                 self.free_block_queue.append(block)
 
     # ---- prefix cache ------------------------------------------------------------------
@@ -186,6 +204,7 @@ class BlockPool:
             if key not in self._cached:
                 block.block_hash = key
                 self._cached[key] = block
+                self.cached[block.block_id] = True
 
     def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
         """The block holding ``block_hash`` in group ``group_id``, or None (free or in use)."""
@@ -200,6 +219,7 @@ class BlockPool:
             removed = self._cached.pop(block.block_hash, None)
             assert removed is block
             block.block_hash = None
+            self.cached[block.block_id] = False
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since a
@@ -210,6 +230,7 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self.cached[:] = False
         return True
 
     # ---- accounting --------------------------------------------------------------------
