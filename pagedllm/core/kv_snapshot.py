@@ -106,6 +106,10 @@ class KVSnapshot:
     """Of those, slots holding no computed token yet: internal fragmentation."""
     take_seconds: float = 0.0
     """Time this snapshot took to build in the engine."""
+    cost_seconds_mean: float = 0.0
+    """Mean full cost of the engine's earlier snapshots (build, pickle, send)."""
+    step_seconds_mean: float = 0.0
+    """Mean duration of the engine's last 32 steps (the snapshot's cost is against this)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Backend-specific views, e.g. ``"vattention"``: resident pages per slot (see the
     dashboard's docs); empty for the paged backend."""
