@@ -56,7 +56,7 @@ def test_state_json_requires_the_key_and_is_consistent(key_server):
     client = openai.OpenAI(base_url=key_server.base_url, api_key=API_KEY, max_retries=0, timeout=300)
     for question in ("Name a colour.", "Name a fruit."):
         client.completions.create(model=MODEL, prompt=SHARED_PREFIX + question, max_tokens=4,
-                                  temperature=0)
+                                  temperature=0, extra_body={"ignore_eos": True})
     state = wait_all_blocks_free(key_server)
     kv = state["kv"]
     n = kv["num_blocks"]
