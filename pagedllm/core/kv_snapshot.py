@@ -59,15 +59,14 @@ class BlockOwners:
     def claim(self, slot: int, block_ids: Sequence[int]) -> None:
         """Own the blocks among ``block_ids`` that have no owner (just taken from the free
         queue); blocks already owned (a prefix hit on a held block) keep their owner."""
-        if not block_ids:
-            return
-        owners = self.pool.owners
-        ids = np.asarray(block_ids, dtype=np.intp)
-        owners[ids[(owners[ids] == NO_OWNER) & (ids != 0)]] = slot
+        owners = self.pool.owners_mem
+        for block_id in block_ids:
+            if block_id and owners[block_id] == NO_OWNER:
+                owners[block_id] = slot
 
     def disown(self, slot: int, block_ids: Sequence[int]) -> None:
         """The request left these blocks while it lives on (copy-on-write, sliding window)."""
-        owners = self.pool.owners
+        owners = self.pool.owners_mem
         for block_id in block_ids:
             if owners[block_id] == slot:
                 owners[block_id] = ORPHANED
@@ -119,9 +118,9 @@ def resolve_orphans(kv: Any) -> None:
     """Name a current holder of every block whose owner has left. Runs only when such blocks
     exist and walks the held blocks once; the result is written back, so steady state is
     array copies only."""
-    owners = kv.block_pool.owners
-    if not np.any(owners == ORPHANED):
+    if not np.any(kv.block_pool.owners == ORPHANED):
         return
+    owners = kv.block_pool.owners_mem
     for req in kv._requests.values():
         for blocks in req.blocks:
             for block in blocks:
