@@ -231,8 +231,9 @@ class EngineCoreProc:
         )
         if self._num_snapshots:
             snapshot.cost_seconds_mean = self._snapshot_cost_total / self._num_snapshots
-        # Hook for KV backends with their own memory picture (vattention: resident pages per
-        # slot); the paged backend has none. Must return plain data (see docs/dashboard).
+        # Hook for KV backends with their own memory picture: a runner with ``kv_residency()``
+        # (vattention) returns plain data, {"slots": [{"request": id, "resident_pages": int,
+        # "reserved_pages": int}, ...]}, which the page draws as bars. The paged backend has none.
         kv_residency = getattr(self.core.runner, "kv_residency", None)
         if callable(kv_residency):
             snapshot.extra["vattention"] = kv_residency()
