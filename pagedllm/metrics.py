@@ -13,6 +13,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.engine.core_proc import CoreStats
+from pagedllm.engine.dashboard import DashboardHistory
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class EngineMetrics:
         self._log_hits = 0
         self._last_log = time.monotonic()
         self._logged_idle = False
+        self.history = DashboardHistory()  # recent records for GET /dashboard/state
 
     def _l(self, metric):  # the child for this engine's model name
         return metric.labels(model_name=self.model_name)
@@ -101,6 +103,7 @@ class EngineMetrics:
         self._log_hits += pc.hits
         for t in stats.queue_times:
             self._l(self.request_queue_time).observe(t)
+        self.history.observe_stats(s.num_running, s.num_waiting, s.kv_cache_usage, pc.queries, pc.hits)
 
     # ---- from the front end's output processing ---------------------------------------
 
@@ -108,12 +111,14 @@ class EngineMetrics:
         self._l(self.time_to_first_token).observe(ttft)
         self._l(self.prompt_tokens).inc(num_prompt_tokens)
         self._log_prompt_tokens += num_prompt_tokens
+        self.history.observe_first_token(ttft, num_prompt_tokens)
 
     def observe_tokens(self, num_tokens: int, itl: float | None) -> None:
         self._l(self.generation_tokens).inc(num_tokens)
         self._log_generation_tokens += num_tokens
         if itl is not None:
             self._l(self.inter_token_latency).observe(itl)
+        self.history.observe_tokens(num_tokens, itl)
 
     def observe_finished(self, finish_reason: str, e2e: float) -> None:
         self.request_success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()

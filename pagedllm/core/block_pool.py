@@ -6,13 +6,23 @@ Invariants (checked by tests/core/test_block_pool.py):
   the head of the free queue and is handed out again, which evicts it. So eviction is LRU:
   blocks are appended to the tail when freed and taken from the head.
 - ``_cached`` maps a cache key to exactly the one block whose ``block_hash`` is that key.
+- ``ref_cnts[i]`` and ``cached[i]`` mirror block i's ``ref_cnt`` and ``block_hash is not None``;
+  ``owners[i]`` is NO_OWNER whenever ``ref_cnt`` is 0 (the KV manager fills it in). These
+  arrays let the dashboard copy the pool's state between steps without touching a block.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from pagedllm.core.kv_cache_utils import BlockHash
+
+
+NO_OWNER = -1
+"""``BlockPool.owners`` value of a block that no request holds."""
 
 
 class KVCacheBlock:
@@ -114,6 +124,16 @@ class BlockPool:
         # Initially free in id order, so a fresh pool hands out 1, 2, 3, ...
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # Mirrors of the blocks' state for cheap snapshots (see the module docstring). Written
+        # one element at a time through array.array (a numpy scalar write costs ~10x more);
+        # read as numpy views of the same memory.
+        self.ref_cnts_mem = array("i", [0]) * num_blocks
+        self.cached_mem = array("b", [0]) * num_blocks
+        # Owner slot of each held block (an index into the KV manager's owner table).
+        self.owners_mem = array("i", [NO_OWNER]) * num_blocks
+        self.ref_cnts = np.frombuffer(self.ref_cnts_mem, dtype=np.intc)  # [num_blocks]
+        self.cached = np.frombuffer(self.cached_mem, dtype=np.int8)  # [num_blocks] 0 or 1
+        self.owners = np.frombuffer(self.owners_mem, dtype=np.intc)  # [num_blocks]
 
     # ---- allocation --------------------------------------------------------------------
 
@@ -128,11 +148,13 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free"
             )
         out = []
+        ref_cnts = self.ref_cnts_mem
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             self._evict(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
+            ref_cnts[block.block_id] = 1
             out.append(block)
         return out
 
@@ -142,6 +164,7 @@ class BlockPool:
             if block.ref_cnt == 0 and block is not self.null_block:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            self.ref_cnts_mem[block.block_id] = block.ref_cnt
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference on each block; those reaching 0 go to the tail in the given order.
@@ -154,7 +177,9 @@ class BlockPool:
                 continue
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
+            self.ref_cnts_mem[block.block_id] = block.ref_cnt
             if block.ref_cnt == 0:
+                self.owners_mem[block.block_id] = NO_OWNER
                 self.free_block_queue.append(block)
 
     # ---- prefix cache ------------------------------------------------------------------
@@ -186,6 +211,7 @@ class BlockPool:
             if key not in self._cached:
                 block.block_hash = key
                 self._cached[key] = block
+                self.cached_mem[block.block_id] = 1
 
     def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
         """The block holding ``block_hash`` in group ``group_id``, or None (free or in use)."""
@@ -200,6 +226,7 @@ class BlockPool:
             removed = self._cached.pop(block.block_hash, None)
             assert removed is block
             block.block_hash = None
+            self.cached_mem[block.block_id] = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since a
@@ -210,6 +237,7 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self.cached[:] = 0
         return True
 
     # ---- accounting --------------------------------------------------------------------

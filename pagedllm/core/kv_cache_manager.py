@@ -39,6 +39,7 @@ from typing import NamedTuple, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
+from pagedllm.core.kv_snapshot import BlockOwners
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.request import Request
 
@@ -69,12 +70,14 @@ class KVCacheGroupSpec:
 class _RequestBlocks:
     """One request's blocks."""
 
-    __slots__ = ("blocks", "num_cached_blocks")
+    __slots__ = ("blocks", "num_cached_blocks", "owner_slot")
 
     def __init__(self, num_groups: int) -> None:
         self.blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]  # [group][i]
         # Leading blocks already offered to the prefix cache (cached, a hit, or a duplicate).
         self.num_cached_blocks = 0
+        # The request's slot in the owner table (core/kv_snapshot.py), for the dashboard.
+        self.owner_slot = 0
 
 
 class KVCacheManager:
@@ -109,6 +112,7 @@ class KVCacheManager:
         self.hash_extra_keys = tuple(hash_extra_keys)
         self.num_groups = num_groups
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.owners = BlockOwners(self.block_pool)  # which request holds each block
         self._requests: dict[str, _RequestBlocks] = {}
         # Hashes of each request's full blocks, extended as its tokens grow. Kept across a
         # preemption (the tokens do not change); dropped when the request finishes.
@@ -205,6 +209,7 @@ class KVCacheManager:
 
         if req is None:
             req = self._requests[request.request_id] = _RequestBlocks(self.num_groups)
+            req.owner_slot = self.owners.add(request.request_id)
         new_block_ids: list[list[int]] = []
         for blocks, group_hits, skip in zip(req.blocks, hits, skips):
             start = len(blocks)
@@ -214,6 +219,7 @@ class KVCacheManager:
             blocks.extend(group_hits[skip:])
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
             new_block_ids.append([b.block_id for b in blocks[start:]])
+            self.owners.claim(req.owner_slot, new_block_ids[-1])
         # Hit blocks are cached already.
         req.num_cached_blocks = max(req.num_cached_blocks, num_hit_blocks)
 
@@ -228,6 +234,7 @@ class KVCacheManager:
         assert child.request_id not in self._requests, f"{child.request_id} holds blocks"
         src = self._requests[parent.request_id]
         dst = self._requests[child.request_id] = _RequestBlocks(self.num_groups)
+        dst.owner_slot = self.owners.add(child.request_id)
         null = self.block_pool.null_block
         for blocks, parent_blocks in zip(dst.blocks, src.blocks):
             # Blocks that left a sliding window are the null block: shared, never counted.
@@ -273,6 +280,7 @@ class KVCacheManager:
                             self.block_pool.uncache(block)
             for blocks in req.blocks:
                 self.block_pool.free_blocks(reversed(blocks))
+            self.owners.remove(req.owner_slot)
         if request.is_finished:
             self._block_hashes.pop(request.request_id, None)
 
@@ -361,6 +369,8 @@ class KVCacheManager:
             (dst,) = self.block_pool.get_new_blocks(1)
             blocks[index] = dst
             self.block_pool.free_blocks([src])  # still referenced by its other holders
+            self.owners.disown(req.owner_slot, [src.block_id])
+            self.owners.claim(req.owner_slot, [dst.block_id])
             self.last_copied_blocks.append((src.block_id, dst.block_id))
 
     def _num_skipped_blocks(self, group_id: int, num_computed_tokens: int) -> int:
@@ -386,6 +396,7 @@ class KVCacheManager:
             # Every freed block is full and computed, so it was cached already (if caching).
             assert num_skipped <= req.num_cached_blocks or not self.enable_caching or not freed
             self.block_pool.free_blocks(freed)
+            self.owners.disown(req.owner_slot, [b.block_id for b in freed])
 
     def _cache_full_blocks(self, request: Request, req: _RequestBlocks, num_full: int) -> None:
         if num_full <= req.num_cached_blocks:

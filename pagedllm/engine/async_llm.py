@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_snapshot import KVSnapshot
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
@@ -28,6 +29,10 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+KV_SNAPSHOT_MAX_AGE_S = 0.2
+"""Dashboard viewers within this interval share one engine snapshot."""
+KV_SNAPSHOT_TIMEOUT_S = 30.0
 
 
 class EngineNotReadyError(RuntimeError):
@@ -91,6 +96,8 @@ class AsyncLLM:
         self._client: CoreClient | None = None
         self._task: asyncio.Task | None = None
         self._ready_event = asyncio.Event()
+        self._kv_snapshot: tuple[float, KVSnapshot] | None = None  # (time taken, snapshot)
+        self._kv_snapshot_fetch: asyncio.Future | None = None
 
     # ---- life cycle --------------------------------------------------------------------
 
@@ -245,6 +252,30 @@ class AsyncLLM:
         self._check_ready()
         assert self._client is not None
         return await self._client.call_utility("reset_prefix_cache")
+
+    async def get_kv_snapshot(self) -> tuple[KVSnapshot, float]:
+        """The engine's KV snapshot and its age in seconds. Fetched at most every
+        ``KV_SNAPSHOT_MAX_AGE_S``; concurrent callers share one fetch."""
+        self._check_ready()
+        if self._kv_snapshot is not None:
+            taken, snapshot = self._kv_snapshot
+            if time.monotonic() - taken < KV_SNAPSHOT_MAX_AGE_S:
+                return snapshot, time.monotonic() - taken
+        if self._kv_snapshot_fetch is None:
+            self._kv_snapshot_fetch = asyncio.ensure_future(self._fetch_kv_snapshot())
+        snapshot = await asyncio.shield(self._kv_snapshot_fetch)  # a leaving viewer cancels only itself
+        return snapshot, 0.0
+
+    async def _fetch_kv_snapshot(self) -> KVSnapshot:
+        assert self._client is not None
+        try:
+            snapshot = await asyncio.wait_for(self._client.call_utility("kv_snapshot"), KV_SNAPSHOT_TIMEOUT_S)
+        except asyncio.TimeoutError as e:
+            raise EngineNotReadyError("the engine did not answer the KV snapshot request") from e
+        finally:
+            self._kv_snapshot_fetch = None
+        self._kv_snapshot = (time.monotonic(), snapshot)
+        return snapshot
 
     @property
     def num_unfinished_requests(self) -> int:

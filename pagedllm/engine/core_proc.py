@@ -4,7 +4,7 @@ The front end (``core_client.py``) and this process talk over two ZMQ PUSH/PULL 
 each message one pickle (protocol 5) of ``(kind, payload)``:
 
 - front end -> core: ``add`` (a Request), ``abort`` ((request ids, stopped)), ``reset_prefix_cache``,
-  ``shutdown``;
+  ``kv_snapshot`` (the dashboard's KVSnapshot, taken between steps), ``shutdown``;
 - core -> front end: ``ready`` (ReadyInfo) or ``failed`` (a message) once at start-up, then
   ``outputs`` (CoreOutputs: engine outputs and, periodically, stats), ``utility`` (a result).
 
@@ -21,10 +21,12 @@ import os
 import pickle
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_snapshot import take_kv_snapshot
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.request import Request, RequestStatus
@@ -131,6 +133,10 @@ class EngineCoreProc:
         self._stop = False
         self._unscheduled: dict[str, Request] = {}  # added, not yet scheduled: for queue time
         self._queue_times: list[float] = []
+        # Dashboard: durations of recent steps and the mean full cost of a snapshot.
+        self._step_seconds: deque[float] = deque(maxlen=32)
+        self._snapshot_cost_total = 0.0
+        self._num_snapshots = 0
         self._warm_up()
         info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks)
         out_sock.send(dumps("ready", info))
@@ -165,7 +171,11 @@ class EngineCoreProc:
             if os.getppid() != self.parent_pid:
                 logger.warning("front end process is gone; engine core exits")
                 return
-            outputs = self.core.step() if self._has_work() else []
+            outputs = []
+            if self._has_work():
+                t0 = time.perf_counter()
+                outputs = self.core.step()
+                self._step_seconds.append(time.perf_counter() - t0)
             self._note_scheduled()
             now = time.monotonic()
             busy = self._has_work()
@@ -214,10 +224,32 @@ class EngineCoreProc:
                 self._unscheduled.pop(request_id, None)
         elif kind == "reset_prefix_cache":
             self.out_sock.send(dumps("utility", ("reset_prefix_cache", self.kv.reset_prefix_cache())))
+        elif kind == "kv_snapshot":
+            self._send_kv_snapshot()
         elif kind == "shutdown":
             self._stop = True
         else:
             logger.error("unknown message kind %r", kind)
+
+    def _send_kv_snapshot(self) -> None:
+        """Between steps: copy the block arrays and figures, and time the whole cost."""
+        t0 = time.perf_counter()
+        snapshot = take_kv_snapshot(self.scheduler)
+        snapshot.take_seconds = time.perf_counter() - t0
+        snapshot.step_seconds_mean = (
+            sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
+        )
+        if self._num_snapshots:
+            snapshot.cost_seconds_mean = self._snapshot_cost_total / self._num_snapshots
+        # Hook for KV backends with their own memory picture: a runner with ``kv_residency()``
+        # (vattention) returns plain data, {"slots": [{"request": id, "resident_pages": int,
+        # "reserved_pages": int}, ...]}, which the page draws as bars. The paged backend has none.
+        kv_residency = getattr(self.core.runner, "kv_residency", None)
+        if callable(kv_residency):
+            snapshot.extra["vattention"] = kv_residency()
+        self.out_sock.send(dumps("utility", ("kv_snapshot", snapshot)))
+        self._snapshot_cost_total += time.perf_counter() - t0
+        self._num_snapshots += 1
 
     def _note_scheduled(self) -> None:
         if not self._unscheduled:

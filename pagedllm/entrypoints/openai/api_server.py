@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
+from pagedllm.entrypoints.openai.dashboard import STATE_PATH, add_dashboard_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +40,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 
 logger = logging.getLogger(__name__)
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", STATE_PATH)
 T = TypeVar("T")
 
 
@@ -52,7 +53,8 @@ class ServerConfig:
     served_model_name: str | None = None
     """The name clients use in `model`; default: the model argument."""
     api_key: str | None = None
-    """Bearer token required on /v1, /tokenize, /detokenize, /reset_prefix_cache."""
+    """Bearer token required on /v1, /tokenize, /detokenize, /reset_prefix_cache,
+    /dashboard/state (the /dashboard page asks for it)."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
     uvicorn_log_level: str = "info"
@@ -217,6 +219,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
         return {"reset": await engine.reset_prefix_cache()}
+
+    add_dashboard_routes(app, engine)
 
     return app
 
