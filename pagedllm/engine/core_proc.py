@@ -150,7 +150,7 @@ class EngineCoreProc:
         self._stop = True
 
     def _has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        return self.core.has_unfinished_requests() or self.scheduler.has_finished_requests()
 
     def run(self) -> None:
         poller = self._zmq.Poller()
@@ -199,7 +199,7 @@ class EngineCoreProc:
         elif kind == "abort":
             request_ids, stopped = payload
             status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
-            self.scheduler.finish_requests(request_ids, status)
+            self.core.finish_requests(request_ids, status)
             for request_id in request_ids:
                 self._unscheduled.pop(request_id, None)
         elif kind == "reset_prefix_cache":
