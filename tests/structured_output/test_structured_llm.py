@@ -24,6 +24,7 @@ def _assert_all_blocks_free(llm) -> None:
     kv = llm.llm_engine.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks - 1, "KV blocks left behind"
     assert not llm.llm_engine.engine_core.has_unfinished_requests()
+    assert llm.llm_engine.engine_core.structured_output.num_matchers == 0, "matchers left behind"
 
 
 def whitespace_outside_strings(text: str) -> list[int]:
@@ -207,3 +208,32 @@ def test_speculative_decoding_combination_refused():
     check_supported(params, None)
     with pytest.raises(ValueError, match="speculative decoding"):
         check_supported(params, object())
+
+
+def test_request_waiting_for_its_grammar_does_not_block_others(default_llm):
+    from concurrent.futures import Future
+
+    engine = default_llm.llm_engine
+    manager = engine.engine_core.structured_output
+    spec = SO(regex=r"[0-9]{4}")
+    compiled = manager.compile(spec).result()
+    # Hold the compile "in flight": the spec's cache entry is a future we complete later.
+    in_flight: Future = Future()
+    manager._grammars[spec.key] = in_flight
+    finished = {}
+    try:
+        slow_id = engine.add_request("The year was", SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=spec))
+        fast_id = engine.add_request("Hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while fast_id not in finished:
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert slow_id not in finished
+        assert engine.engine_core.get_stats().num_waiting == 1
+        assert engine.scheduler.get_num_unfinished_requests() == 0  # kept out of the scheduler
+    finally:
+        in_flight.set_result(compiled)
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    slow = finished[slow_id].outputs[0]
+    assert slow.finish_reason == "stop" and re.fullmatch(r"[0-9]{4}", slow.text), slow
+    assert len(finished[fast_id].outputs[0].token_ids) == 3
+    _assert_all_blocks_free(default_llm)
