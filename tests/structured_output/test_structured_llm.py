@@ -48,7 +48,7 @@ def whitespace_outside_strings(text: str) -> list[int]:
 @pytest.mark.slow
 def test_twenty_json_schemas_all_valid_at_temperature_1(default_llm):
     conversations = [
-        _chat(f"Reply with JSON describing {what}. Schema: {json.dumps(schema)}") for what, schema in SCHEMAS
+        _chat(f"Reply with JSON describing {what}.") for what, _ in SCHEMAS
     ]
     params = [
         SamplingParams(temperature=1.0, max_tokens=400, seed=100 + i, structured_outputs=SO(json=schema))
