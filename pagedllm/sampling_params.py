@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,70 @@ MAX_N = 128
 """Most sequences one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES is 256)."""
 MAX_LOGPROBS = 20
 """Most top logprobs per position (vLLM's default max_logprobs)."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, JSON object, regex, choice or EBNF grammar (as
+    vLLM's). Exactly one must be given; the grammar decides where the output ends."""
+
+    json: dict | str | type | None = None
+    """A JSON schema: a dict, a JSON string, or a pydantic model class (its schema)."""
+    regex: str | None = None
+    """The whole output matches this regular expression."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF style) whose start rule is ``root``."""
+    json_object: bool | None = None
+    """Any JSON object."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()  # a pydantic model class
+        elif isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                "structured_outputs.json must be a JSON schema (a dict, a JSON string or a "
+                f"pydantic model class), got {type(self.json).__name__}"
+            )
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}"
+            )
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+                )
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical spec): equal keys compile to the same grammar (the cache key)."""
+        if self.json is not None:
+            return "json", _json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 @dataclass
@@ -63,6 +128,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output (JSON schema, regex, choice, grammar); see StructuredOutputsParams."""
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
     """``bad_words`` as token sequences, set by the engine's input processor (its tokenizer)."""
 
@@ -117,6 +184,17 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
             )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            if self.min_tokens > 0:
+                raise ValueError(
+                    f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: "
+                    "the grammar decides where the output ends; drop min_tokens"
+                )
 
     def _validate_token_lists(self) -> None:
         if self.logit_bias is not None:

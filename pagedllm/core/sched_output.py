@@ -8,8 +8,12 @@ between steps; a SchedulerOutput carries only what changed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -51,6 +55,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) physical blocks: copy src's KV into dst in every layer before the forward
     (copy-on-write of a shared, partly filled block)."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Allowed tokens of the constrained requests that sample this step (set by the engine
+    core's StructuredOutputManager after scheduling); the runner masks their logits."""
 
     @property
     def is_empty(self) -> bool:

@@ -58,6 +58,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request (FCFS). Raises ValueError for a duplicate id or a prompt that
         leaves no room for output under ``max_model_len``."""
+        self.check_request(request)
+        for r in [request, *request.pending_forks]:
+            r.status = RequestStatus.WAITING
+            self.requests[r.request_id] = r
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """The checks of ``add_request``, without queueing (ValueError if it would refuse)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if not 0 < request.num_prompt_tokens < self.max_model_len:
@@ -71,12 +79,9 @@ class Scheduler:
                 f"request {request.request_id!r} asks for {num_seqs} sequences, more than "
                 f"max_num_seqs={self.max_num_seqs}"
             )
-        for r in [request, *request.pending_forks]:
-            if r is not request and r.request_id in self.requests:
+        for r in request.pending_forks:
+            if r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in the engine")
-            r.status = RequestStatus.WAITING
-            self.requests[r.request_id] = r
-        self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside the core (abort, a stop string matched in the front

@@ -13,6 +13,7 @@ from pagedllm.core.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         (num_blocks - 1) * block_size, max_concurrency, max_len, time.monotonic() - t0,
     )
     return BuiltEngine(
-        engine_core=EngineCore(scheduler, runner),
+        engine_core=EngineCore(scheduler, runner, structured_output=StructuredOutputManager(
+            loaded.tokenizer, model_config.vocab_size, model_config.eos_token_ids,
+        )),
         scheduler=scheduler,
         tokenizer=loaded.tokenizer,
         model_config=model_config,

@@ -216,10 +216,8 @@ class EngineCoreProc:
                 self.out_sock.send(dumps("outputs", CoreOutputs([out])))
         elif kind == "abort":
             request_ids, stopped = payload
-            if stopped:
-                self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
-            else:
-                self.core.abort_requests(request_ids)
+            status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+            self.core.finish_requests(request_ids, status)
             for request_id in request_ids:
                 self._unscheduled.pop(request_id, None)
         elif kind == "reset_prefix_cache":

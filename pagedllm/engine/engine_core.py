@@ -1,44 +1,156 @@
-"""EngineCore: the step loop of scheduler and model runner (in process for the LLM class)."""
+"""EngineCore: the step loop of scheduler and model runner (in process for the LLM class).
+
+Constrained requests (structured outputs) wait here, outside the scheduler, while their
+grammar compiles on the StructuredOutputManager's thread pool; the others run meanwhile.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearchManager, BeamSearchParams
 from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_WAIT_S = 0.05
+"""With nothing else to run, how long a step waits for a grammar to finish compiling."""
+
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, structured_output: StructuredOutputManager | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.beam_search = BeamSearchManager(scheduler, runner.eos_token_ids)
+        self.structured_output = structured_output
+        # Constrained requests whose grammar is compiling, by id, in arrival order.
+        self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            self.scheduler.add_request(request)
+            return
+        if self.structured_output is None:
+            raise ValueError("this engine was built without structured outputs support")
+        if request.request_id in self._awaiting_grammar:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.scheduler.check_request(request)  # refuse now what the scheduler would refuse later
+        self._awaiting_grammar[request.request_id] = (request, self.structured_output.compile(spec))
 
     def add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
         """A beam search over shared KV blocks; its one output (``beams`` set) ends it."""
         self.beam_search.add(request_id, prompt_token_ids, params)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        others = self.beam_search.abort(request_ids)
-        self.scheduler.finish_requests(others, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string): beam searches end with all
+        their beams; those still waiting for their grammar just leave; the scheduler frees
+        the others."""
+        request_ids = self.beam_search.abort(request_ids)
+        for request_id in request_ids:
+            entry = self._awaiting_grammar.pop(request_id, None)
+            if entry is not None:
+                entry[0].status = status
+        self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.beam_search.has_unfinished()
+        return (
+            bool(self._awaiting_grammar)
+            or self.scheduler.has_unfinished_requests()
+            or self.beam_search.has_unfinished()
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and fold the sampled tokens back into the requests."""
+        outputs = self._admit_compiled() if self._awaiting_grammar else []
         scheduler_output = self.scheduler.schedule()
+        so_manager = self.structured_output
+        if so_manager is not None and so_manager.num_matchers:
+            # Finished (not preempted) requests drop their matchers.
+            so_manager.remove(r for r in scheduler_output.finished_req_ids if r not in self.scheduler.requests)
+            scheduler_output.grammar_bitmask = so_manager.grammar_bitmask(self._sampling_req_ids(scheduler_output))
         runner_output = self.runner.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return self.beam_search.process(outputs)
+        step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.grammar_bitmask is not None:
+            self._advance_matchers(step_outputs)
+        return outputs + self.beam_search.process(step_outputs)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self._awaiting_grammar:
+            stats = dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self._awaiting_grammar))
+        return stats
+
+    # ---- structured outputs ------------------------------------------------------------
+
+    def _sampling_req_ids(self, scheduler_output) -> list[str]:
+        """Scheduled requests that sample this step: their computed tokens (advanced by
+        ``schedule``) reach the end of their known tokens."""
+        requests = self.scheduler.requests
+        return [
+            r for r in scheduler_output.num_scheduled_tokens
+            if requests[r].num_computed_tokens == requests[r].num_tokens
+        ]
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar is ready to the scheduler (arrival order among the
+        ready ones); a failed compile finishes its request. When nothing else can run, wait
+        briefly for a compile instead of spinning."""
+        if not self.scheduler.has_unfinished_requests():
+            wait([f for _, f in self._awaiting_grammar.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        outputs: list[EngineCoreOutput] = []
+        for request_id, (request, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            sequences = [request, *request.pending_forks]
+            try:
+                compiled = future.result()
+                self.scheduler.check_request(request)
+            except ValueError as e:
+                logger.error("request %s: %s", request_id, e)
+                for seq in sequences:
+                    seq.status = RequestStatus.FINISHED_ABORTED
+                    outputs.append(EngineCoreOutput(seq.request_id, [], "abort", None, 0))
+                continue
+            assert self.structured_output is not None
+            self.structured_output.add_matchers([s.request_id for s in sequences], compiled)
+            self.scheduler.add_request(request)
+        return outputs
+
+    def _advance_matchers(self, outputs: list[EngineCoreOutput]) -> None:
+        """Feed the appended tokens to the matchers. A terminated grammar finishes its
+        request with "stop" (normally it ends on EOS, which the scheduler already stopped;
+        with ignore_eos the grammar decides)."""
+        assert self.structured_output is not None
+        done: list[str] = []
+        for out in outputs:
+            try:
+                terminated = self.structured_output.accept(out.request_id, out.new_token_ids)
+            except ValueError as e:
+                logger.error("%s; finishing the request", e)
+                if not out.finished:
+                    self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_ABORTED)
+                    out.finish_reason = "abort"
+                done.append(out.request_id)
+                continue
+            if terminated is None:
+                continue
+            if out.finished:
+                done.append(out.request_id)
+            elif terminated:
+                self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
+                out.finish_reason, out.stop_reason = "stop", None
+                done.append(out.request_id)
+        self.structured_output.remove(done)

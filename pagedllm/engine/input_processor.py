@@ -13,9 +13,11 @@ PromptType = Union[str, dict]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model_config: ModelConfig) -> None:
+    def __init__(self, tokenizer: Any, model_config: ModelConfig, speculative_config: object | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
+        # Structured outputs are refused while speculative decoding is on (see check_supported).
+        self.speculative_config = speculative_config
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids)."""
@@ -75,6 +77,11 @@ class InputProcessor:
             )
         params.validate_vocab(vocab)
         params.update_from_tokenizer(self.tokenizer)
+        if params.structured_outputs is not None:
+            from pagedllm.structured_output import check_supported, validate
+
+            check_supported(params, self.speculative_config)
+            validate(params.structured_outputs)
         room = max_len - n
         if params.max_tokens is None:
             return room

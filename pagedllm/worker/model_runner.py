@@ -98,6 +98,10 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling_states = [states[i] for i in sample_rows]
+        if so.grammar_bitmask is not None:
+            from pagedllm.structured_output.bitmask import apply_grammar_bitmask
+
+            apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
         md = build_sampling_metadata(sampling_states, logits.shape[1], self.eos_token_ids)
         out = self.sampler(logits, md)
         tokens = out.sampled_token_ids.tolist()

@@ -70,7 +70,7 @@ CHAT_CASES = [
     ("tools", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("tool_choice", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
     ("functions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
-    ("response_format json", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("response_format structural_tag", {"messages": CHAT, "response_format": {"type": "structural_tag"}}, 400, "response_format"),
     ("empty messages", {"messages": []}, 400, "messages"),
     ("messages of wrong type", {"messages": "hi"}, 400, "messages"),
     ("image content part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),

@@ -59,6 +59,14 @@ class SamplingFields(StrictModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* fields (accepted and honoured, never silently ignored).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # Token ids must be ints: a list of strings is a list of prompts, not ids.
@@ -96,7 +104,6 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class UsageInfo(BaseModel):

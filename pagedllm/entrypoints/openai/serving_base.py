@@ -24,7 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -81,11 +81,68 @@ def beam_search_params_from(req: SamplingFields, max_tokens: int | None, logprob
     return BeamSearchRequest(params, max_tokens)
 
 
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_source(req: SamplingFields) -> str | None:
+    """The one request field that asks for structured outputs (400 if several do)."""
+    given = [
+        name for name in ("response_format", "structured_outputs", *_GUIDED_FIELDS)
+        if getattr(req, name) is not None
+        and not (name == "response_format" and req.response_format.get("type") == "text")
+    ]
+    if len(given) > 1:
+        raise bad_request(f"give only one of {', '.join(given)} (each asks for structured outputs)", given[1])
+    return given[0] if given else None
+
+
+def structured_outputs_from(req: SamplingFields) -> StructuredOutputsParams | None:
+    """response_format, structured_outputs or a guided_* field -> StructuredOutputsParams."""
+    source = _structured_source(req)
+    if source is None:
+        return None
+    try:
+        if source == "structured_outputs":
+            return StructuredOutputsParams(**req.structured_outputs)
+        if source in _GUIDED_FIELDS:
+            return StructuredOutputsParams(**{_GUIDED_FIELDS[source]: getattr(req, source)})
+        fmt = req.response_format
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            return StructuredOutputsParams(json=spec["schema"])
+        raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
+    except TypeError as e:  # an unknown key in structured_outputs
+        raise bad_request(f"{source}: {e}", source) from None
+    except ValueError as e:
+        raise bad_request(str(e), source) from None
+
+
+async def check_structured_outputs(req: SamplingFields, params: SamplingParams | BeamSearchRequest) -> None:
+    """Build the grammar (off the event loop: the first call loads xgrammar) so that an
+    invalid schema, regex or grammar is a 400 naming the field, before anything is queued."""
+    if isinstance(params, BeamSearchRequest) or params.structured_outputs is None:
+        return
+    from pagedllm.structured_output import validate
+
+    try:
+        await asyncio.to_thread(validate, params.structured_outputs)
+    except ValueError as e:
+        raise bad_request(str(e), _structured_source(req)) from None
+
+
 def sampling_params_from(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams | BeamSearchRequest:
     """Map a request body onto SamplingParams (or beam search); an invalid value becomes a
     400 naming it."""
+    structured_outputs = structured_outputs_from(req)
+    if req.use_beam_search and structured_outputs is not None:
+        raise bad_request("structured outputs cannot be combined with beam search", "use_beam_search")
     if req.use_beam_search:
         return beam_search_params_from(req, max_tokens, logprobs)
     logit_bias = None
@@ -117,6 +174,7 @@ def sampling_params_from(
         bad_words=req.bad_words,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        structured_outputs=structured_outputs,
     )
     try:
         return SamplingParams(**kwargs)

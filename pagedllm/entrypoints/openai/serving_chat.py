@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     bad_request,
     chat_logprobs,
     check_context_length,
+    check_structured_outputs,
     choice_logprob_slice,
     final_outputs,
     merge_streams,
@@ -77,8 +78,6 @@ class OpenAIServingChat:
         for name in _UNSUPPORTED:
             if getattr(req, name) is not None:
                 raise bad_request(f"{name} is not supported yet (no tool calling)", name)
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise bad_request("response_format other than text is not supported yet", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
@@ -87,6 +86,7 @@ class OpenAIServingChat:
         num_logprobs = self._check(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs)
+        await check_structured_outputs(req, params)
         text, ids = self.render(req.messages, req.chat_template, req.add_generation_prompt)
         assert self.engine.model_config is not None
         check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)

@@ -18,6 +18,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     add_requests,
     bad_request,
     check_context_length,
+    check_structured_outputs,
     choice_logprob_slice,
     completion_logprobs,
     final_outputs,
@@ -66,6 +67,7 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self._check(req)
         params = sampling_params_from(req, req.max_tokens, req.logprobs)
+        await check_structured_outputs(req, params)
         prompts = self._prompts(req)
         assert self.engine.model_config is not None
         for _, ids in prompts:

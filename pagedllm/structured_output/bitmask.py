@@ -1,0 +1,36 @@
+"""The token bitmask of one step: built by the manager, applied to logits by the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class GrammarBitmask:
+    """Which tokens each constrained request may sample this step (plain data)."""
+
+    req_ids: list[str]
+    """Constrained requests that sample this step; row i of ``bitmask`` is req_ids[i]'s."""
+    bitmask: Any
+    """torch.Tensor [len(req_ids), ceil(vocab_size / 32)] int32: bit j of word w allows token
+    32 * w + j (xgrammar's packed layout)."""
+
+
+def apply_grammar_bitmask(logits: Any, grammar_bitmask: GrammarBitmask, req_ids: list[str]) -> None:
+    """Set the logits of disallowed tokens to -inf, in place, for the constrained rows only.
+
+    logits: [B, V] float32, row b belongs to req_ids[b]. Unconstrained rows are untouched.
+    """
+    import torch
+    import xgrammar as xgr
+
+    row_of = {r: i for i, r in enumerate(req_ids)}
+    pairs = [(row_of[r], i) for i, r in enumerate(grammar_bitmask.req_ids) if r in row_of]
+    if not pairs:
+        return
+    batch_rows = [b for b, _ in pairs]
+    # xgrammar indexes logits and bitmask by the same row: lay the masks out in batch order.
+    batch_mask = torch.empty((logits.shape[0], grammar_bitmask.bitmask.shape[1]), dtype=torch.int32)
+    batch_mask[batch_rows] = grammar_bitmask.bitmask[[i for _, i in pairs]]
+    xgr.apply_token_bitmask_inplace(logits, batch_mask, vocab_size=logits.shape[1], indices=batch_rows)

@@ -1,0 +1,133 @@
+"""StructuredOutputManager: grammars and matchers of the engine core's constrained requests.
+
+Life of a constrained request:
+1. ``compile(spec)`` returns a future: compiled grammars are cached by their spec (the same
+   schema compiles once), and compilation runs on a thread pool, never in the step loop.
+2. Once compiled, ``add_matchers`` gives each sequence (n > 1: every sequence of the group)
+   its own matcher; until then the engine core keeps the request out of the scheduler.
+3. Each step ``grammar_bitmask`` fills one bitmask row per constrained request that samples
+   (a prefill chunk that does not reach the end samples nothing and gets no row).
+4. After sampling, ``accept`` advances the matcher with the appended tokens; a terminated
+   matcher (the grammar accepted a stop token) means the request is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.bitmask import GrammarBitmask
+from pagedllm.structured_output.grammar import compile_spec
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used dropped first)."""
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], max_workers: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_workers = max_workers or min(2, os.cpu_count() or 1)
+        self._compiler: Any = None  # built on first use: imports xgrammar, reads the vocabulary
+        self._compiler_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._grammars: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._matchers: dict[str, Any] = {}  # request id -> xgrammar GrammarMatcher
+
+    # ---- compiling ---------------------------------------------------------------------
+
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar of ``spec`` (a future; done at once on a cache hit)."""
+        key = spec.key
+        future = self._grammars.get(key)
+        if future is not None:
+            self._grammars.move_to_end(key)
+            return future
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.max_workers, thread_name_prefix="pagedllm-grammar")
+        future = self._executor.submit(self._compile, spec)
+        self._grammars[key] = future
+        while len(self._grammars) > GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return future
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        t0 = time.perf_counter()
+        compiled = compile_spec(self._get_compiler(), spec)
+        logger.debug("compiled a %s grammar in %.3f s", spec.key[0], time.perf_counter() - t0)
+        return compiled
+
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                # Caching is ours (by spec, with futures shared by concurrent requests).
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+            return self._compiler
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- matchers ----------------------------------------------------------------------
+
+    def add_matchers(self, request_ids: list[str], compiled: Any) -> None:
+        """One fresh matcher per sequence (the sequences of n > 1 fork before any output,
+        so a fresh matcher is the forked one)."""
+        import xgrammar as xgr
+
+        for request_id in request_ids:
+            self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+
+    def has_matcher(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    @property
+    def num_matchers(self) -> int:
+        return len(self._matchers)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def grammar_bitmask(self, sampling_req_ids: list[str]) -> GrammarBitmask | None:
+        """Masks for the constrained requests among ``sampling_req_ids`` (those that sample
+        this step), in that order; None if none is constrained."""
+        req_ids = [r for r in sampling_req_ids if r in self._matchers]
+        if not req_ids:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)  # [R, W] int32
+        for row, request_id in enumerate(req_ids):
+            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+        return GrammarBitmask(req_ids, bitmask)
+
+    def accept(self, request_id: str, token_ids: list[int]) -> bool | None:
+        """Advance the request's matcher. Returns None when it has no matcher, True when the
+        grammar is finished (terminated), False while it continues. Raises ValueError if the
+        grammar rejects a token (a sampled token outside the mask: a bug, or a mask that
+        other restrictions emptied)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return None
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                raise ValueError(f"request {request_id}: the grammar rejects token {token_id}")
+        return matcher.is_terminated()
