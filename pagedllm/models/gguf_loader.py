@@ -227,14 +227,10 @@ def gguf_quant_types(gguf_path: str) -> set[str]:
     return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
 
 
-def read_gguf_quantized(gguf_path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """The file's weights with its quantized projections kept quantized (--quantization gguf)."""
-    import gguf
-
+def check_gguf_quant_types(gguf_path: str) -> None:
+    """ValueError naming the supported types unless --quantization gguf can keep the file's."""
     from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch = str(reader.fields["general.architecture"].contents())
     bad = sorted(gguf_quant_types(gguf_path) - set(GGUF_QUANT_TYPES) - set(GGUF_FLOAT_TYPES))
     if bad:
         raise ValueError(
@@ -243,4 +239,15 @@ def read_gguf_quantized(gguf_path: str, hf_config: PretrainedConfig) -> Iterator
             f"{', '.join(GGUF_FLOAT_TYPES)}); use --quantization none (dequantize to --dtype) "
             "or int8 / int4 (requantize at load)"
         )
+
+
+def read_gguf_quantized(
+    gguf_path: str, hf_config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The file's weights with its quantized projections kept quantized (--quantization gguf)."""
+    import gguf
+
+    check_gguf_quant_types(gguf_path)
+    reader = gguf.GGUFReader(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
     yield from read_gguf_tensors(reader, hf_config, arch, keep_quantized=True)

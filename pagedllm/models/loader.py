@@ -30,7 +30,14 @@ from pagedllm.models.config_utils import (
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization import GROUP_SIZE, QUANTIZATION_METHODS, module_weight_bytes
-from pagedllm.models.gguf_loader import cache_root, gguf_quant_types, gguf_to_hf_dir, read_gguf_quantized
+from pagedllm.models.gguf_loader import (
+    GGUF_FLOAT_TYPES,
+    cache_root,
+    check_gguf_quant_types,
+    gguf_quant_types,
+    gguf_to_hf_dir,
+    read_gguf_quantized,
+)
 from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.models.weights import iter_safetensors, safetensors_files
@@ -156,12 +163,12 @@ def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str
         raise ValueError(
             "quantization='gguf' needs a .gguf checkpoint; for safetensors use int8, int4 or none"
         )
+    if quantization == "gguf":
+        check_gguf_quant_types(gguf_path)  # type: ignore[arg-type]
     if quantization is not None:
         return quantization
     if gguf_path is None:
         return "none"
-    from pagedllm.models.gguf_loader import GGUF_FLOAT_TYPES
-
     types = gguf_quant_types(gguf_path)
     if types <= set(GGUF_QUANT_TYPES) | set(GGUF_FLOAT_TYPES):
         return "gguf"
