@@ -4,14 +4,14 @@
         float32:gguf float32:int4] [--batch 32] [--output-len 64]
 
 Each config is dtype:quantization on the default model. Single stream: one 32-token prompt,
-decode time = (end-to-end - time to first token) / (tokens - 1), median of 3 runs. Batch:
-`--batch` random prompts of 32-480 tokens (W1's shape) with --output-len tokens each.
+decode time = (end-to-end - time to first token) / (tokens - 1), best of 2 runs. Batch:
+`--batch` random prompts of 32 to --input-len-max tokens (W1's shape: 480) with --output-len
+tokens each.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from pagedllm import LLM, SamplingParams
@@ -22,14 +22,14 @@ def single_stream_ms(llm: LLM, prompt: list[int], num_tokens: int) -> float:
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     first = SamplingParams(max_tokens=1, temperature=0.0)
     runs = []
-    for _ in range(3):
+    for _ in range(2):
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
         ttft = time.perf_counter() - start
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         runs.append((time.perf_counter() - start - ttft) / (num_tokens - 1) * 1e3)
-    return statistics.median(runs)
+    return min(runs)
 
 
 def main() -> None:
@@ -38,6 +38,8 @@ def main() -> None:
                         default=["float32:none", "bfloat16:none", "float32:int8", "float32:gguf"])  # fmt: skip
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--input-len-max", type=int, default=480)
+    parser.add_argument("--single-stream-tokens", type=int, default=64)
     args = parser.parse_args()
     rows = []
     for config in args.configs:
@@ -47,8 +49,8 @@ def main() -> None:
         vocab = llm.llm_engine.model_config.vocab_size
         prompt = random_prompts(1, 32, 32, vocab, seed=1)[0]
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4), use_tqdm=False)
-        ms = single_stream_ms(llm, prompt, 64)
-        prompts = random_prompts(args.batch, 32, 480, vocab, seed=0)
+        ms = single_stream_ms(llm, prompt, args.single_stream_tokens)
+        prompts = random_prompts(args.batch, 32, args.input_len_max, vocab, seed=0)
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

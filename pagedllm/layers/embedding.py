@@ -47,7 +47,7 @@ class _QuantizableTable(nn.Module):
             loaded_weight = quantize(loaded_weight, self.quantize_bits)  # type: ignore[arg-type]
         self.quant = loaded_weight
         # The float table was never written (its pages never touched); drop it.
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
 
 
@@ -86,10 +86,10 @@ class LMHead(_QuantizableTable):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [N, hidden] -> logits: [N, vocab] in the model dtype
-        quant = self._tied[0].quant if self._tied else self.quant
-        if quant is not None:
-            return quantized_linear(hidden_states, quant)
-        return linear_op(hidden_states, self._tied[0].weight if self._tied else self.weight, persistent_weight=True)
+        owner: _QuantizableTable = self._tied[0] if self._tied else self
+        if owner.quant is not None:
+            return quantized_linear(hidden_states, owner.quant)
+        return linear_op(hidden_states, owner.weight, persistent_weight=True)
 
 
 class LearnedPositionEmbedding(nn.Module):

@@ -78,7 +78,7 @@ class Linear(nn.Module):
             )
         self.quant = QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0]
         self._quant_parts = {}
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
 
     @staticmethod
