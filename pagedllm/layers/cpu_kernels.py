@@ -1,4 +1,6 @@
-"""Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use.
+"""Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use:
+paged attention (csrc/paged_attention.cpp) and weight-only quantized linears
+(csrc/quant_linear.cpp, AVX2), each its own extension in its own build directory.
 
 The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions/<source hash> (default ~/.cache/pagedllm),
 so only the first start on a machine compiles. If the build fails (no compiler), callers

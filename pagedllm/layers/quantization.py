@@ -29,7 +29,6 @@ DECODE_MAX_ROWS = 16
 # Weight rows dequantized at a time on the GEMM path (a float32 buffer of at most 2048 x K).
 _CHUNK_ROWS = 2048
 
-QuantMethod = Literal["gguf", "int8", "int4", "none"]
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "int4", "none")
 
 _scratch: torch.Tensor | None = None  # the reused float32 buffer of the GEMM path
