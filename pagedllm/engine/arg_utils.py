@@ -33,6 +33,9 @@ class EngineArgs:
     """Reuse the KV blocks of shared prompt prefixes."""
     seed: int = 0
     """Seed for requests without their own seed."""
+    quantization: str | None = None
+    """Weights: gguf (keep a GGUF file's Q4/Q8 types), int8 / int4 (quantize at load), none
+    (dequantize to dtype); default: gguf for GGUF files whose types it supports, else none."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -46,6 +49,9 @@ class EngineArgs:
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
         )
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--quantization", "-q", default=None, choices=["gguf", "int8", "int4", "none"]
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -4,6 +4,7 @@ LLMEngine and the engine-core process behind the server."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,12 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner
 
     t0 = time.monotonic()
-    loaded = load_model(args.model, dtype=args.resolve_dtype(), max_model_len=args.max_model_len)
+    loaded = load_model(
+        args.model,
+        dtype=args.resolve_dtype(),
+        max_model_len=args.max_model_len,
+        quantization=args.quantization,
+    )
     model_config = loaded.model_config
     budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
     block_size = budget_config.block_size
@@ -58,7 +64,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         block_size=block_size,
         max_model_len=model_config.max_model_len,
         enable_caching=args.enable_prefix_caching,
-        hash_extra_keys=(model_config.model, model_config.dtype, block_size),
+        hash_extra_keys=(model_config.model, model_config.dtype, block_size, loaded.quantization),
         group_specs=group_specs,
     )
     max_len = model_config.max_model_len
@@ -73,6 +79,13 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
     # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
     max_concurrency = (num_blocks - 1) / kv_manager.max_blocks_per_request(max_len)
+    free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    logger.info(
+        "weights: %.1f MiB resident (quantization=%s); KV cache budget %.1f MiB of the "
+        "%.1f MiB of memory free after loading",
+        loaded.weight_bytes / 2**20, loaded.quantization,
+        budget_config.kv_cache_memory_bytes / 2**20, free_bytes / 2**20,
+    )
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB per block over %d layers, %s), "
         "group windows %s; %d token slots, max concurrency %.1fx at max_model_len=%d. "

@@ -1,4 +1,6 @@
-"""Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use.
+"""Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use:
+paged attention (csrc/paged_attention.cpp) and weight-only quantized linears
+(csrc/quant_linear.cpp, AVX2), each its own extension in its own build directory.
 
 The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions/<source hash> (default ~/.cache/pagedllm),
 so only the first start on a machine compiles. If the build fails (no compiler), callers
@@ -18,8 +20,11 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp"]
+_QUANT_SOURCES = [_CSRC / "quant_linear.cpp"]
 _module: ModuleType | None = None
 _failed = False
+_quant_module: ModuleType | None = None
+_quant_failed = False
 
 
 def _build_dir(sources: list[Path]) -> str:
@@ -47,7 +52,9 @@ def _local_copies(build_dir: str, sources: list[Path]) -> list[str]:
     return copies
 
 
-def _load_locked(build_dir: str) -> ModuleType:
+def _load_locked(
+    build_dir: str, name: str = "pagedllm_paged_attention", sources: list[Path] = _SOURCES
+) -> ModuleType:
     """Build or load the extension under an flock, which the kernel releases if we die.
 
     torch's own build lock is a plain file: a build killed midway leaves it behind and every
@@ -65,8 +72,8 @@ def _load_locked(build_dir: str) -> ModuleType:
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
             os.remove(stale)
         return load(
-            name="pagedllm_paged_attention",
-            sources=_local_copies(build_dir, _SOURCES),
+            name=name,
+            sources=_local_copies(build_dir, sources),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
@@ -88,3 +95,20 @@ def paged_attention_ops() -> ModuleType | None:
         logger.warning("compiled paged attention unavailable, using torch ops: %s", str(e).splitlines()[0])
         _failed = True
     return _module
+
+
+def quant_linear_ops() -> ModuleType | None:
+    """The compiled weight-only quantized linear kernels (AVX2), or None where unavailable."""
+    global _quant_module, _quant_failed
+    if _quant_module is not None or _quant_failed:
+        return _quant_module
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        _quant_failed = True
+        return None
+    try:
+        build_dir = _build_dir(_QUANT_SOURCES)
+        _quant_module = _load_locked(build_dir, "pagedllm_quant_linear", _QUANT_SOURCES)
+    except Exception as e:  # no compiler or no AVX2: dequantize and use torch matmuls
+        logger.warning("compiled quantized linear unavailable, dequantizing per layer: %s", str(e).splitlines()[0])
+        _quant_failed = True
+    return _quant_module

@@ -1,4 +1,8 @@
-"""Token embedding and the LM head, which may share (tie) the embedding's weight."""
+"""Token embedding and the LM head, which may share (tie) the embedding's weight.
+
+Either may hold a quantized weight (`quant`): a GGUF file's own Q8_0 table, or one quantized
+to int8 at load (`quantize_bits`); a tied head then multiplies with the embedding's.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +11,85 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.kernels import linear_op
+from pagedllm.layers.quantization import (
+    QuantizedWeight,
+    embedding_lookup,
+    quantize,
+    quantized_linear,
+)
 from pagedllm.layers.utils import default_weight_loader, set_weight_loader
 
 
-class VocabEmbedding(nn.Module):
+class _QuantizableTable(nn.Module):
+    """A [rows, hidden] weight that loads as float or as (or into) a QuantizedWeight."""
+
+    def __init__(self, rows: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+        self.quant: QuantizedWeight | None = None
+        self.quantize_bits: int | None = None
+        """8: quantize the float table at load (int8 per group of 32, as GGUF Q8_0)."""
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedWeight, shard_id: object = None
+    ) -> None:
+        if not isinstance(loaded_weight, QuantizedWeight) and not self.quantize_bits:
+            default_weight_loader(param, loaded_weight, shard_id)
+            return
+        assert shard_id is None, f"{type(self).__name__} has no shards, got {shard_id!r}"
+        if tuple(loaded_weight.shape) != tuple(param.shape):
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit "
+                f"parameter of shape {tuple(param.shape)}"
+            )
+        if not isinstance(loaded_weight, QuantizedWeight):
+            loaded_weight = quantize(loaded_weight, self.quantize_bits)  # type: ignore[arg-type]
+        self.quant = loaded_weight
+        # The float table was never written (its pages never touched); drop it.
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+
+
+class VocabEmbedding(_QuantizableTable):
     """Lookup table [vocab_size, hidden_size]."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
+        super().__init__(vocab_size, hidden_size)
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        set_weight_loader(self.weight, default_weight_loader)
+        self.dtype = self.weight.dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] -> [num_tokens, hidden]
+        if self.quant is not None:
+            return embedding_lookup(input_ids, self.quant, self.dtype)
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(_QuantizableTable):
     """hidden -> vocabulary logits; `tie(embedding)` makes it reuse the embedding matrix."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
+        super().__init__(vocab_size, hidden_size)
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        set_weight_loader(self.weight, default_weight_loader)
+        self._tied: list[VocabEmbedding] = []  # a list: not registered as a submodule
 
     def tie(self, embedding: VocabEmbedding) -> None:
         # One tensor for both: the checkpoint stores it once (as the embedding).
         self.weight = embedding.weight
+        self._tied = [embedding]
+
+    def finish_loading(self) -> None:
+        # The embedding may have swapped its float table for a quantized one.
+        if self._tied:
+            self.weight = self._tied[0].weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [N, hidden] -> logits: [N, vocab] in the model dtype
-        return linear_op(hidden_states, self.weight, persistent_weight=True)
+        owner: _QuantizableTable = self._tied[0] if self._tied else self
+        if owner.quant is not None:
+            return quantized_linear(hidden_states, owner.quant)
+        return linear_op(hidden_states, owner.weight, persistent_weight=True)
 
 
 class LearnedPositionEmbedding(nn.Module):

@@ -4,7 +4,10 @@ Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, so
 projections (QKV, gate/up), tensor-parallel sharding and quantized weights change only the
 loaders here, never the model files.
 
-The matmul itself goes through `kernels.linear_op` (zentorch or plain torch, see there).
+The matmul itself goes through `kernels.linear_op` (zentorch or plain torch, see there), or
+`quantization.quantized_linear` once the layer holds a quantized weight: a checkpoint's own
+(`QuantizedWeight` tensors from GGUF) or one quantized from float shards at load
+(`quantize_bits`). Shards load separately and `finish_loading()` joins them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.kernels import clear_weight_caches, linear_op
+from pagedllm.layers.quantization import QuantizedWeight, quantize, quantized_linear
 from pagedllm.layers.utils import set_weight_loader
 
 __all__ = ["Linear", "MergedLinear", "QKVLinear", "linear_op"]
@@ -31,12 +35,51 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
+        self.quant: QuantizedWeight | None = None
+        self.quantize_bits: int | None = None
+        """4 or 8: quantize float weight shards as they load (--quantization int4|int8)."""
+        self._quant_parts: dict[int, QuantizedWeight] = {}  # row offset -> rows loaded so far
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         assert shard_id is None, f"{type(self).__name__} has no shards, got {shard_id!r}"
-        self._copy_rows(param, loaded_weight, 0, param.shape[0])
+        self._load_rows(param, loaded_weight, 0, self.out_features)
+
+    def _load_rows(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedWeight, offset: int, size: int
+    ) -> None:
+        is_quant = isinstance(loaded_weight, QuantizedWeight)
+        if param is not self.weight or not (is_quant or self.quantize_bits):
+            assert not is_quant, "a quantized tensor can only load into a weight"
+            self._copy_rows(param, loaded_weight, offset, size)  # type: ignore[arg-type]
+            return
+        if tuple(loaded_weight.shape) != (size, self.in_features):
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit rows "
+                f"[{offset}, {offset + size}) of a weight of shape {(self.out_features, self.in_features)}"
+            )
+        if not is_quant:
+            assert self.quantize_bits in (4, 8)
+            loaded_weight = quantize(loaded_weight, self.quantize_bits)  # type: ignore[arg-type]
+        self._quant_parts[offset] = loaded_weight  # type: ignore[assignment]
+
+    def finish_loading(self) -> None:
+        """Join the quantized shards into one weight and drop the (never written) float one."""
+        if not self._quant_parts:
+            return
+        offsets = sorted(self._quant_parts)
+        parts = [self._quant_parts[o] for o in offsets]
+        starts = [0, *(sum(p.shape[0] for p in parts[: i + 1]) for i in range(len(parts)))]
+        if offsets != starts[:-1] or starts[-1] != self.out_features:
+            raise ValueError(
+                f"a fused layer got quantized rows at offsets {offsets} but float rows elsewhere; "
+                "load it all quantized or all float (--quantization none)"
+            )
+        self.quant = QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0]
+        self._quant_parts = {}
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
 
     @staticmethod
     def _copy_rows(
@@ -54,10 +97,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.quant is not None:
+            return quantized_linear(x, self.quant, self.bias)
         return linear_op(x, self.weight, self.bias, persistent_weight=True)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        quant = "" if self.quant is None else f", int{self.quant.bits}"
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{quant}"
 
 
 class MergedLinear(Linear):
@@ -77,7 +123,7 @@ class MergedLinear(Linear):
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         offset = sum(self.output_sizes[:shard_id])
-        self._copy_rows(param, loaded_weight, offset, self.output_sizes[shard_id])
+        self._load_rows(param, loaded_weight, offset, self.output_sizes[shard_id])
 
 
 class QKVLinear(Linear):
@@ -104,7 +150,7 @@ class QKVLinear(Linear):
         if shard_id not in self._shards:
             raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
         offset, size = self._shards[shard_id]  # type: ignore[index]
-        self._copy_rows(param, loaded_weight, offset, size)
+        self._load_rows(param, loaded_weight, offset, size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # qkv: [T, q_size + 2 * kv_size] -> q: [T, q_size], k, v: [T, kv_size]

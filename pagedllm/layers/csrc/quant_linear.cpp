@@ -1,0 +1,163 @@
+// Weight-only quantized linear layers for x86 CPUs with AVX2 (no AVX-512 needed).
+//
+// Weights stay quantized in memory; each group of 32 consecutive input columns of a row is
+// dequantized in registers to float32 and multiplied with float32 activations, so the result
+// equals F.linear over the dequantized weight up to summation order (no activation rounding).
+//
+// Layouts (N output rows, K input columns, G = K / 32 groups per row):
+//   int4: qweight uint8 [N, K / 2]; group g of row n is bytes [16 g, 16 g + 16): byte i holds
+//         element i in its low nibble and element i + 16 in its high nibble (GGUF Q4_0/Q4_1's
+//         own order). w = q * scale + zero, q in [0, 15]; scale, zero float32 [N, G].
+//   int8: qweight int8 [N, K]; w = q * scale; scale float32 [N, G].
+// A tile of up to 4 activation rows shares each dequantized group, so small batches read
+// the weights once.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+namespace {
+
+constexpr int kGroup = 32;
+constexpr int kRowTile = 4;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 weights of one int4 group as float32, in element order.
+inline void dequant_int4(const uint8_t* q, float scale, float zero, __m256 w[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);                     // elements 0..15
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // elements 16..31
+  const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero);
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, z);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, z);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, z);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, z);
+}
+
+// The 32 weights of one int8 group as float32, in element order.
+inline void dequant_int8(const int8_t* q, float scale, __m256 w[4]) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int j = 0; j < 4; ++j) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+    w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+  }
+}
+
+// y[m, n] for rows m0 .. m0 + MT of x and one weight row n.
+template <int MT, bool INT4>
+inline void row_dot(const float* x, int64_t ldx, const uint8_t* qrow, const float* srow,
+                    const float* zrow, int64_t groups, float* y, int64_t ldy) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (INT4) {
+      dequant_int4(qrow + g * (kGroup / 2), srow[g], zrow[g], w);
+    } else {
+      dequant_int8(reinterpret_cast<const int8_t*>(qrow) + g * kGroup, srow[g], w);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float* xg = x + m * ldx + g * kGroup;
+      for (int j = 0; j < 4; ++j) acc[m] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(acc[m]);
+}
+
+template <bool INT4>
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight,
+                           const torch::Tensor& scales, const torch::Tensor& zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous(), "scales: float32");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  const int64_t groups = K / kGroup;
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (INT4 ? K / 2 : K), "qweight shape");
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == groups, "scales must be [N, K / 32]");
+  if (INT4) {
+    TORCH_CHECK(zeros.scalar_type() == torch::kFloat32 && zeros.is_contiguous() &&
+                    zeros.size(0) == N && zeros.size(1) == groups, "zeros must be float32 [N, K / 32]");
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t qstride = INT4 ? K / 2 : K;
+  // Rows of the weight are split across threads; each thread walks its rows once per tile
+  // of activation rows, so a weight row is read ceil(M / 4) times.
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* qrow = qp + n * qstride;
+    const float* srow = sp + n * groups;
+    const float* zrow = INT4 ? zp + n * groups : nullptr;
+    int64_t m = 0;
+    for (; m + kRowTile <= M; m += kRowTile)
+      row_dot<kRowTile, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N);
+    switch (M - m) {
+      case 3: row_dot<3, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
+      case 2: row_dot<2, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
+      case 1: row_dot<1, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
+      default: break;
+    }
+  }
+  return y;
+}
+
+// Rows [row0, row0 + out.size(0)) of the dequantized weight into `out` (float32 [R, K]).
+template <bool INT4>
+void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
+                     const torch::Tensor& zeros, int64_t row0, torch::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t R = out.size(0), K = out.size(1), groups = K / kGroup;
+  TORCH_CHECK(row0 >= 0 && row0 + R <= qweight.size(0), "rows out of range");
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t qstride = INT4 ? K / 2 : K;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = row0 + r;
+    __m256 w[4];
+    for (int64_t g = 0; g < groups; ++g) {
+      if constexpr (INT4) {
+        dequant_int4(qp + n * qstride + g * (kGroup / 2), sp[n * groups + g], zp[n * groups + g], w);
+      } else {
+        dequant_int8(reinterpret_cast<const int8_t*>(qp) + n * qstride + g * kGroup, sp[n * groups + g], w);
+      }
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(op + r * K + g * kGroup + 8 * j, w[j]);
+    }
+  }
+}
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
+  return quant_linear<true>(x, q, s, z);
+}
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
+  return quant_linear<false>(x, q, s, s);
+}
+void int4_dequantize_rows(torch::Tensor q, torch::Tensor s, torch::Tensor z, int64_t row0, torch::Tensor out) {
+  dequantize_rows<true>(q, s, z, row0, out);
+}
+void int8_dequantize_rows(torch::Tensor q, torch::Tensor s, int64_t row0, torch::Tensor out) {
+  dequantize_rows<false>(q, s, s, row0, out);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "x [M, K] @ dequant(int4 weight [N, K]).T -> [M, N]");
+  m.def("int8_linear", &int8_linear, "x [M, K] @ dequant(int8 weight [N, K]).T -> [M, N]");
+  m.def("int4_dequantize_rows", &int4_dequantize_rows, "rows of the int4 weight as float32");
+  m.def("int8_dequantize_rows", &int8_dequantize_rows, "rows of the int8 weight as float32");
+}

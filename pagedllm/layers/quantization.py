@@ -1,0 +1,198 @@
+"""Weight-only quantized weights (int8 and 4-bit, groups of 32 input columns) and their matmul.
+
+A `QuantizedWeight` holds a [N, K] weight as integers plus float32 scales (and zeros for
+4-bit) per group of 32 consecutive columns of a row: GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K map onto
+it exactly, and `--quantization int8|int4` produce it from float weights at load.
+
+The matmul (`quantized_linear`) switches by the number of activation rows M:
+- M <= DECODE_MAX_ROWS: the compiled AVX2 kernel (csrc/quant_linear.cpp) reads the weight once
+  per 4 rows and dequantizes in registers (batch 1 to 16: decode).
+- larger M (prefill, big batches): dequantize up to `_CHUNK_ROWS` weight rows at a time into
+  one reused float32 buffer and multiply with torch's GEMM, which beats the kernel there.
+Measured (2-core AVX2 EPYC, loaded by other agents, 1 thread, ms per [3072, 576] layer):
+M=1 f32 1.32 / int8 kernel 0.55 / int4 kernel 0.68; M=8 2.82 / 1.28 / 1.23;
+M=32 5.78 / 7.17 / 7.20 (dequant + GEMM 7.18); M=128 21.2 / 34.5 / 35.7 (dequant + GEMM 20.7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from pagedllm.layers.cpu_kernels import quant_linear_ops
+
+GROUP_SIZE = 32
+# Above this many activation rows, dequantize-then-GEMM beats the quantized kernel.
+DECODE_MAX_ROWS = 16
+# Weight rows dequantized at a time on the GEMM path (a float32 buffer of at most 2048 x K).
+_CHUNK_ROWS = 2048
+
+QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "int4", "none")
+
+_scratch: torch.Tensor | None = None  # the reused float32 buffer of the GEMM path
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [N, K] weight: w[n, 32 g + i] = q * scales[n, g] (+ zeros[n, g] for 4-bit)."""
+
+    bits: Literal[4, 8]
+    qweight: torch.Tensor
+    """4-bit: uint8 [N, K / 2], per group byte i = element i | element (i + 16) << 4, q in
+    [0, 15]; 8-bit: int8 [N, K]."""
+    scales: torch.Tensor
+    """float32 [N, K / 32]"""
+    zeros: torch.Tensor | None
+    """4-bit only: float32 [N, K / 32]"""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, g = self.scales.shape
+        return int(n), int(g) * GROUP_SIZE
+
+    @property
+    def nbytes(self) -> int:
+        zeros = 0 if self.zeros is None else self.zeros.nbytes
+        return self.qweight.nbytes + self.scales.nbytes + zeros
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight of rows `index` (a permutation, or the rows an embedding looks up)."""
+        zeros = None if self.zeros is None else self.zeros[index]
+        return QuantizedWeight(self.bits, self.qweight[index], self.scales[index], zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] (torch formulation; the kernel's chunks agree with it exactly)."""
+        n, k = self.shape
+        if self.bits == 8:
+            q = self.qweight.float().view(n, -1, GROUP_SIZE)
+            return (q * self.scales[..., None]).view(n, k)
+        assert self.zeros is not None
+        packed = self.qweight.view(n, -1, GROUP_SIZE // 2)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # [N, G, 32]
+        return torch.addcmul(self.zeros[..., None], q, self.scales[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of `parts` stacked in order (fused QKV or gate/up)."""
+        bits = {p.bits for p in parts}
+        if len(bits) != 1:
+            raise ValueError(
+                f"fused projection mixes {sorted(bits)}-bit quantized parts; a GGUF file must "
+                "store the parts of one fused layer in the same bit width (use --quantization none)"
+            )
+        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])  # type: ignore[misc]
+        return QuantizedWeight(
+            parts[0].bits,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            zeros,
+        )
+
+
+def _groups(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"cannot quantize a weight with {k} input columns: not a multiple of {GROUP_SIZE}")
+    return w.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 per group of 32 (as GGUF Q8_0): scale = absmax / 127."""
+    g = _groups(w)
+    scales = g.abs().amax(-1) / 127.0
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(8, q.view(w.shape[0], -1), scales.contiguous(), None)
+
+
+def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
+    """Asymmetric 4-bit per group of 32 (as GGUF Q4_1): w ~ q * (max - min) / 15 + min."""
+    g = _groups(w)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = (hi - lo) / 15.0
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round((g - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(4, pack_int4(q), scales.contiguous(), lo.contiguous())
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: uint8 [N, G, 32] in [0, 15] -> uint8 [N, G * 16] in the kernel's nibble order."""
+    n = q.shape[0]
+    return (q[..., : GROUP_SIZE // 2] | (q[..., GROUP_SIZE // 2 :] << 4)).reshape(n, -1).contiguous()
+
+
+def quantize(w: torch.Tensor, bits: Literal[4, 8]) -> QuantizedWeight:
+    return quantize_int8(w) if bits == 8 else quantize_int4(w)
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [..., K] -> [..., N]; computed in float32, returned in x's dtype."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
+    ops = quant_linear_ops()
+    if ops is not None and 0 < x2.shape[0] <= DECODE_MAX_ROWS:
+        if weight.bits == 8:
+            y = ops.int8_linear(x2, weight.qweight, weight.scales)
+        else:
+            y = ops.int4_linear(x2, weight.qweight, weight.scales, weight.zeros)
+    else:
+        y = _dequantize_gemm(x2, weight)
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).view(*lead, n)
+
+
+def _dequantize_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x: [M, K] float32 -> [M, N], dequantizing a chunk of weight rows at a time."""
+    global _scratch
+    n, k = weight.shape
+    rows = min(n, _CHUNK_ROWS)
+    if _scratch is None or _scratch.numel() < rows * k:
+        _scratch = torch.empty(rows * k)
+    y = torch.empty(x.shape[0], n)
+    ops = quant_linear_ops()
+    for start in range(0, n, rows):
+        size = min(rows, n - start)
+        buf = _scratch[: size * k].view(size, k)
+        if ops is None:
+            part = QuantizedWeight(
+                weight.bits,
+                weight.qweight[start : start + size],
+                weight.scales[start : start + size],
+                None if weight.zeros is None else weight.zeros[start : start + size],
+            )
+            buf.copy_(part.dequantize())
+        elif weight.bits == 8:
+            ops.int8_dequantize_rows(weight.qweight, weight.scales, start, buf)
+        else:
+            ops.int4_dequantize_rows(weight.qweight, weight.scales, weight.zeros, start, buf)
+        torch.mm(x, buf.t(), out=y[:, start : start + size])
+    return y
+
+
+def embedding_lookup(input_ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    # input_ids: [T] -> [T, K]: only the looked-up rows are dequantized.
+    return weight.rows(input_ids).dequantize().to(dtype)
+
+
+def module_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter, buffer and quantized weight of `module`."""
+    seen: set[int] = set()
+    total = 0
+    tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    for sub in module.modules():
+        qw = getattr(sub, "quant", None)
+        if isinstance(qw, QuantizedWeight):
+            tensors += [qw.qweight, qw.scales] + ([] if qw.zeros is None else [qw.zeros])
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.numel() == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
