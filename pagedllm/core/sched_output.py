@@ -51,6 +51,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) physical blocks: copy src's KV into dst in every layer before the forward
     (copy-on-write of a shared, partly filled block)."""
+    kv_slots_to_release: list[int] = field(default_factory=list)
+    """vattention backend: slots whose pages the runner releases (madvise) before the forward."""
 
     @property
     def is_empty(self) -> bool:
