@@ -121,9 +121,10 @@ class VAttentionKVManager:
                 return None
             slot = self._best_fit(need)
         extra = self.num_regions * max(0, need - self._resident[slot])
-        if extra > self.num_free_blocks:
+        unmapped = self.num_pages - self._used_pages
+        if extra > unmapped:
             reclaimable = sorted((s for s in self._idle if s != slot), key=lambda s: -self._resident[s])
-            short = extra - self.num_free_blocks
+            short = extra - unmapped
             if short > self.num_regions * sum(self._resident[s] for s in reclaimable):
                 return None
             for s in reclaimable:
@@ -186,17 +187,20 @@ class VAttentionKVManager:
     # ---- pool state and stats ----------------------------------------------------------
 
     @property
+    def _idle_pages(self) -> int:
+        return self.num_regions * sum(self._resident[s] for s in self._idle)
+
+    @property
     def usage(self) -> float:
         """Fraction of the page budget charged to slots in use (idle slots' pages count as
         free: they are released on demand)."""
-        idle = self.num_regions * sum(self._resident[s] for s in self._idle)
-        return (self._used_pages - idle) / self.num_pages if self.num_pages else 0.0
+        return (self._used_pages - self._idle_pages) / self.num_pages if self.num_pages else 0.0
 
     @property
     def num_free_blocks(self) -> int:
-        """Pages of the budget not resident in any slot (idle slots' pages are not free
-        until released)."""
-        return self.num_pages - self._used_pages
+        """Pages that can be handed out now: never resident, or resident in an idle slot
+        (released on demand), as the paged pool counts its cached free blocks."""
+        return self.num_pages - self._used_pages + self._idle_pages
 
     @property
     def resident_bytes(self) -> int:
