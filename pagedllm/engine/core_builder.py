@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import EngineConfig, ModelConfig, parse_bytes
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, parse_bytes
 from pagedllm.core.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
@@ -41,6 +41,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner
 
     t0 = time.monotonic()
+    # Settings that cannot work together fail before the model loads.
+    CacheConfig(enable_prefix_caching=args.resolve_prefix_caching(), kv_cache_backend=args.kv_cache_backend)
     loaded = load_model(args.model, dtype=args.resolve_dtype(), max_model_len=args.max_model_len)
     model_config = loaded.model_config
     budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
