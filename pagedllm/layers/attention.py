@@ -6,6 +6,9 @@ forward context, set by the model runner around the forward pass.
 
 KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (K at index 0, V at index 1). A token's slot is `block_id * block_size + offset`.
+The vattention backend's layout is `[2, num_slots, capacity, num_kv_heads, head_dim]`: the
+metadata then carries each request's slot (`slots`), a token's row is `slot * capacity +
+position`, and a request's context is the contiguous slice `cache[:, slot, :seq_len]`.
 
 Backends (select with `PAGEDLLM_ATTENTION_BACKEND` or `set_attention_backend`):
 - "torch": decodes in one call of the compiled paged kernel (or, where it cannot be built,
