@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=4224)
-    parser.add_argument("--kv-cache-memory-bytes", default="2GiB")
+    parser.add_argument("--kv-cache-memory-bytes", default="768MiB")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=64)
@@ -146,7 +146,11 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096")
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
-    results = [bench_config(name, args) for name in args.configs.split(",")]
+    results = []
+    for name in args.configs.split(","):
+        results.append(bench_config(name, args))
+        r = results[-1]
+        print(name, {k: v for k, v in r.items() if k != "outputs"}, flush=True)
     ref = results[0]["outputs"]
     steps = "".join(f" decode step {c} ctx (ms) |" for c in args.contexts)
     print(f"| config | output tok/s | total tok/s |{steps} "
