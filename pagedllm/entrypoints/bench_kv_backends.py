@@ -45,7 +45,8 @@ def bench_config(name: str, args: argparse.Namespace) -> dict:
 
     llm = LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=False,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs, **CONFIGS[name],
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, **CONFIGS[name],
     )
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4224)
     parser.add_argument("--kv-cache-memory-bytes", default="768MiB")
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--decode-batch", type=int, default=4)
