@@ -30,8 +30,6 @@ Not supported (no physical page can be shared between slots): prefix caching, an
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from pagedllm.core.kv_cache_manager import KVCacheBlock, KVFigures, cdiv
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.request import Request
@@ -76,7 +74,6 @@ class VAttentionKVManager:
         self.last_copied_blocks: list[tuple[int, int]] = []
         self.bytes_per_token = token_bytes * num_regions  # K and V over every layer
         self._slot_of: dict[str, int] = {}  # request id -> slot
-        self._tokens = [0] * num_slots  # tokens written (or being written this step) per slot
         self._resident = [0] * num_slots  # resident pages per region, per slot
         self._idle = set(range(num_slots))
         self._used_pages = 0  # num_regions * sum(_resident)
@@ -137,7 +134,6 @@ class VAttentionKVManager:
             self._slot_of[rid] = slot
         self._used_pages += self.num_regions * max(0, need - self._resident[slot])
         self._resident[slot] = max(need, self._resident[slot])
-        self._tokens[slot] = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
         return [[slot]] if new else [[]]
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -149,7 +145,6 @@ class VAttentionKVManager:
         slot = self._slot_of.pop(request.request_id, None)
         if slot is None:
             return
-        self._tokens[slot] = 0
         self._idle.add(slot)
         if not self.deferred_reclaim:
             self._release(slot)
@@ -207,10 +202,6 @@ class VAttentionKVManager:
         """Bytes of KV pages resident by the engine's accounting (idle slots included)."""
         return self._used_pages * self.page_bytes
 
-    def token_bytes_held(self) -> int:
-        """Bytes of the resident pages that hold tokens of requests in their slots."""
-        return sum(self._tokens) * self.bytes_per_token
-
     def reset_prefix_cache(self) -> bool:
         return True  # nothing is cached
 
@@ -244,6 +235,3 @@ def vattention_layout(
 
     step = align_bytes // math.gcd(align_bytes, token_bytes)
     return cdiv(max_model_len, step) * step
-
-
-__all__: Sequence[str] = ("VAttentionKVManager", "FORK_UNSUPPORTED", "vattention_layout")

@@ -80,11 +80,6 @@ class VAttentionKVCache:
                     start = self.offset + layer * self.layer_bytes + (kv * self.num_slots + slot) * self.span_bytes
                     self.mm.madvise(mmap.MADV_DONTNEED, start, self.span_bytes)
 
-    def copy_slot(self, src: int, dst: int, num_tokens: int) -> None:
-        """Copy the first ``num_tokens`` tokens' K and V of slot src into dst, every layer."""
-        for cache in self.caches:
-            cache[:, dst, :num_tokens] = cache[:, src, :num_tokens]
-
 
 def mapping_rss_bytes(start: int, end: int) -> int:
     """Rss of the mappings inside [start, end) per /proc/self/smaps (Linux), in bytes."""
