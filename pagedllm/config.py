@@ -13,6 +13,8 @@ GiB = 1 << 30
 
 DType = Literal["float32", "bfloat16"]
 
+KV_CACHE_BACKENDS = ("paged", "vattention")
+
 
 def parse_bytes(value: int | str) -> int:
     """Parse a byte count: an int, or a string such as "4GiB", "512MiB", "2GB", "1e9"."""
@@ -64,8 +66,21 @@ class CacheConfig:
     """Byte budget of the KV pool (as vLLM's CPU backend's default of 4 GiB)."""
     enable_prefix_caching: bool = True
     """Reuse cached KV blocks of shared prompt prefixes."""
+    kv_cache_backend: str = "paged"
+    """"paged" (blocks and block tables) or "vattention" (per-request contiguous slots of
+    reserved address space, pages on demand; no sharing, so no prefix caching or forks)."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_backend not in KV_CACHE_BACKENDS:
+            raise ValueError(
+                f"kv_cache_backend={self.kv_cache_backend!r} is not one of {', '.join(KV_CACHE_BACKENDS)}"
+            )
+        if self.kv_cache_backend == "vattention" and self.enable_prefix_caching:
+            raise ValueError(
+                "prefix caching shares KV blocks between requests, which the vattention KV backend "
+                "cannot (each request owns a contiguous slot); drop enable_prefix_caching=True "
+                "(--no-enable-prefix-caching) or use kv_cache_backend='paged'"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two")
         if self.kv_cache_memory_bytes <= 0:

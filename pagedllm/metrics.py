@@ -47,6 +47,13 @@ class EngineMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.")
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV blocks free (cached or not).")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "Usable KV blocks in the pool.")
+        # KV memory, both backends (paged: blocks held; vattention: pages charged).
+        self.kv_cache_resident_bytes = gauge(
+            "kv_cache_resident_bytes", "KV cache bytes resident by the engine's accounting.")
+        self.kv_cache_token_bytes = gauge(
+            "kv_cache_token_bytes", "Resident KV cache bytes holding computed tokens.")
+        self.kv_cache_fragmentation_ratio = gauge(
+            "kv_cache_fragmentation_ratio", "Share of resident KV cache bytes holding no token.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
@@ -64,6 +71,8 @@ class EngineMetrics:
         # Create every labelled child now, so each series is exported from the start.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
                        self.kv_cache_free_blocks, self.kv_cache_total_blocks, self.prompt_tokens,
+                       self.kv_cache_resident_bytes, self.kv_cache_token_bytes,
+                       self.kv_cache_fragmentation_ratio,
                        self.generation_tokens, self.num_preemptions, self.prefix_cache_queries,
                        self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
                        self.e2e_request_latency, self.request_queue_time):
@@ -93,6 +102,9 @@ class EngineMetrics:
         self._l(self.kv_cache_usage_perc).set(s.kv_cache_usage)
         self._l(self.kv_cache_free_blocks).set(stats.num_free_blocks)
         self._l(self.kv_cache_total_blocks).set(stats.num_total_blocks)
+        self._l(self.kv_cache_resident_bytes).set(s.kv_resident_bytes)
+        self._l(self.kv_cache_token_bytes).set(s.kv_token_bytes)
+        self._l(self.kv_cache_fragmentation_ratio).set(s.kv_fragmentation)
         if s.num_preemptions > self._last_preemptions:
             self._l(self.num_preemptions).inc(s.num_preemptions - self._last_preemptions)
             self._last_preemptions = s.num_preemptions

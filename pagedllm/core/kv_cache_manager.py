@@ -317,7 +317,26 @@ class KVCacheManager:
         req = self._requests.get(request_id)
         return len(req.blocks[0]) if req is not None else 0
 
+    # ---- the hooks the vattention backend's manager gives meaning to ------------------
+
+    def check_request(self, request: Request) -> None:
+        """Every request is supported (core/vattention_manager.py refuses sequence groups)."""
+
+    def take_slots_to_release(self) -> list[int]:
+        """Paged blocks are reused in place: nothing for the runner to release."""
+        return []
+
     # ---- pool state and stats ----------------------------------------------------------
+
+    bytes_per_block = 0
+    """Bytes of one block over its group's layers, K and V (set by the engine builder)."""
+    bytes_per_token = 0
+    """Bytes of one token's K and V over every layer (set by the engine builder)."""
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the blocks held by requests (the pool's memory in use)."""
+        return (self.num_blocks - 1 - self.block_pool.get_num_free_blocks()) * self.bytes_per_block
 
     @property
     def usage(self) -> float:

@@ -65,3 +65,15 @@ class SchedulerStats:
     """Preemptions since the scheduler started (a counter, never reset)."""
     prefix_cache_stats: PrefixCacheStats
     """Lookups since the previous ``get_stats()`` call (an interval, reset by each call)."""
+    kv_resident_bytes: int = 0
+    """KV memory in use by the engine's accounting: blocks held (paged) or pages charged,
+    idle slots' included (vattention)."""
+    kv_token_bytes: int = 0
+    """Of it, bytes holding computed tokens of running requests (K and V, every layer)."""
+
+    @property
+    def kv_fragmentation(self) -> float:
+        """Internal fragmentation: the share of resident KV bytes holding no token."""
+        if self.kv_resident_bytes <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.kv_token_bytes / self.kv_resident_bytes)

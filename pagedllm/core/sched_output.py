@@ -58,6 +58,8 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None
     """Allowed tokens of the constrained requests that sample this step (set by the engine
     core's StructuredOutputManager after scheduling); the runner masks their logits."""
+    kv_slots_to_release: list[int] = field(default_factory=list)
+    """vattention backend: slots whose pages the runner releases (madvise) before the forward."""
 
     @property
     def is_empty(self) -> bool:

@@ -73,6 +73,7 @@ class Scheduler:
                 f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens; "
                 f"it needs at least 1 and fewer than max_model_len={self.max_model_len}"
             )
+        self.kv_cache_manager.check_request(request)
         num_seqs = 1 + len(request.pending_forks)
         if num_seqs > self.max_num_seqs:
             raise ValueError(
@@ -172,6 +173,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
             finished_req_ids=self.finished_req_ids,
             blocks_to_copy=step.blocks_to_copy,
+            kv_slots_to_release=self.kv_cache_manager.take_slots_to_release(),
         )
         self.finished_req_ids = set()
         return output
@@ -364,6 +366,8 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            kv_resident_bytes=self.kv_cache_manager.resident_bytes,
+            kv_token_bytes=sum(r.num_computed_tokens for r in self.running) * self.kv_cache_manager.bytes_per_token,
         )
 
     # ---- internals ---------------------------------------------------------------------

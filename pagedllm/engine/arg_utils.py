@@ -29,8 +29,16 @@ class EngineArgs:
     """Most requests running at once."""
     max_num_batched_tokens: int | None = None
     """Most tokens in one engine step (default: max(4096, max_num_seqs))."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV blocks of shared prompt prefixes."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV blocks of shared prompt prefixes (default: on for the paged backend,
+    off for vattention, which refuses it)."""
+    kv_cache_backend: str = "paged"
+    """"paged" or "vattention" (README: KV cache backends)."""
+    vattention_hugepages: bool = False
+    """vattention: back the slots with transparent huge pages (2 MiB accounting pages)."""
+    vattention_deferred_reclaim: bool = True
+    """vattention: keep a finished request's pages for the next request in its slot and
+    release them (madvise) only when the budget needs them."""
     seed: int = 0
     """Seed for requests without their own seed."""
     quantization: str | None = None
@@ -46,7 +54,14 @@ class EngineArgs:
         parser.add_argument("--max-num-seqs", type=int, default=256)
         parser.add_argument("--max-num-batched-tokens", type=int, default=None)
         parser.add_argument(
-            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
+        )
+        parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "vattention"])
+        parser.add_argument(
+            "--vattention-hugepages", action=argparse.BooleanOptionalAction, default=False
+        )
+        parser.add_argument(
+            "--vattention-deferred-reclaim", action=argparse.BooleanOptionalAction, default=True
         )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
@@ -57,6 +72,11 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+    def resolve_prefix_caching(self) -> bool:
+        if self.enable_prefix_caching is None:
+            return self.kv_cache_backend == "paged"
+        return self.enable_prefix_caching
 
     def resolve_dtype(self) -> str:
         if self.dtype in ("float32", "bfloat16"):
@@ -78,7 +98,8 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory_bytes),
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.resolve_prefix_caching(),
+                kv_cache_backend=self.kv_cache_backend,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

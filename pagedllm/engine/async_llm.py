@@ -156,6 +156,10 @@ class AsyncLLM:
         else:
             text = prompt if isinstance(prompt, str) else None
         max_tokens = self.input_processor.validate(prompt_token_ids, params)
+        if params.n > 1 and self.config is not None and self.config.cache_config.kv_cache_backend == "vattention":
+            from pagedllm.core.vattention_manager import FORK_UNSUPPORTED
+
+            raise ValueError(f"n={params.n}: {FORK_UNSUPPORTED}")
         assert self.output_processor is not None
         request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,

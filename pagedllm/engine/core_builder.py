@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, parse_bytes
 from pagedllm.core.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
@@ -43,6 +43,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner
 
     t0 = time.monotonic()
+    # Settings that cannot work together fail before the model loads.
+    CacheConfig(enable_prefix_caching=args.resolve_prefix_caching(), kv_cache_backend=args.kv_cache_backend)
     loaded = load_model(
         args.model,
         dtype=args.resolve_dtype(),
@@ -51,6 +53,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     )
     model_config = loaded.model_config
     budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
+    if budget_config.kv_cache_backend == "vattention":
+        return _build_vattention(args, loaded, t0)
     block_size = budget_config.block_size
     # Equal-sized KV cache groups per attention type (full, sliding window); a block spans
     # one layer slice per layer of a group (worker/kv_cache.py).
@@ -63,7 +67,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         num_blocks=num_blocks,
         block_size=block_size,
         max_model_len=model_config.max_model_len,
-        enable_caching=args.enable_prefix_caching,
+        enable_caching=budget_config.enable_prefix_caching,
         hash_extra_keys=(model_config.model, model_config.dtype, block_size, loaded.quantization),
         group_specs=group_specs,
     )
@@ -75,6 +79,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         max_len,
         budget_config.kv_cache_memory_bytes,
     )
+    kv_manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots)
+    kv_manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers))
     scheduler = Scheduler(config.scheduler_config, kv_manager)
     runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
     # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
@@ -98,6 +104,64 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         engine_core=EngineCore(scheduler, runner, structured_output=StructuredOutputManager(
             loaded.tokenizer, model_config.vocab_size, model_config.eos_token_ids,
         )),
+        scheduler=scheduler,
+        tokenizer=loaded.tokenizer,
+        model_config=model_config,
+        config=config,
+        model_dir=loaded.model_dir,
+    )
+
+
+def _build_vattention(args: EngineArgs, loaded: Any, t0: float) -> BuiltEngine:
+    """The vattention backend: per layer, K and V regions of max_num_seqs slots reserved
+    (worker/vattention_kv.py); the same page budget kept by VAttentionKVManager."""
+    from pagedllm.core.vattention_manager import VAttentionKVManager, vattention_layout
+    from pagedllm.worker.kv_cache import _DTYPE_BYTES, attention_layers
+    from pagedllm.worker.model_runner import ModelRunner, VAttentionLayout
+    from pagedllm.worker.vattention_kv import HUGE, SMALL_PAGE
+
+    model_config = loaded.model_config
+    layers = attention_layers(loaded.model)
+    token_bytes = model_config.num_kv_heads * model_config.head_dim * _DTYPE_BYTES[model_config.dtype]
+    max_len = model_config.max_model_len
+    capacity = vattention_layout(token_bytes, max_len, HUGE)
+    page_bytes = HUGE if args.vattention_hugepages else SMALL_PAGE
+    budget = parse_bytes(args.kv_cache_memory_bytes)
+    num_pages = budget // page_bytes
+    config = args.create_engine_config(model_config, num_blocks=num_pages + 1)
+    num_slots = config.scheduler_config.max_num_seqs
+    kv_manager = VAttentionKVManager(
+        num_pages=num_pages,
+        page_bytes=page_bytes,
+        token_bytes=token_bytes,
+        num_regions=2 * len(layers),
+        num_slots=num_slots,
+        slot_capacity=capacity,
+        max_model_len=max_len,
+        deferred_reclaim=args.vattention_deferred_reclaim,
+    )
+    needed = kv_manager.max_blocks_per_request(max_len)
+    if num_pages < needed:
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds {num_pages} pages of {page_bytes} bytes, "
+            f"fewer than the {needed} pages one request of max_model_len={max_len} needs with the "
+            f"vattention backend; raise kv_cache_memory_bytes (--kv-cache-memory-bytes) or lower "
+            f"max_model_len (--max-model-len)"
+        )
+    scheduler = Scheduler(config.scheduler_config, kv_manager)
+    layout = VAttentionLayout(num_slots, capacity, args.vattention_hugepages)
+    runner = ModelRunner(loaded.model, model_config, 1, 0, seed=args.seed, vattention=layout)
+    logger.info(
+        "KV cache (vattention): %d slots x %d tokens reserved (%.1f GiB of address space over %d "
+        "layers, %s); budget %d pages of %d KiB%s, max concurrency %.1fx at max_model_len=%d. "
+        "Ready in %.1f s.",
+        num_slots, capacity, 2 * len(layers) * num_slots * capacity * token_bytes / 2**30, len(layers),
+        model_config.dtype, num_pages, page_bytes // 1024,
+        " (transparent huge pages)" if args.vattention_hugepages else "",
+        num_pages / needed, max_len, time.monotonic() - t0,
+    )
+    return BuiltEngine(
+        engine_core=EngineCore(scheduler, runner),
         scheduler=scheduler,
         tokenizer=loaded.tokenizer,
         model_config=model_config,

@@ -23,7 +23,9 @@ class LLM:
 
     Engine arguments are named like vLLM's: ``max_model_len``, ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``dtype``,
-    ``seed``, ``enable_prefix_caching``, ``quantization``.
+    ``seed``, ``enable_prefix_caching``, ``quantization``; ``kv_cache_backend`` ("paged" or
+    "vattention", with ``vattention_hugepages`` and ``vattention_deferred_reclaim``: README, KV
+    cache backends).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:

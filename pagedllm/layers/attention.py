@@ -6,6 +6,9 @@ forward context, set by the model runner around the forward pass.
 
 KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (K at index 0, V at index 1). A token's slot is `block_id * block_size + offset`.
+The vattention backend's layout is `[2, num_slots, capacity, num_kv_heads, head_dim]`: the
+metadata then carries each request's slot (`slots`), a token's row is `slot * capacity +
+position`, and a request's context is the contiguous slice `cache[:, slot, :seq_len]`.
 
 Backends (select with `PAGEDLLM_ATTENTION_BACKEND` or `set_attention_backend`):
 - "torch": decodes in one call of the compiled paged kernel (or, where it cannot be built,
@@ -41,6 +44,10 @@ class AttentionMetadata:
     seq_lens_list: list[int]  # seq_lens as Python ints
     num_decodes: int  # the first num_decodes requests have exactly one query token
     block_size: int
+    slots: torch.Tensor | None = None
+    """vattention backend: [num_reqs] int64, each request's slot (block_tables is then empty;
+    the cache is [2, num_slots, capacity, Hkv, D] and a request's KV is cache[:, slot, :len])."""
+    slots_list: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -134,6 +141,18 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
+def _context(
+    kv_cache: torch.Tensor, md: AttentionMetadata, i: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request i's K and V over positions [0, seq_len): [seq_len, Hkv, D] each. vattention:
+    plain views of its slot (no copy); paged: gathered through its block table."""
+    if md.slots_list is not None:
+        slot = md.slots_list[i]
+        return kv_cache[0, slot, :seq_len], kv_cache[1, slot, :seq_len]
+    num_blocks = (seq_len + md.block_size - 1) // md.block_size
+    return _gather_context(kv_cache, md.block_tables[i, :num_blocks], seq_len)
+
+
 def _gather_context(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,8 +198,7 @@ def torch_attention(
             # A first chunk: its whole context is this step's K/V, no need to read the cache.
             ki, vi = k[start:end], v[start:end]
         else:
-            num_blocks = (seq_len + md.block_size - 1) // md.block_size
-            ki, vi = _gather_context(kv_cache, md.block_tables[i, :num_blocks], seq_len)
+            ki, vi = _context(kv_cache, md, i, seq_len)
         # 4-D [1, heads, tokens, D]: torch's CPU flash kernel takes 4-D inputs only (3-D ones
         # fall back to the math path, 2-5x slower at 256-1024 tokens).
         qi = q[start:end].transpose(0, 1)[None]  # [1, H, Q, D]
@@ -200,6 +218,8 @@ def _decode_attention(
     """One query token per request: q [nd, H, D] -> [nd, H, D]."""
     nd = q.shape[0]
     ops = paged_attention_ops() if _USE_COMPILED else None
+    if md.slots is not None:
+        return _contiguous_decode_attention(q, kv_cache, md, scale, sliding_window, ops)
     if ops is not None:
         # Reads K/V through the block table in place (no dense copy).
         return ops.paged_decode_attention(
@@ -220,6 +240,34 @@ def _decode_attention(
     return o.squeeze(2)
 
 
+def _contiguous_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+    sliding_window: int | None, ops,
+) -> torch.Tensor:
+    """Decodes of the vattention layout: each request's K/V is a contiguous slot slice."""
+    nd = q.shape[0]
+    assert md.slots is not None and md.slots_list is not None
+    if ops is not None and _CONTIGUOUS_DECODE == "kernel":
+        return ops.contiguous_decode_attention(
+            q.contiguous(), kv_cache, md.slots[:nd], md.seq_lens[:nd], scale, sliding_window or 0
+        )
+    # Torch formulation: one SDPA per request over views of its slot (no gather, no padding).
+    out = torch.empty_like(q)
+    for i in range(nd):
+        seq_len = md.seq_lens_list[i]
+        start = max(0, seq_len - sliding_window) if sliding_window is not None else 0
+        slot = md.slots_list[i]
+        k = kv_cache[0, slot, start:seq_len].transpose(0, 1)  # [Hkv, S, D]
+        v = kv_cache[1, slot, start:seq_len].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True)
+        out[i] = o.squeeze(1)
+    return out
+
+
+# vattention decodes: "kernel" (compiled contiguous variant) or "torch" (per-request SDPA).
+_CONTIGUOUS_DECODE = os.environ.get("PAGEDLLM_VATTN_DECODE", "kernel")
+
+
 def reference_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -234,11 +282,15 @@ def reference_attention(
     for i in range(md.num_reqs):
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         seq_len = md.seq_lens_list[i]
-        # Read the context token by token through the block table.
-        slots = [
-            int(md.block_tables[i, pos // md.block_size]) * md.block_size + pos % md.block_size
-            for pos in range(seq_len)
-        ]
+        # Read the context token by token through the block table (vattention: the slot).
+        if md.slots_list is not None:
+            base = md.slots_list[i] * kv_cache.shape[2]
+            slots = [base + pos for pos in range(seq_len)]
+        else:
+            slots = [
+                int(md.block_tables[i, pos // md.block_size]) * md.block_size + pos % md.block_size
+                for pos in range(seq_len)
+            ]
         flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])
         k = flat[0][slots].double()  # [S, Hkv, D]
         v = flat[1][slots].double()

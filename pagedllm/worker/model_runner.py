@@ -22,6 +22,18 @@ from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
 from pagedllm.worker.sampling_inputs import CachedRequestState, build_sampling_metadata
+from pagedllm.worker.vattention_kv import VAttentionKVCache
+
+_NO_BLOCK_TABLE = torch.zeros((0, 0), dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class VAttentionLayout:
+    """The vattention backend's reservation: slots of ``slot_capacity`` tokens."""
+
+    num_slots: int
+    slot_capacity: int
+    hugepages: bool = False
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +46,10 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         seed: int = 0,
+        vattention: VAttentionLayout | None = None,
     ) -> None:
+        """With ``vattention``, the KV cache is the vattention backend's reserved slots
+        (worker/vattention_kv.py) and ``block_size``/``num_blocks`` are unused."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -43,8 +58,16 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(seed)
         layers = attention_layers(model)
-        self.num_kv_cache_groups = len(kv_cache_groups(layers))
-        self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, model_config.dtype)
+        self.vattn: VAttentionKVCache | None = None
+        if vattention is not None:
+            self.vattn = VAttentionKVCache(
+                layers, vattention.num_slots, vattention.slot_capacity, model_config.dtype, vattention.hugepages
+            )
+            self.num_kv_cache_groups = 1
+            self.kv_caches = self.vattn.caches
+        else:
+            self.num_kv_cache_groups = len(kv_cache_groups(layers))
+            self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, model_config.dtype)
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
 
@@ -82,6 +105,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.kv_slots_to_release:
+            assert self.vattn is not None
+            self.vattn.release(so.kv_slots_to_release)
         if so.blocks_to_copy:
             copy_blocks(self.kv_caches, so.blocks_to_copy)
         if so.is_empty:
@@ -162,6 +188,23 @@ class ModelRunner:
         seq_lens_t, seq_lens_list = torch.from_numpy(seq_lens), seq_lens.tolist()
         query_start_list = query_start.tolist()
         num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else len(states)
+        if self.vattn is not None:
+            # vattention: a request's KV sits contiguously in its slot (its one "block id");
+            # token at position p of slot s is row s * capacity + p. No block table.
+            slots = np.asarray([s.block_ids[0][0] for s in states], dtype=np.int64)
+            slot_mapping = slots[req_of_token] * self.vattn.slot_capacity + positions
+            md = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slot_mapping),
+                block_tables=_NO_BLOCK_TABLE,
+                seq_lens=seq_lens_t,
+                query_start_loc=query_start_list,
+                seq_lens_list=seq_lens_list,
+                num_decodes=num_decodes,
+                block_size=1,
+                slots=torch.from_numpy(slots),
+                slots_list=slots.tolist(),
+            )
+            return self._batch(states, input_ids, positions, md, query_start, seq_lens, counts)
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
         # Per KV cache group: its own block table and slots (sliding-window groups hold
         # other blocks than full-attention ones); the rest of the metadata is shared.
@@ -183,13 +226,27 @@ class ModelRunner:
                     block_size=bs,
                 )
             )
+        return self._batch(
+            states, input_ids, positions, mds[0] if len(mds) == 1 else mds, query_start, seq_lens, counts
+        )
+
+    @staticmethod
+    def _batch(
+        states: list[CachedRequestState],
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        attn_metadata: AttentionMetadata | list[AttentionMetadata],
+        query_start: np.ndarray,
+        seq_lens: np.ndarray,
+        counts: np.ndarray,
+    ) -> _Batch:
         # A request samples when this step reaches the end of its known tokens.
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         logits_indices = torch.from_numpy(query_start[1:][sample_rows] - 1)
         return _Batch(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
-            attn_metadata=mds[0] if len(mds) == 1 else mds,
+            attn_metadata=attn_metadata,
             logits_indices=logits_indices,
             sample_rows=sample_rows,
             query_start=query_start[:-1].tolist(),

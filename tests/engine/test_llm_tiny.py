@@ -66,8 +66,12 @@ def test_text_prompts_match_hf(tiny_llama_dir, hf_tiny_llama, default_tokenizer)
         pytest.param({"kv_cache_memory_bytes": 36 * 8192 + 8192, "max_model_len": 512}, id="preempted"),
     ],
 )
-def test_batching_does_not_change_greedy(tiny_llama_dir, prompts32, hf_refs, engine_args):
-    llm = LLM(tiny_llama_dir, dtype="float32", **({"kv_cache_memory_bytes": "8MiB"} | engine_args))
+@pytest.mark.parametrize("kv_cache_backend", ["paged", "vattention"])
+def test_batching_does_not_change_greedy(tiny_llama_dir, prompts32, hf_refs, engine_args, kv_cache_backend):
+    llm = LLM(
+        tiny_llama_dir, dtype="float32", kv_cache_backend=kv_cache_backend,
+        **({"kv_cache_memory_bytes": "8MiB"} | engine_args),
+    )
     outs = _greedy(llm, prompts32)
     for i, (out, (ref, gaps)) in enumerate(zip(outs, hf_refs)):
         assert len(out) == NUM_STEPS
@@ -87,8 +91,9 @@ def test_each_alone_matches_hf(tiny_llama_dir, prompts32, hf_refs):
     _assert_all_blocks_free(llm)
 
 
-def test_seeded_sampling_is_reproducible(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes="8MiB")
+@pytest.mark.parametrize("kv_cache_backend", ["paged", "vattention"])
+def test_seeded_sampling_is_reproducible(tiny_llama_dir, kv_cache_backend):
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes="8MiB", kv_cache_backend=kv_cache_backend)
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     alone = llm.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
     mixed = llm.generate(

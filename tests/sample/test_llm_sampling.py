@@ -12,10 +12,12 @@ from pagedllm import LLM, SamplingParams
 LOGPROB_TOL = 1e-3
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_llama_dir):
+@pytest.fixture(scope="module", params=["paged", "vattention"])
+def tiny_llm(tiny_llama_dir, request):
+    """The same engine over each KV cache backend (README: KV cache backends)."""
     return LLM(tiny_llama_dir, dtype="float32", max_model_len=512, block_size=16,
-               kv_cache_memory_bytes="16MiB", max_num_batched_tokens=128, max_num_seqs=32)
+               kv_cache_memory_bytes="16MiB", max_num_batched_tokens=128, max_num_seqs=32,
+               kv_cache_backend=request.param)
 
 
 def _prompts(n: int, vocab: int, seed: int, lo: int = 5, hi: int = 40) -> list[list[int]]:
@@ -90,6 +92,8 @@ def test_logprobs_match_hf_default(default_llm, hf_default_model):
 
 
 def test_prompt_logprobs_bypass_prefix_cache(tiny_llm, default_tokenizer):
+    if tiny_llm.llm_engine.config.cache_config.kv_cache_backend == "vattention":
+        pytest.skip("the vattention backend has no prefix cache (refusal: tests/engine/test_vattention.py)")
     prompt = _prompts(1, len(default_tokenizer), seed=8, lo=80, hi=81)[0]
     warm = _gen(tiny_llm, [prompt], SamplingParams(max_tokens=2, temperature=0.0))[0]
     assert _gen(tiny_llm, [prompt], SamplingParams(max_tokens=2, temperature=0.0))[0].num_cached_tokens > 0

@@ -74,3 +74,50 @@ def test_torch_attention_matches_reference(sliding_window, compiled, D, monkeypa
     ref = reference_attention(q, cache, md, 0.3, sliding_window)
     fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decode", ["kernel", "torch"])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("D", [64, 12])
+def test_vattention_layout_matches_reference(sliding_window, decode, D, monkeypatch):
+    """The vattention layout [2, num_slots, capacity, Hkv, D]: each request reads its slot's
+    contiguous slice (no block table), decodes through the contiguous kernel or per-request
+    SDPA over views."""
+    import pagedllm.layers.attention as attention
+
+    monkeypatch.setattr(attention, "_CONTIGUOUS_DECODE", decode)
+    if decode == "kernel":
+        assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
+    torch.manual_seed(0)
+    num_slots, capacity = 6, 32
+    computed = [17, 3, 0, 0, 9]
+    query_lens = [1, 1, 1, 7, 6]
+    slots = [4, 0, 5, 2, 1]  # not in request order
+    seq_lens = [c + q for c, q in zip(computed, query_lens)]
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    cache = torch.zeros(2, num_slots, capacity, HKV, D)
+    for slot, c in zip(slots, computed):
+        cache[:, slot, :c] = torch.randn(2, c, HKV, D)
+    mapping = [s * capacity + p for s, c, n in zip(slots, computed, query_lens) for p in range(c, c + n)]
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(mapping),
+        block_tables=torch.zeros((0, 0), dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=qsl,
+        seq_lens_list=seq_lens,
+        num_decodes=3,
+        block_size=1,
+        slots=torch.tensor(slots),
+        slots_list=slots,
+    )
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, HKV * GROUP, D)
+    k = torch.randn(num_tokens, HKV, D)
+    v = torch.randn(num_tokens, HKV, D)
+    write_kv(cache, k, v, md.slot_mapping)
+    assert torch.equal(cache[0, 5, 0], k[2]), "a token is written at its position in its slot"
+    ref = reference_attention(q, cache, md, 0.3, sliding_window)
+    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)

@@ -16,6 +16,22 @@ namespace {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// Where token t of request b sits, in token rows of the cache (paged: through the block
+// table; contiguous: the request's slot times the slot capacity, plus t).
+struct PagedRows {
+  const int64_t* block_tables;  // [B, max_blocks]
+  int64_t max_blocks, bs;
+  inline int64_t operator()(int64_t b, int64_t t) const {
+    return block_tables[b * max_blocks + t / bs] * bs + t % bs;
+  }
+};
+
+struct SlotRows {
+  const int64_t* slots;  // [B]
+  int64_t capacity;
+  inline int64_t operator()(int64_t b, int64_t t) const { return slots[b] * capacity + t; }
+};
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_AVX2 1
 #include <immintrin.h>
@@ -87,15 +103,15 @@ inline bool weighted_sum_avx2_any(const float* p, const float* const* vps, int64
 }
 #endif
 
-template <typename T>
+template <typename T, typename Rows>
 void decode_kernel(const T* q,            // [B, Hq, D]
-                   const T* k_cache,      // [num_blocks, bs, Hkv, D]
-                   const T* v_cache,      // [num_blocks, bs, Hkv, D]
-                   const int64_t* block_tables,  // [B, max_blocks]
+                   const T* k_cache,      // [num_rows, Hkv, D]
+                   const T* v_cache,      // [num_rows, Hkv, D]
+                   Rows rows,
                    const int64_t* seq_lens,      // [B]
                    T* out,                // [B, Hq, D]
-                   int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                   int64_t max_blocks, float scale, int64_t window) {
+                   int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                   float scale, int64_t window) {
   const int64_t G = Hq / Hkv;
   const int64_t token_stride = Hkv * D;  // between consecutive slots
 #pragma omp parallel
@@ -113,9 +129,8 @@ void decode_kernel(const T* q,            // [B, Hq, D]
       scores.resize(G * n);
       kps.resize(n);
       vps.resize(n);
-      const int64_t* table = block_tables + b * max_blocks;
       for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = (table[t / bs] * bs + t % bs) * token_stride + h * D;
+        const int64_t slot = rows(b, t) * token_stride + h * D;
         kps[t - start] = k_cache + slot;
         vps[t - start] = v_cache + slot;
       }
@@ -201,13 +216,41 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int64_t plane = num_blocks * bs * Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* base = kv_cache.data_ptr<scalar_t>();
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), base, base + plane, bt.data_ptr<int64_t>(),
-                            sl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D, bs,
-                            bt.size(1), static_cast<float>(scale), window);
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), base, base + plane,
+                            PagedRows{bt.data_ptr<int64_t>(), bt.size(1), bs},
+                            sl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D,
+                            static_cast<float>(scale), window);
+  });
+  return out;
+}
+
+// The vattention layout: kv_cache [2, num_slots, capacity, Hkv, D], request b's tokens
+// contiguous at slot slots[b]; no block table. Returns [B, Hq, D].
+torch::Tensor contiguous_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor slots,
+                                          torch::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous(), "q and kv_cache must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+              "slots and seq_lens must be int64");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
+  auto sl_ = slots.contiguous();
+  auto sl = seq_lens.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_slots = kv_cache.size(1), capacity = kv_cache.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && Hq % Hkv == 0, "head shapes do not match");
+  auto out = torch::empty_like(q);
+  const int64_t plane = num_slots * capacity * Hkv * D;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "contiguous_decode_attention", [&] {
+    const scalar_t* base = kv_cache.data_ptr<scalar_t>();
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), base, base + plane,
+                            SlotRows{sl_.data_ptr<int64_t>(), capacity},
+                            sl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D,
+                            static_cast<float>(scale), window);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  m.def("contiguous_decode_attention", &contiguous_decode_attention,
+        "decode attention over per-request contiguous KV slots (vattention)");
 }
