@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.entrypoints.openai.dashboard import STATE_PATH, add_dashboard_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -34,7 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -59,10 +59,15 @@ class ServerConfig:
     """A Jinja chat template (text) replacing the model's."""
     uvicorn_log_level: str = "info"
     """uvicorn's own log level."""
+    max_waiting_requests: int | None = None
+    """Sequences allowed to wait beyond max_num_seqs; more get a 503 with Retry-After (None: no bound)."""
+    request_timeout_s: float | None = None
+    """A request unfinished this long after arrival is aborted with a 503 (None: no limit)."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -124,7 +129,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
 
     @app.exception_handler(EngineNotReadyError)
     async def _not_ready(_: Request, exc: EngineNotReadyError) -> JSONResponse:
-        return error_response(OpenAIError(str(exc), 503, "ServiceUnavailableError"))
+        return error_response(engine_error(exc))  # 503 with Retry-After
+
+    @app.exception_handler(RequestFaultError)
+    async def _request_failed(_: Request, exc: RequestFaultError) -> JSONResponse:
+        return error_response(engine_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -249,7 +258,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 async def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     model_name = config.served_model_name or engine_args.model
-    engine = AsyncLLM(engine_args, model_name)
+    engine = AsyncLLM(engine_args, model_name, config.max_waiting_requests, config.request_timeout_s)
     app = build_app(engine, config, model_name)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
