@@ -32,6 +32,8 @@ PROTECTED = [
     ("POST", "/tokenize", {"prompt": "Hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
     ("POST", "/reset_prefix_cache", None),
+    ("GET", "/openapi.json", None),
+    ("GET", "/docs", None),
 ]
 
 

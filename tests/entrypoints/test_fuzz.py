@@ -59,6 +59,8 @@ def test_fuzz_from_openapi_schema(fuzz_server, mode):
     schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
     operations = [op.ok() for op in schema.get_all_operations()]
     assert {op.path for op in operations} >= set(POST_PATHS)
+    if mode == GenerationMode.NEGATIVE:  # the others take no input that could break the schema
+        operations = [op for op in operations if op.path in POST_PATHS]
     for op in operations:
 
         @settings(max_examples=NUM_EXAMPLES, deadline=None, database=None, derandomize=False,
@@ -131,7 +133,9 @@ HUGE_AND_ODD = [
 def test_huge_and_odd_values(fuzz_server, body):
     for stream in (False, True):
         COUNTS["cases"] += 1
-        r = httpx.post(fuzz_server.url + "/v1/completions", json={**body, "stream": stream}, timeout=120)
+        # json.dumps escapes lone surrogates (valid JSON, invalid unicode), which httpx would refuse.
+        r = httpx.post(fuzz_server.url + "/v1/completions", content=json.dumps({**body, "stream": stream}),
+                       headers={"content-type": "application/json"}, timeout=120)
         check_response(r, str(body)[:300])
         if r.status_code == 200 and stream:
             assert '"error"' not in r.text, r.text[:2000]

@@ -32,7 +32,7 @@ MAX_NUM_SEQS = 4
 CONCURRENCY = 4 * MAX_NUM_SEQS
 DEADLINE_S = 90.0  # the client's own limit: a request still open after it is a hang
 RSS_TOLERANCE = 0.10  # round-two RSS at most 10% above round one's (allocator noise)
-SOAK_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "4MiB",
+SOAK_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", str(17 * 8192),  # 16 blocks: preemption
              "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(2 * MAX_NUM_SEQS),
              "--request-timeout", "30"]
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:",

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
-from pagedllm.entrypoints.openai.dashboard import STATE_PATH, add_dashboard_routes
+from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +40,9 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 
 logger = logging.getLogger(__name__)
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", STATE_PATH)
+# All else needs the API key. The /dashboard page is static HTML that asks the user for the
+# key and sends it with its /dashboard/state requests.
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/dashboard"})
 T = TypeVar("T")
 
 
@@ -53,8 +55,8 @@ class ServerConfig:
     served_model_name: str | None = None
     """The name clients use in `model`; default: the model argument."""
     api_key: str | None = None
-    """Bearer token required on /v1, /tokenize, /detokenize, /reset_prefix_cache,
-    /dashboard/state (the /dashboard page asks for it)."""
+    """Bearer token required on every path but /health, /version, /metrics and the /dashboard
+    page (its data, /dashboard/state, needs it)."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
     uvicorn_log_level: str = "info"
@@ -86,15 +88,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on the API paths, as plain ASGI (so client disconnects still reach
-    the handlers, which BaseHTTPMiddleware would hide)."""
+    """Bearer-token check on every path but _OPEN_PATHS (docs and schema included), as plain
+    ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
 
     def __init__(self, app: Any, api_key: bytes) -> None:
         self.app = app
         self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization", b"")
             given = header[7:] if header.lower().startswith(b"bearer ") else b""
             if not hmac.compare_digest(given, self.api_key):
