@@ -57,7 +57,7 @@ def rss_bytes(pid: int) -> int:
 def make_request(rng: random.Random) -> tuple[str, dict, bool]:
     """(path, body, whether the client drops the stream midway)."""
     stream = rng.random() < 0.5
-    body: dict = {"max_tokens": rng.randint(4, 48), "n": rng.choice([1, 1, 1, 2]),
+    body: dict = {"max_tokens": rng.randint(4, 120), "n": rng.choice([1, 1, 1, 2]),
                   "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1000), "stream": stream}
     if rng.random() < 0.3:
         body["stop"] = [rng.choice(["\n", ".", " the", "e"])]
