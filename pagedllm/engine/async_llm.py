@@ -405,7 +405,8 @@ class AsyncLLM:
         if failed:  # a step failed in the core (beam searches carry their own errors below)
             for eo in failed:
                 self._fail(self.output_processor.user_request_id(eo.request_id), RuntimeError(eo.error))
-            core_outputs.outputs = [eo for eo in core_outputs.outputs if eo not in failed]
+            failed_ids = {eo.request_id for eo in failed}
+            core_outputs.outputs = [eo for eo in core_outputs.outputs if eo.request_id not in failed_ids]
         for eo in core_outputs.outputs:
             if eo.request_id in self._beam_searches and eo.finished:
                 stream = self._streams.pop(eo.request_id, None)
