@@ -13,8 +13,8 @@ socket when idle, waking every ``IDLE_STATS_INTERVAL_S`` to send stats, so gauge
 The process dies with its parent: PR_SET_PDEATHSIG on Linux, and a parent-pid check.
 
 A step that raises does not end the process: the requests of the failed batch (those running)
-are aborted with an ``error`` (the front end fails them), their blocks freed and the prefix cache dropped (blocks cached for the failed
-step may hold no KV); waiting requests and new ones go on.
+are aborted with an ``error`` (the front end fails them), their blocks freed and the prefix
+cache dropped (blocks cached for the failed step may hold no KV); waiting and new requests go on.
 """
 
 from __future__ import annotations
