@@ -4,6 +4,13 @@ the scheduler and model run in the engine-core process (see core_proc.py).
 ``add_request`` validates synchronously (a ValueError means a bad request) and returns a
 stream; ``generate`` wraps both and aborts the request if the consumer stops early (a client
 that disconnected), so its KV blocks are freed.
+
+Admission control: with ``max_waiting_requests`` set, at most ``max_num_seqs +
+max_waiting_requests`` sequences are in flight; beyond that ``add_request`` raises
+``EngineOverloadedError`` (the server's 503 with Retry-After). With ``request_timeout_s`` set,
+a request still unfinished that long after its arrival is aborted (its blocks freed) and its
+stream ends with ``RequestTimeoutError``. A request whose processing raises ends with
+``RequestFaultError``; the others go on.
 """
 
 from __future__ import annotations
@@ -36,7 +43,17 @@ KV_SNAPSHOT_TIMEOUT_S = 30.0
 
 
 class EngineNotReadyError(RuntimeError):
-    """The model is still loading, or the engine is shutting down."""
+    """The model is still loading, or the engine is shutting down (or dead): retry later."""
+
+    retry_after_s: int = 1
+
+
+class EngineOverloadedError(EngineNotReadyError):
+    """The waiting queue is full."""
+
+
+class RequestTimeoutError(EngineNotReadyError):
+    """The request ran past the server's time limit and was aborted."""
 
 
 class RequestFailedError(EngineNotReadyError):
@@ -44,11 +61,19 @@ class RequestFailedError(EngineNotReadyError):
     beams were preempted); the client may retry (the server answers 503)."""
 
 
+class RequestFaultError(RuntimeError):
+    """Processing this request raised (a fault in the engine); other requests are unaffected."""
+
+
+EXPIRY_CHECK_INTERVAL_S = 0.2
+
+
 class RequestStream:
     """The outputs of one request, as the output handler delivers them."""
 
-    def __init__(self, request_id: str, engine: AsyncLLM) -> None:
+    def __init__(self, request_id: str, engine: AsyncLLM, deadline: float | None = None) -> None:
         self.request_id = request_id
+        self.deadline = deadline  # time.monotonic() after which the request is aborted
         self.finished = False
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._engine = engine
@@ -77,9 +102,18 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, model_name: str) -> None:
+    def __init__(
+        self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0")
         self.args = args
         self.model_name = model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout_s = request_timeout_s
         self.metrics = EngineMetrics(model_name)
         self.ready = False
         self.shutting_down = False
@@ -91,10 +125,12 @@ class AsyncLLM:
         self.output_processor: OutputProcessor | None = None
         self._streams: dict[str, RequestStream] = {}
         self._beam_searches: dict[str, tuple[str | None, list[int], float]] = {}
+        self._beam_widths: dict[str, int] = {}  # sequences of each beam search, for admission
         """Beam searches in flight: (prompt text, prompt token ids, arrival time)."""
         self._last_token_time: dict[str, float] = {}
         self._client: CoreClient | None = None
         self._task: asyncio.Task | None = None
+        self._expiry_task: asyncio.Task | None = None
         self._ready_event = asyncio.Event()
         self._kv_snapshot: tuple[float, KVSnapshot] | None = None  # (time taken, snapshot)
         self._kv_snapshot_fetch: asyncio.Future | None = None
@@ -106,6 +142,8 @@ class AsyncLLM:
         _limit_front_end_threads()
         self._client = CoreClient(self.args)
         self._task = asyncio.get_running_loop().create_task(self._run_output_handler())
+        if self.request_timeout_s is not None:
+            self._expiry_task = asyncio.get_running_loop().create_task(self._expire_requests())
 
     async def wait_ready(self) -> None:
         await self._ready_event.wait()
@@ -119,6 +157,8 @@ class AsyncLLM:
         for stream in list(self._streams.values()):
             stream.put(EngineNotReadyError("the server is shutting down"))
         self._streams.clear()
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -138,6 +178,26 @@ class AsyncLLM:
         if not self.ready:
             raise EngineNotReadyError("the model is still loading")
 
+    def check_admission(self, num_seqs: int) -> None:
+        """Raise EngineOverloadedError if `num_seqs` more sequences would overflow the waiting
+        queue; ValueError if they never could (more than the queue and the batch together)."""
+        if self.max_waiting_requests is None:
+            return
+        assert self.config is not None and self.output_processor is not None
+        capacity = self.config.scheduler_config.max_num_seqs + self.max_waiting_requests
+        if num_seqs > capacity:
+            raise ValueError(
+                f"the request asks for {num_seqs} sequences (prompts x n), more than this server "
+                f"ever queues ({capacity} = max_num_seqs + max_waiting_requests); lower n or send "
+                f"fewer prompts per request"
+            )
+        in_flight = len(self.output_processor.states) + sum(self._beam_widths.values())
+        if in_flight + num_seqs > capacity:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {in_flight} sequences in flight, at most {capacity} "
+                f"(max_num_seqs + max_waiting_requests); retry later"
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -151,6 +211,7 @@ class AsyncLLM:
         assert self.input_processor is not None and self.model_config is not None
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
+        self.check_admission(params.n)
         if prompt_token_ids is None:
             text, prompt_token_ids = self.input_processor.tokenize(prompt)
         else:
@@ -165,7 +226,8 @@ class AsyncLLM:
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
             self.tokenizer, self.output_processor, cache_salt,
         )
-        stream = RequestStream(request_id, self)
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        stream = RequestStream(request_id, self, deadline)
         self._streams[request_id] = stream
         assert self._client is not None
         self._client.add_request(request)
@@ -184,6 +246,7 @@ class AsyncLLM:
         assert self.input_processor is not None and self.model_config is not None
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
+        self.check_admission(params.beam_width)
         if prompt_token_ids is None:
             text, prompt_token_ids = self.input_processor.tokenize(prompt)
         else:
@@ -191,15 +254,18 @@ class AsyncLLM:
         self.input_processor.validate(
             prompt_token_ids, SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
         )
-        stream = RequestStream(request_id, self)
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        stream = RequestStream(request_id, self, deadline)
         self._streams[request_id] = stream
         self._beam_searches[request_id] = (text, list(prompt_token_ids), time.monotonic())
+        self._beam_widths[request_id] = params.beam_width
         assert self._client is not None
         self._client.add_beam_search(request_id, list(prompt_token_ids), params)
         return stream
 
     def _beam_search_output(self, eo: EngineCoreOutput, now: float) -> RequestOutput | BaseException:
         text, prompt_token_ids, arrival = self._beam_searches.pop(eo.request_id)
+        self._beam_widths.pop(eo.request_id, None)
         if eo.error is not None or eo.beams is None:
             self.metrics.observe_finished("abort", now - arrival)
             return RequestFailedError(eo.error or "beam search failed")
@@ -237,6 +303,7 @@ class AsyncLLM:
         """Abort a request (unknown or finished ids are ignored)."""
         self._streams.pop(request_id, None)
         self._last_token_time.pop(request_id, None)
+        self._beam_widths.pop(request_id, None)
         if self._beam_searches.pop(request_id, None) is not None:
             self.metrics.request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
             if self._client is not None and not self.shutting_down:
@@ -307,13 +374,43 @@ class AsyncLLM:
             self.ready = False
             self._ready_event.set()
             for stream in list(self._streams.values()):
-                stream.put(self.dead_error)
+                stream.put(EngineNotReadyError(f"the engine is dead: {self.dead_error}"))
             self._streams.clear()
+
+    async def _expire_requests(self) -> None:
+        """Abort the requests past their deadline (checked every EXPIRY_CHECK_INTERVAL_S)."""
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_INTERVAL_S)
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                if stream.deadline is not None and now > stream.deadline:
+                    logger.warning("request %s exceeded the %.1f s time limit; aborting it",
+                                   stream.request_id, self.request_timeout_s)
+                    stream.put(RequestTimeoutError(
+                        f"the request did not finish within the server's time limit of "
+                        f"{self.request_timeout_s:g} s (--request-timeout) and was aborted; "
+                        f"lower max_tokens or retry later"))
+                    self.abort(stream.request_id)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """End one user request with an error and abort it; the others go on."""
+        logger.error("request %s failed: %s: %s", request_id, type(error).__name__, error)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(RequestFaultError(
+                f"the engine failed while processing this request: {type(error).__name__}: {error}"))
+        self.abort(request_id)
 
     def _process(self, core_outputs: CoreOutputs) -> None:
         assert self.output_processor is not None and self._client is not None
         now = time.monotonic()
         states = self.output_processor.states
+        failed = [eo for eo in core_outputs.outputs if eo.error is not None and eo.request_id in states]
+        if failed:  # a step failed in the core (beam searches carry their own errors below)
+            for eo in failed:
+                self._fail(self.output_processor.user_request_id(eo.request_id), RuntimeError(eo.error))
+            failed_ids = {eo.request_id for eo in failed}
+            core_outputs.outputs = [eo for eo in core_outputs.outputs if eo.request_id not in failed_ids]
         for eo in core_outputs.outputs:
             if eo.request_id in self._beam_searches and eo.finished:
                 stream = self._streams.pop(eo.request_id, None)
@@ -334,6 +431,8 @@ class AsyncLLM:
                 self._last_token_time.pop(eo.request_id, None)
         if processed.reqs_to_abort:  # stop strings matched here: the core stops them too
             self._client.abort_requests(processed.reqs_to_abort, stopped=True)
+        for request_id, error in processed.failed.items():
+            self._fail(request_id, error)
         for out in processed.request_outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:

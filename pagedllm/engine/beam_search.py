@@ -119,6 +119,10 @@ class BeamSearchManager:
     def owns(self, request_id: str) -> bool:
         return request_id in self._groups or any(p[0] == request_id for p in self._pending)
 
+    def search_id_of(self, request_id: str) -> str | None:
+        """The beam search a core request (a beam) belongs to, if any."""
+        return self._group_of.get(request_id)
+
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort searches by their ids; returns the ids that were not searches."""
         others = []

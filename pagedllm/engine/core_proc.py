@@ -11,6 +11,10 @@ each message one pickle (protocol 5) of ``(kind, payload)``:
 The loop drains the input socket, steps while any request is unfinished, and blocks on the
 socket when idle, waking every ``IDLE_STATS_INTERVAL_S`` to send stats, so gauges stay current.
 The process dies with its parent: PR_SET_PDEATHSIG on Linux, and a parent-pid check.
+
+A step that raises does not end the process: the requests of the failed batch (those running)
+are aborted with an ``error`` (the front end fails them), their blocks freed and the prefix
+cache dropped (blocks cached for the failed step may hold no KV); waiting and new requests go on.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_snapshot import take_kv_snapshot
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
+from pagedllm.engine import faults
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -113,6 +118,10 @@ def run_engine_core(
         in_sock.close(linger=0)
         out_sock.close(linger=1000)
         ctx.term()
+    # A clean stop: skip the interpreter's teardown of torch and its thread pools, which on a
+    # loaded machine takes longer than the front end waits before terminating the process.
+    logging.shutdown()
+    os._exit(0)
 
 
 class EngineCoreProc:
@@ -174,7 +183,7 @@ class EngineCoreProc:
             outputs = []
             if self._has_work():
                 t0 = time.perf_counter()
-                outputs = self.core.step()
+                outputs = self._step()
                 self._step_seconds.append(time.perf_counter() - t0)
             self._note_scheduled()
             now = time.monotonic()
@@ -187,6 +196,25 @@ class EngineCoreProc:
             if outputs or stats is not None:
                 self.out_sock.send(dumps("outputs", CoreOutputs(outputs, stats)))
         logger.info("engine core stopped")
+
+    def _step(self) -> list[EngineCoreOutput]:
+        try:
+            for request in self.scheduler.running:
+                faults.maybe_raise("core_step", request.request_id)
+            return self.core.step()
+        except Exception as e:  # noqa: BLE001 -- fail the batch, keep serving
+            return self._fail_running(e)
+
+    def _fail_running(self, error: Exception) -> list[EngineCoreOutput]:
+        logger.exception("engine step failed; failing the %d running requests", len(self.scheduler.running))
+        running = [r.request_id for r in self.scheduler.running]
+        # A beam fails its whole search.
+        request_ids = list(dict.fromkeys(self.core.beam_search.search_id_of(r) or r for r in running))
+        self.core.abort_requests(request_ids)
+        if not self.scheduler.running and not self.kv.reset_prefix_cache():
+            logger.warning("could not drop the prefix cache after a failed step")
+        message = f"{type(error).__name__}: {error}"
+        return [EngineCoreOutput(r, [], "abort", None, 0, error=message) for r in request_ids]
 
     def _drain_input(self) -> None:
         zmq = self._zmq

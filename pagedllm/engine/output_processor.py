@@ -8,10 +8,11 @@ matches, the caller aborts the request in the core.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.engine import faults
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.core.sched_output import PositionLogprobsData
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -143,6 +144,9 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]
     """Requests finished by a stop string here: the core must stop them too."""
+    failed: dict[str, Exception] = field(default_factory=dict)
+    """User request id -> the exception its processing raised (detokenizing, stop strings,
+    logprobs). The caller fails and aborts these; the other requests are unaffected."""
 
 
 class OutputProcessor:
@@ -169,6 +173,11 @@ class OutputProcessor:
             out += [c.request_id for c in parent.children] if parent is not None else [r]
         return out
 
+    def user_request_id(self, core_request_id: str) -> str:
+        """The user request a core request belongs to (itself unless it is a sequence of n > 1)."""
+        parent = self._parent_of.get(core_request_id)
+        return parent.request_id if parent is not None else core_request_id
+
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget the requests (user ids); returns the core ids that were still running."""
         core_ids = self.core_request_ids(request_ids)
@@ -186,6 +195,7 @@ class OutputProcessor:
         outputs: list[RequestOutput] = []
         to_abort: list[str] = []
         touched_parents: dict[str, ParentRequest] = {}
+        failed: dict[str, Exception] = {}
         for eo in engine_outputs:
             state = self.states.get(eo.request_id)
             if state is None:  # aborted meanwhile
@@ -196,11 +206,15 @@ class OutputProcessor:
             state.output_token_ids.extend(eo.new_token_ids)
             if eo.finish_reason is not None:
                 state.finish_reason, state.stop_reason = eo.finish_reason, eo.stop_reason
-            self._update_logprobs(state, eo)
-            if state.detokenizer is not None:
-                self._update_text(state, eo)
-                if state.finished and eo.finish_reason is None:
-                    to_abort.append(eo.request_id)  # a stop string matched
+            try:
+                self._update_logprobs(state, eo)
+                if state.detokenizer is not None:
+                    self._update_text(state, eo)
+            except Exception as e:  # noqa: BLE001 -- one request's fault fails only that request
+                failed[self.user_request_id(eo.request_id)] = e
+                continue
+            if state.detokenizer is not None and state.finished and eo.finish_reason is None:
+                to_abort.append(eo.request_id)  # a stop string matched
             if state.finished:
                 state.finished_time = now
                 del self.states[eo.request_id]
@@ -212,10 +226,12 @@ class OutputProcessor:
                 if state.finished:
                     del self._parent_of[eo.request_id]
         for parent in touched_parents.values():
+            if parent.request_id in failed:
+                continue
             outputs.append(parent.to_output())
             if parent.finished:
                 del self.parents[parent.request_id]
-        return ProcessedOutputs(outputs, to_abort)
+        return ProcessedOutputs(outputs, to_abort, failed)
 
     def _update_logprobs(self, state: RequestState, eo: EngineCoreOutput) -> None:
         if eo.new_logprobs is not None and state.logprobs is not None:
@@ -237,6 +253,7 @@ class OutputProcessor:
 
     def _update_text(self, state: RequestState, eo: EngineCoreOutput) -> None:
         assert state.detokenizer is not None
+        faults.maybe_raise("detokenize", state.request_id)
         new_text = state.detokenizer.update(eo.new_token_ids)
         if eo.finish_reason is not None:
             new_text += state.detokenizer.flush()

@@ -81,6 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
         uvicorn_log_level=args.uvicorn_log_level,
+        max_waiting_requests=args.max_waiting_requests,
+        request_timeout_s=args.request_timeout,
     )
     run_server(EngineArgs.from_cli_args(args), config)
 
@@ -96,6 +98,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set PAGEDLLM_API_KEY)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template: a file path or the text")
     serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds after which an unfinished request is aborted (503 with Retry-After)")
     serve.set_defaults(func=cmd_serve)
 
 

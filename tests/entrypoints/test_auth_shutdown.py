@@ -32,6 +32,9 @@ PROTECTED = [
     ("POST", "/tokenize", {"prompt": "Hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
     ("POST", "/reset_prefix_cache", None),
+    ("GET", "/openapi.json", None),
+    ("GET", "/docs", None),
+    ("GET", "/dashboard/state", None),
 ]
 
 
@@ -48,7 +51,7 @@ def test_api_key_required(keyed_server, method, path, body):
 
 
 def test_open_endpoints(keyed_server):
-    for path in ("/health", "/version", "/metrics"):
+    for path in ("/health", "/version", "/metrics", "/dashboard"):
         assert httpx.get(keyed_server.url + path).status_code == 200, path
 
 

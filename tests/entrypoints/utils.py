@@ -113,3 +113,14 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
             continue
         return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The engine-core process among the server's children (not multiprocessing's helpers)."""
+    cores = []
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                cores.append(pid)
+    assert len(cores) == 1, cores
+    return cores[0]

@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
-from pagedllm.entrypoints.openai.dashboard import STATE_PATH, add_dashboard_routes
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,13 +34,15 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", STATE_PATH)
+# All else needs the API key. The /dashboard page is static HTML that asks the user for the
+# key and sends it with its /dashboard/state requests.
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/dashboard"})
 T = TypeVar("T")
 
 
@@ -53,16 +55,21 @@ class ServerConfig:
     served_model_name: str | None = None
     """The name clients use in `model`; default: the model argument."""
     api_key: str | None = None
-    """Bearer token required on /v1, /tokenize, /detokenize, /reset_prefix_cache,
-    /dashboard/state (the /dashboard page asks for it)."""
+    """Bearer token required on every path but /health, /version, /metrics and the /dashboard
+    page (its data, /dashboard/state, needs it)."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
     uvicorn_log_level: str = "info"
     """uvicorn's own log level."""
+    max_waiting_requests: int | None = None
+    """Sequences allowed to wait beyond max_num_seqs; more get a 503 with Retry-After (None: no bound)."""
+    request_timeout_s: float | None = None
+    """A request unfinished this long after arrival is aborted with a 503 (None: no limit)."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -81,15 +88,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on the API paths, as plain ASGI (so client disconnects still reach
-    the handlers, which BaseHTTPMiddleware would hide)."""
+    """Bearer-token check on every path but _OPEN_PATHS (docs and schema included), as plain
+    ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
 
     def __init__(self, app: Any, api_key: bytes) -> None:
         self.app = app
         self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization", b"")
             given = header[7:] if header.lower().startswith(b"bearer ") else b""
             if not hmac.compare_digest(given, self.api_key):
@@ -124,7 +131,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
 
     @app.exception_handler(EngineNotReadyError)
     async def _not_ready(_: Request, exc: EngineNotReadyError) -> JSONResponse:
-        return error_response(OpenAIError(str(exc), 503, "ServiceUnavailableError"))
+        return error_response(engine_error(exc))  # 503 with Retry-After
+
+    @app.exception_handler(RequestFaultError)
+    async def _request_failed(_: Request, exc: RequestFaultError) -> JSONResponse:
+        return error_response(engine_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -249,7 +260,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 async def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     model_name = config.served_model_name or engine_args.model
-    engine = AsyncLLM(engine_args, model_name)
+    engine = AsyncLLM(engine_args, model_name, config.max_waiting_requests, config.request_timeout_s)
     app = build_app(engine, config, model_name)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,

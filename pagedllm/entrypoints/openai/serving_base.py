@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError, RequestStream
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
@@ -30,9 +30,11 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 class OpenAIError(Exception):
     """An error the client gets back in OpenAI's shape."""
 
-    def __init__(self, message: str, status: int = 400, type: str = "BadRequestError", param: str | None = None):
+    def __init__(self, message: str, status: int = 400, type: str = "BadRequestError", param: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.message, self.status, self.type, self.param = message, status, type, param
+        self.retry_after_s = retry_after_s  # sent as the Retry-After header
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
@@ -40,6 +42,13 @@ class OpenAIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(message, 400, "BadRequestError", param)
+
+
+def engine_error(e: EngineNotReadyError | RequestFaultError) -> OpenAIError:
+    """Not ready, dead, overloaded or timed out: 503 with Retry-After; a failed request: 500."""
+    if isinstance(e, EngineNotReadyError):
+        return OpenAIError(str(e), 503, "ServiceUnavailableError", retry_after_s=e.retry_after_s)
+    return OpenAIError(str(e), 500, "InternalServerError")
 
 
 def sse(obj: BaseModel | dict) -> str:
@@ -260,6 +269,11 @@ def add_requests(
     params: SamplingParams | BeamSearchRequest, cache_salt: str | None,
 ) -> list[RequestStream]:
     """Queue one request per prompt; on a bad one, abort those already queued and raise a 400."""
+    try:
+        width = params.params.beam_width if isinstance(params, BeamSearchRequest) else params.n
+        engine.check_admission(len(prompts) * width)
+    except ValueError as e:
+        raise bad_request(str(e), "n") from None
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):

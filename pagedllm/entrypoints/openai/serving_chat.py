@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -21,9 +21,9 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
-    OpenAIError,
     add_requests,
     bad_request,
+    engine_error,
     chat_logprobs,
     check_context_length,
     check_structured_outputs,
@@ -96,8 +96,8 @@ class OpenAIServingChat:
             return self._stream(req, request_id, streams)
         try:
             (out,) = await final_outputs(streams)
-        except EngineNotReadyError as e:
-            raise OpenAIError(str(e), 503, "ServiceUnavailableError") from None
+        except (EngineNotReadyError, RequestFaultError) as e:
+            raise engine_error(e) from None
         choices = []
         for c in out.outputs:
             logprobs = None
@@ -146,6 +146,6 @@ class OpenAIServingChat:
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                                   total_tokens=num_prompt + num_completion)
                 yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage))
-        except EngineNotReadyError as e:
-            yield sse(OpenAIError(str(e), 503, "ServiceUnavailableError").to_response())
+        except (EngineNotReadyError, RequestFaultError) as e:
+            yield sse(engine_error(e).to_response())
         yield SSE_DONE

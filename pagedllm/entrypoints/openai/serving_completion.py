@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -14,9 +14,9 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
-    OpenAIError,
     add_requests,
     bad_request,
+    engine_error,
     check_context_length,
     check_structured_outputs,
     choice_logprob_slice,
@@ -78,8 +78,8 @@ class OpenAIServingCompletion:
             return self._stream(req, request_id, prompts, streams)
         try:
             outputs = await final_outputs(streams)
-        except EngineNotReadyError as e:
-            raise OpenAIError(str(e), 503, "ServiceUnavailableError") from None
+        except (EngineNotReadyError, RequestFaultError) as e:
+            raise engine_error(e) from None
         return self._response(req, request_id, prompts, outputs)
 
     def _prompt_text(self, prompt: tuple[str | None, list[int]]) -> str:
@@ -142,6 +142,6 @@ class OpenAIServingCompletion:
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                                   total_tokens=num_prompt + num_completion)
                 yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
-        except EngineNotReadyError as e:
-            yield sse(OpenAIError(str(e), 503, "ServiceUnavailableError").to_response())
+        except (EngineNotReadyError, RequestFaultError) as e:
+            yield sse(engine_error(e).to_response())
         yield SSE_DONE

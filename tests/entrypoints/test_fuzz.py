@@ -1,0 +1,142 @@
+"""Fuzz the HTTP API from its own OpenAPI schema (schemathesis over hypothesis): bodies that fit
+the schema and bodies that break it, then raw bytes (invalid UTF-8, broken JSON), unicode and
+huge values. Never a 5xx, every error in OpenAI's shape, and the server still serves a normal
+request after each batch.
+
+PAGEDLLM_FUZZ_EXAMPLES sets the cases per operation and mode (default 12, about a minute in
+CI); raise it for a longer run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.entrypoints.utils import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+schemathesis = pytest.importorskip("schemathesis")
+from schemathesis.generation import GenerationMode  # noqa: E402
+
+NUM_EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "12"))
+# A short context bounds the work of any one case: at most 63 tokens per sequence, and the
+# waiting queue bounds the sequences (prompts x n) of one request.
+FUZZ_ARGS = ["--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory-bytes", "16MiB",
+             "--max-num-seqs", "8", "--max-waiting-requests", "8"]
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+COUNTS = {"cases": 0}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_llama_dir):
+    srv = RemoteServer(FUZZ_ARGS, model=tiny_llama_dir, startup_timeout_s=600)
+    yield srv
+    srv.stop()
+    print(f"\nfuzz: {COUNTS['cases']} cases sent")
+
+
+def check_response(r: httpx.Response | object, label: str) -> None:
+    status = r.status_code
+    assert status < 500, f"{label}: {status} {r.text[:2000]}"
+    if status >= 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"], r.text
+
+
+def assert_still_serving(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
+def test_fuzz_from_openapi_schema(fuzz_server, mode):
+    schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+    operations = [op.ok() for op in schema.get_all_operations()]
+    assert {op.path for op in operations} >= set(POST_PATHS)
+    if mode == GenerationMode.NEGATIVE:  # the others take no input that could break the schema
+        operations = [op for op in operations if op.path in POST_PATHS]
+    for op in operations:
+
+        @settings(max_examples=NUM_EXAMPLES, deadline=None, database=None, derandomize=False,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy(generation_mode=mode))
+        def run(case):
+            COUNTS["cases"] += 1
+            response = case.call(base_url=fuzz_server.url, timeout=120)
+            check_response(response, f"{op.method.upper()} {op.path} body={str(case.body)[:500]}")
+
+        run()
+        assert_still_serving(fuzz_server)
+
+
+def json_mutants() -> st.SearchStrategy[bytes]:
+    """Bodies that are not JSON, not UTF-8, or JSON of the wrong shape."""
+    valid = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+    return st.one_of(
+        st.binary(max_size=256),
+        st.builds(lambda cut: valid[:cut], st.integers(0, len(valid) - 1)),
+        st.builds(lambda i, b: valid[:i] + bytes([b]) + valid[i + 1:], st.integers(0, len(valid) - 1), st.integers(0x80, 0xFF)),
+        st.text(max_size=64).map(lambda t: json.dumps(t).encode()),
+        st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                     max_leaves=8).map(lambda v: json.dumps(v).encode()),
+    )
+
+
+def test_fuzz_raw_bodies(fuzz_server):
+    with httpx.Client(base_url=fuzz_server.url, timeout=120) as client:
+
+        @settings(max_examples=NUM_EXAMPLES * 8, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(path=st.sampled_from(POST_PATHS), content=json_mutants(),
+               content_type=st.sampled_from(["application/json", "text/plain", "application/json; charset=latin-1"]))
+        def run(path, content, content_type):
+            COUNTS["cases"] += 1
+            r = client.post(path, content=content, headers={"content-type": content_type})
+            check_response(r, f"POST {path} {content[:200]!r}")
+
+        run()
+    assert_still_serving(fuzz_server)
+
+
+HUGE_AND_ODD = [
+    {"prompt": "a" * 300_000, "max_tokens": 2},
+    {"prompt": ["x"] * 5000, "max_tokens": 1},
+    {"prompt": [[1, 2]] * 100, "max_tokens": 1},
+    {"prompt": "Hi", "max_tokens": 10**30},
+    {"prompt": "Hi", "max_tokens": 2, "n": 10**9},
+    {"prompt": "Hi", "max_tokens": 2, "temperature": 1e308},
+    {"prompt": "Hi", "max_tokens": 2, "top_k": -(10**20)},
+    {"prompt": "Hi", "max_tokens": 2, "seed": 2**70},
+    {"prompt": "Hi", "max_tokens": 2, "logprobs": 10**6},
+    {"prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 10**6},
+    {"prompt": "Hi", "max_tokens": 2, "stop": ["x"] * 10000},
+    {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"1": 1e308}},
+    {"prompt": "Hi", "max_tokens": 2, "stop_token_ids": [-1, 2**40]},
+    {"prompt": "Hi", "max_tokens": 2, "allowed_token_ids": []},
+    {"prompt": "Hi", "max_tokens": 2, "bad_words": ["", "\udcff"]},
+    {"prompt": "\u0000\ud7ff\ue000\U0010ffff \u202e ﷽ 🦙" * 3, "max_tokens": 2},
+    {"prompt": "", "max_tokens": 2},
+    {"prompt": [""], "max_tokens": 2},
+    {"prompt": "Hi", "max_tokens": 0},
+    {"prompt": "Hi", "max_tokens": 2, "request_id": ""},
+]
+
+
+@pytest.mark.parametrize("body", HUGE_AND_ODD, ids=[str(i) for i in range(len(HUGE_AND_ODD))])
+def test_huge_and_odd_values(fuzz_server, body):
+    for stream in (False, True):
+        COUNTS["cases"] += 1
+        # json.dumps escapes lone surrogates (valid JSON, invalid unicode), which httpx would refuse.
+        r = httpx.post(fuzz_server.url + "/v1/completions", content=json.dumps({**body, "stream": stream}),
+                       headers={"content-type": "application/json"}, timeout=120)
+        check_response(r, str(body)[:300])
+        if r.status_code == 200 and stream:
+            assert '"error"' not in r.text, r.text[:2000]
+    assert_still_serving(fuzz_server)
