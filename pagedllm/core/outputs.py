@@ -25,6 +25,10 @@ class EngineCoreOutput:
     """Per token in new_token_ids, when the request asked for logprobs."""
     prompt_logprobs: list[PositionLogprobsData] | None = None
     """Once, with the first output token, when the request asked for prompt logprobs."""
+    kv_transfer_params: dict | None = None
+    """Disaggregated prefill: set when a prefill instance holds the prompt's KV for a pull."""
+    error: str | None = None
+    """Why the core failed the request (finish_reason "abort"): the server answers 503."""
 
     @property
     def finished(self) -> bool:

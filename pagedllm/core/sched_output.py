@@ -8,6 +8,7 @@ between steps; a SchedulerOutput carries only what changed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -51,6 +52,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) physical blocks: copy src's KV into dst in every layer before the forward
     (copy-on-write of a shared, partly filled block)."""
+    kv_connector_metadata: Any = None
+    """Disaggregated prefill: a KVConnectorMetadata for the connector's worker side (or None)."""
 
     @property
     def is_empty(self) -> bool:
@@ -78,3 +81,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobsData]] = field(default_factory=dict)
     """For requests that sampled their first token this step and asked for prompt logprobs:
     one entry per prompt token after the first."""
+    kv_connector_output: Any = None
+    """Disaggregated prefill: a KVConnectorOutput, the transfers that ended (or None)."""

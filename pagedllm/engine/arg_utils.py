@@ -33,6 +33,8 @@ class EngineArgs:
     """Reuse the KV blocks of shared prompt prefixes."""
     seed: int = 0
     """Seed for requests without their own seed."""
+    kv_transfer_config: str | dict | None = None
+    """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -46,11 +48,23 @@ class EngineArgs:
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
         )
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--kv-transfer-config", default=None,
+            help='disaggregated prefill, e.g. \'{"kv_role": "kv_producer", "kv_port": 14579}\'',
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+    def parse_kv_transfer_config(self):
+        """The KVTransferConfig, or None; raises ValueError naming a bad key or value."""
+        if self.kv_transfer_config is None:
+            return None
+        from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+
+        return KVTransferConfig.from_cli(self.kv_transfer_config)
 
     def resolve_dtype(self) -> str:
         if self.dtype in ("float32", "bfloat16"):

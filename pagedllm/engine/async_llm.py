@@ -32,6 +32,11 @@ class EngineNotReadyError(RuntimeError):
     """The model is still loading, or the engine is shutting down."""
 
 
+class KVTransferFailedError(EngineNotReadyError):
+    """Disaggregated prefill with kv_load_failure_policy "fail": the prompt's KV could not be
+    pulled from the prefill instance (the server answers 503, as for an unavailable engine)."""
+
+
 class RequestStream:
     """The outputs of one request, as the output handler delivers them."""
 
@@ -129,6 +134,7 @@ class AsyncLLM:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Validate and queue a request. Raises ValueError on bad input."""
         self._check_ready()
@@ -140,16 +146,30 @@ class AsyncLLM:
         else:
             text = prompt if isinstance(prompt, str) else None
         max_tokens = self.input_processor.validate(prompt_token_ids, params)
+        if kv_transfer_params is not None:
+            self._check_kv_transfer_params(kv_transfer_params, params)
         assert self.output_processor is not None
         request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
-            self.tokenizer, self.output_processor, cache_salt,
+            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params,
         )
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         assert self._client is not None
         self._client.add_request(request)
         return stream
+
+    def _check_kv_transfer_params(self, kv_transfer_params: dict, params: SamplingParams) -> None:
+        from pagedllm.distributed.kv_transfer.zmq_connector import validate_kv_transfer_params
+
+        if self.args.kv_transfer_config is None:
+            raise ValueError(
+                "kv_transfer_params given, but this server runs without --kv-transfer-config "
+                "(start it with a kv_role to take part in disaggregated prefill)"
+            )
+        if params.n != 1:
+            raise ValueError("kv_transfer_params needs n=1")
+        validate_kv_transfer_params(kv_transfer_params)
 
     async def generate(
         self,
@@ -219,6 +239,16 @@ class AsyncLLM:
         assert self.output_processor is not None and self._client is not None
         now = time.monotonic()
         states = self.output_processor.states
+        failed = [eo for eo in core_outputs.outputs if eo.error is not None]
+        if failed:  # the core failed these requests: their clients get the error
+            for eo in failed:
+                stream = self._streams.pop(eo.request_id, None)
+                self._last_token_time.pop(eo.request_id, None)
+                self.output_processor.abort_requests([eo.request_id])
+                self.metrics.request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+                if stream is not None:
+                    stream.put(KVTransferFailedError(eo.error))
+            core_outputs.outputs = [eo for eo in core_outputs.outputs if eo.error is None]
         for eo in core_outputs.outputs:
             state = states.get(eo.request_id)
             if state is None or not eo.new_token_ids:

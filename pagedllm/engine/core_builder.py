@@ -68,8 +68,27 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         max_len,
         budget_config.kv_cache_memory_bytes,
     )
-    scheduler = Scheduler(config.scheduler_config, kv_manager)
+    transfer_config = args.parse_kv_transfer_config()
+    scheduler_connector = None
+    if transfer_config is not None:
+        from pagedllm.distributed.kv_transfer.zmq_connector import ZmqConnectorScheduler
+
+        if not args.enable_prefix_caching or len(group_specs) != 1:
+            raise ValueError(
+                "--kv-transfer-config needs prefix caching (blocks travel under their prefix-cache "
+                "hashes) and a model with one KV cache group (no sliding-window layers)"
+            )
+        scheduler_connector = ZmqConnectorScheduler(transfer_config, block_size)
+    scheduler = Scheduler(
+        config.scheduler_config, kv_manager, scheduler_connector,
+        transfer_config.kv_load_failure_policy if transfer_config is not None else "recompute",
+    )
     runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
+    worker_connector = None
+    if transfer_config is not None:
+        from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker
+
+        worker_connector = ZmqConnectorWorker(transfer_config, runner.kv_caches)
     # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
     max_concurrency = (num_blocks - 1) / kv_manager.max_blocks_per_request(max_len)
     logger.info(
@@ -81,7 +100,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         (num_blocks - 1) * block_size, max_concurrency, max_len, time.monotonic() - t0,
     )
     return BuiltEngine(
-        engine_core=EngineCore(scheduler, runner),
+        engine_core=EngineCore(scheduler, runner, worker_connector),
         scheduler=scheduler,
         tokenizer=loaded.tokenizer,
         model_config=model_config,
