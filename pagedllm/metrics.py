@@ -64,7 +64,7 @@ class EngineMetrics:
         self.kv_transfer = {
             key: gauge(f"kv_transfer_{key}", f"KV transfer: {key.replace('_', ' ')} since start.")
             for key in ("blocks_sent", "bytes_sent", "blocks_received", "bytes_received",
-                        "transfer_seconds", "failed_loads", "expired_holds")
+                        "seconds", "failed_loads", "expired_holds")
         }
         # Create every labelled child now, so each series is exported from the start.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,

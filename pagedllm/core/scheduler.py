@@ -251,7 +251,7 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         head = self.waiting[0]
-        if self.kv_connector is not None and head.kv_transfer_params is not None:
+        if self.kv_connector is not None and (head.kv_transfer_params or {}).get("do_remote_prefill"):
             admitted_remote = self._admit_remote(head)
             if admitted_remote is not None:
                 return admitted_remote

@@ -76,7 +76,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         self._done: OrderedDict[str, None] = OrderedDict()
         self._output = KVConnectorOutput()
         self._stats = {"blocks_sent": 0, "bytes_sent": 0, "blocks_received": 0, "bytes_received": 0,
-                       "transfer_seconds": 0.0, "failed_loads": 0, "expired_holds": 0}
+                       "seconds": 0.0, "failed_loads": 0, "expired_holds": 0}
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._threads: list[threading.Thread] = []
@@ -250,7 +250,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
             with self._lock:
                 self._stats["blocks_received"] += len(job.block_ids)
                 self._stats["bytes_received"] += num_bytes
-                self._stats["transfer_seconds"] += elapsed
+                self._stats["seconds"] += elapsed
             logger.debug("pulled %d blocks (%.1f MB) for %s in %.1f ms (%.0f MB/s)", len(job.block_ids),
                          num_bytes / 1e6, job.req_id, elapsed * 1e3, num_bytes / 1e6 / max(elapsed, 1e-9))
             self._finish(recving={job.req_id})
