@@ -65,7 +65,9 @@ def disagg():
                                                      "kv_hold_timeout_s": 60})]
     consumer = ["--kv-transfer-config", json.dumps({"kv_role": "kv_consumer", "kv_transfer_timeout_s": 3})]
     with ThreadPoolExecutor(2) as pool:  # both load the model at once
-        futures = [pool.submit(RemoteServer, SMALL_SERVER_ARGS + extra) for extra in (producer, consumer)]
+        # A generous start-up limit: on a shared machine the kernel build lock can be busy.
+        futures = [pool.submit(RemoteServer, SMALL_SERVER_ARGS + extra, startup_timeout_s=900)
+                   for extra in (producer, consumer)]
         prefill, decode = [f.result() for f in futures]
     proxy = ProxyProcess([prefill.url], [decode.url])
     yield prefill, decode, proxy
