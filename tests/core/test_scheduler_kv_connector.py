@@ -161,3 +161,18 @@ def test_abort_while_pulling_frees_blocks_only_after_the_pull():
     step(consumer, c_runner, KVConnectorOutput(finished_recving={"d"}))
     assert num_used(consumer) == 0 and not consumer.has_unfinished_requests()
     assert consumer.kv_cache_manager.get_computed_blocks(make_request("y", PROMPT))[1] == 0
+
+
+def test_scheduler_side_imports_without_torch():
+    """The connector's scheduler half lives in the torch-free control plane."""
+    import subprocess
+    import sys
+
+    from tests.core.test_kv_cache_utils import _SUBPROCESS_PRELUDE, REPO_ROOT
+
+    code = _SUBPROCESS_PRELUDE + (
+        "import pagedllm.distributed.kv_transfer.zmq_connector, pagedllm.distributed.kv_transfer.config\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
