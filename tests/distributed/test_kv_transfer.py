@@ -103,11 +103,16 @@ def test_producer_gone_times_out():
     )
     try:
         hashes = hash_request_tokens(list(range(BLOCK_SIZE)), BLOCK_SIZE)
-        consumer.start_load_kv(KVConnectorMetadata(
-            loads=[LoadSpec("r1", "t1", "127.0.0.1", free_port(), hashes, [1])]))
-        failed = wait_output(consumer, failed_recving={"r1": ""})["failed_recving"]
-        assert "no answer" in failed["r1"]
-        assert consumer.get_stats()["failed_loads"] == 1
+        port = free_port()
+        t0 = time.monotonic()
+        consumer.start_load_kv(KVConnectorMetadata(loads=[
+            LoadSpec("r1", "t1", "127.0.0.1", port, hashes, [1]),
+            LoadSpec("r2", "t2", "127.0.0.1", port, hashes, [2]),  # queued behind r1
+        ]))
+        failed = wait_output(consumer, failed_recving={"r1": "", "r2": ""})["failed_recving"]
+        assert "no answer" in failed["r1"] and "moments ago" in failed["r2"]
+        assert time.monotonic() - t0 < 1.0 + 0.5  # one timeout, not two
+        assert consumer.get_stats()["failed_loads"] == 2
     finally:
         consumer.shutdown()
 

@@ -28,7 +28,7 @@ class KVTransferConfig:
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     """When a pull fails (producer gone, timeout, blocks no longer held): recompute the
     prompt locally, or fail the request with a 503."""
-    kv_hold_timeout_s: float = 30.0
+    kv_hold_timeout_s: float = 120.0
     """The producer frees blocks held for a transfer that nobody pulled within this time."""
     kv_transfer_timeout_s: float = 10.0
     """A consumer gives up on a pull that got no answer within this time."""

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _REGISTRATION_WAIT_S = 5.0  # a pull may outrun the registration of its transfer by a step
 _TRACKER_TIMEOUT_S = 60.0
 _NUM_DONE_REMEMBERED = 4096  # ended transfers, to refuse a late pull at once
+_DEAD_PEER_S = 5.0  # after a pull timed out, later pulls from that address fail at once
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         self._ctx = zmq.Context()
         self._threads: list[threading.Thread] = []
         self._jobs: queue.Queue[LoadSpec | ReleaseSpec | None] = queue.Queue()
+        self._dead_until: dict[tuple[str, int], float] = {}  # loader thread only
         if config.is_producer:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
@@ -272,11 +274,16 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
 
     def _pull(self, job: LoadSpec) -> int:
         """Fetch the blocks and copy them into place; returns bytes received."""
+        address = (job.remote_host, job.remote_port)
+        if time.monotonic() < self._dead_until.get(address, 0.0):
+            raise TimeoutError(f"{job.remote_host}:{job.remote_port} did not answer a pull moments ago")
         sock = self._dealer(job.remote_host, job.remote_port)
         try:
             request = {"transfer_id": job.transfer_id, "hashes": [h.hex() for h in job.block_hashes]}
             sock.send_multipart([b"pull", json.dumps(request).encode()])
             if not sock.poll(int(self.config.kv_transfer_timeout_s * 1000)):
+                # Queued pulls from a dead instance fail fast instead of each waiting in turn.
+                self._dead_until[address] = time.monotonic() + _DEAD_PEER_S
                 raise TimeoutError(f"no answer within {self.config.kv_transfer_timeout_s} s")
             frames = sock.recv_multipart(copy=False)
         finally:
