@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16  # the server default
-MAX_TOKENS = 16
+MAX_TOKENS = 10
 PREAMBLE = "You are a careful assistant who answers briefly and precisely. "
 PROMPTS = [f"{PREAMBLE * (3 + i % 5)}Item {i}. {TEXT_PROMPTS[i % len(TEXT_PROMPTS)]}" for i in range(16)]
 
