@@ -129,3 +129,19 @@ def test_release_and_expiry_free_holds(pair):
     assert "kept" not in producer.get_finished().finished_sending
     wait_output(producer, finished_sending={"kept"})  # nobody pulled it: expired
     assert producer.get_stats()["expired_holds"] == 1
+
+
+def test_malformed_message_does_not_stop_the_server(pair):
+    import zmq
+
+    producer, consumer, port = pair
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send_multipart([b"pull", b"not json"])
+    sock.close()
+    hashes = hash_request_tokens(list(range(BLOCK_SIZE)), BLOCK_SIZE)
+    producer.start_load_kv(KVConnectorMetadata(sends=[SendSpec("t1", hashes, [3])]))
+    consumer.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r1", "t1", "127.0.0.1", port, hashes, [5])]))
+    wait_output(consumer, finished_recving={"r1"})
+    assert torch.equal(producer.kv_caches[0][:, 3], consumer.kv_caches[0][:, 5])

@@ -164,7 +164,12 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                     pending.append((time.monotonic() + _REGISTRATION_WAIT_S, msg))
                 still = []
                 for deadline, msg in pending:
-                    if not self._handle(msg, give_up=time.monotonic() > deadline):
+                    try:
+                        handled = self._handle(msg, give_up=time.monotonic() > deadline)
+                    except (ValueError, KeyError, IndexError, zmq.NotDone):  # a malformed pull
+                        logger.exception("KV transfer server dropped a message")
+                        handled = True
+                    if not handled:
                         still.append((deadline, msg))
                 pending = still
             except zmq.ZMQError:
