@@ -68,6 +68,12 @@ class EngineMetrics:
             "e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        # Disaggregated prefill: the KV connector's counters (cumulative in the core).
+        self.kv_transfer = {
+            key: gauge(f"kv_transfer_{key}", f"KV transfer: {key.replace('_', ' ')} since start.")
+            for key in ("blocks_sent", "bytes_sent", "blocks_received", "bytes_received",
+                        "seconds", "failed_loads", "expired_holds")
+        }
         # Create every labelled child now, so each series is exported from the start.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
                        self.kv_cache_free_blocks, self.kv_cache_total_blocks, self.prompt_tokens,
@@ -116,6 +122,9 @@ class EngineMetrics:
         for t in stats.queue_times:
             self._l(self.request_queue_time).observe(t)
         self.history.observe_stats(s.num_running, s.num_waiting, s.kv_cache_usage, pc.queries, pc.hits)
+        for key, value in (stats.kv_transfer or {}).items():
+            if key in self.kv_transfer:
+                self._l(self.kv_transfer[key]).set(value)
 
     # ---- from the front end's output processing ---------------------------------------
 

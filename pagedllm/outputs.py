@@ -51,3 +51,5 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     metrics: dict = field(default_factory=dict)
     """Timings in seconds: arrival, first_token, finished (monotonic clock)."""
+    kv_transfer_params: dict | None = None
+    """Disaggregated prefill: where a decode instance pulls this prompt's KV from."""

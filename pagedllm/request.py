@@ -10,6 +10,7 @@ from pagedllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, KV being pulled from a prefill instance
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -57,6 +58,7 @@ class Request:
         "cache_salt",
         "group_id",
         "pending_forks",
+        "kv_transfer_params",
     )
 
     def __init__(
@@ -69,6 +71,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -93,6 +96,9 @@ class Request:
         # its blocks.
         self.group_id = group_id
         self.pending_forks: list[Request] = []
+        # Disaggregated prefill (distributed/kv_transfer/): {"do_remote_decode": true} on a
+        # prefill instance; on a decode instance, where to pull the prompt's KV blocks from.
+        self.kv_transfer_params = kv_transfer_params
 
     @property
     def num_tokens(self) -> int:

@@ -121,6 +121,8 @@ class KVCacheManager:
         self._stats = PrefixCacheStats()
         # (src, dst) pairs of the last allocate_slots call (copy-on-write): the runner copies.
         self.last_copied_blocks: list[tuple[int, int]] = []
+        # Blocks kept alive past their request for a remote pull, by hold id.
+        self._held: dict[str, list[KVCacheBlock]] = {}
 
     # ---- the scheduler's interface -----------------------------------------------------
 
@@ -160,6 +162,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[list[KVCacheBlock]] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[list[int]] | None:
         """Make room for ``request`` to hold the KV of this step's tokens.
 
@@ -171,7 +174,9 @@ class KVCacheManager:
         then nothing has changed.
 
         Blocks that become full with computed tokens (``num_computed + hits + num_new``, but
-        never past ``request.num_tokens``) are entered into the prefix cache.
+        never past ``request.num_tokens``) are entered into the prefix cache, unless
+        ``delay_cache_blocks`` (their KV arrives later, from a remote instance: see
+        ``cache_blocks``).
         """
         self.last_copied_blocks = []
         req = self._requests.get(request.request_id)
@@ -223,10 +228,45 @@ class KVCacheManager:
         # Hit blocks are cached already.
         req.num_cached_blocks = max(req.num_cached_blocks, num_hit_blocks)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, req, num_full)
         return new_block_ids
+
+    # ---- disaggregated prefill (distributed/kv_transfer/) ------------------------------
+
+    def get_block_hashes(self, request: Request) -> list[BlockHash]:
+        """The prefix-cache hashes of the request's full blocks (stable across processes)."""
+        return self._get_block_hashes(request)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's full blocks up to ``num_tokens`` into the prefix cache (their
+        KV arrived after ``allocate_slots(..., delay_cache_blocks=True)``)."""
+        req = self._requests[request.request_id]
+        if self.enable_caching:
+            self._cache_full_blocks(request, req, min(num_tokens, request.num_tokens) // self.block_size)
+
+    def hold(self, hold_id: str, request: Request, num_blocks: int) -> list[int]:
+        """Take a reference on the request's first ``num_blocks`` blocks (group 0) under
+        ``hold_id``, so they outlive the request (a remote instance will pull them). Returns
+        their ids."""
+        assert self.num_groups == 1, "holding blocks for transfer needs one KV cache group"
+        assert hold_id not in self._held, hold_id
+        blocks = self._requests[request.request_id].blocks[0][:num_blocks]
+        self.block_pool.touch(blocks)
+        self._held[hold_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def release_held(self, hold_id: str) -> None:
+        """Drop a ``hold`` (unknown ids are ignored: a release can race an expiry)."""
+        blocks = self._held.pop(hold_id, None)
+        if blocks is not None:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    @property
+    def num_held(self) -> int:
+        """Holds not yet released."""
+        return len(self._held)
 
     def fork(self, parent: Request, child: Request) -> None:
         """``child`` shares every block of ``parent`` by reference (ref counts), including a

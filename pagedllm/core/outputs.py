@@ -28,8 +28,13 @@ class EngineCoreOutput:
     beams: list | None = None
     """A finished beam search: its sequences (engine.beam_search.BeamSearchSequence), best
     first. Set only on the one output that ends a search."""
+    kv_transfer_params: dict | None = None
+    """Disaggregated prefill: set when a prefill instance holds the prompt's KV for a pull."""
     error: str | None = None
-    """Why the request failed (finish_reason "abort"), for the client to read."""
+    """Why the core failed the request (finish_reason "abort"), for the client to read."""
+    retryable: bool = False
+    """The failure is one of resources, not of the request (a KV pull that failed): the server
+    answers 503 with Retry-After; otherwise (a step that raised) 500."""
 
     @property
     def finished(self) -> bool:

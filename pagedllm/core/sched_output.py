@@ -8,7 +8,7 @@ between steps; a SchedulerOutput carries only what changed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -60,6 +60,8 @@ class SchedulerOutput:
     core's StructuredOutputManager after scheduling); the runner masks their logits."""
     kv_slots_to_release: list[int] = field(default_factory=list)
     """vattention backend: slots whose pages the runner releases (madvise) before the forward."""
+    kv_connector_metadata: Any = None
+    """Disaggregated prefill: a KVConnectorMetadata for the connector's worker side (or None)."""
 
     @property
     def is_empty(self) -> bool:
@@ -87,3 +89,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobsData]] = field(default_factory=dict)
     """For requests that sampled their first token this step and asked for prompt logprobs:
     one entry per prompt token after the first."""
+    kv_connector_output: Any = None
+    """Disaggregated prefill: a KVConnectorOutput, the transfers that ended (or None)."""

@@ -18,6 +18,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -31,13 +32,22 @@ from pagedllm.core.sched_output import (
 from pagedllm.core.stop import check_stop
 from pagedllm.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorSchedulerBase
+
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
     """Continuous batching with chunked prefill, prefix caching and preemption by recompute."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        kv_connector: KVConnectorSchedulerBase | None = None,
+        kv_load_failure_policy: str = "recompute",
+    ) -> None:
         self.scheduler_config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -52,6 +62,13 @@ class Scheduler:
         self.num_preemptions = 0  # since start
         # Forked sequences not yet sent to the runner (they go as NewRequestData).
         self._unsent: set[str] = set()
+        # Disaggregated prefill: the connector's scheduler side; requests whose prompt KV is
+        # being pulled from a prefill instance (they hold blocks, outside waiting/running);
+        # and aborted ones whose pull is still writing into their blocks.
+        self.kv_connector = kv_connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.waiting_for_remote: dict[str, Request] = {}
+        self._aborted_loading: dict[str, Request] = {}
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -99,6 +116,12 @@ class Scheduler:
             if request is None:
                 continue
             request.status = status
+            if request_id in self.waiting_for_remote:
+                # Its pull still writes into its blocks: they are freed when the pull ends.
+                self._aborted_loading[request_id] = self.waiting_for_remote.pop(request_id)
+                del self.requests[request_id]
+                self.finished_req_ids.add(request_id)
+                continue
             self._free_finished(request)
             removed.add(request_id)
             self._detach_from_group(request, removed)
@@ -137,10 +160,14 @@ class Scheduler:
         return len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote or self._aborted_loading)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks held for a remote pull: the engine keeps polling the connector."""
+        return self.kv_cache_manager.num_held > 0
 
     def has_finished_requests(self) -> bool:
         """Whether finished/preempted ids wait to reach the runner (one more step flushes them)."""
@@ -175,6 +202,8 @@ class Scheduler:
             blocks_to_copy=step.blocks_to_copy,
             kv_slots_to_release=self.kv_cache_manager.take_slots_to_release(),
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         self.finished_req_ids = set()
         return output
 
@@ -229,6 +258,10 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         head = self.waiting[0]
+        if self.kv_connector is not None and (head.kv_transfer_params or {}).get("do_remote_prefill"):
+            admitted_remote = self._admit_remote(head)
+            if admitted_remote is not None:
+                return admitted_remote
         members = [head]
         while (
             head.group_id is not None
@@ -278,6 +311,80 @@ class Scheduler:
             step.schedule(request.request_id, num_new_tokens)
         return True
 
+    def _admit_remote(self, request: Request) -> bool | None:
+        """A request whose prompt KV a prefill instance holds: allocate blocks for what can be
+        pulled and park the request in ``waiting_for_remote`` while the connector pulls.
+
+        Returns None when nothing is to be pulled (the normal admission follows), else
+        whether the request left ``waiting``.
+        """
+        assert self.kv_connector is not None
+        kv = self.kv_cache_manager
+        if request.group_id is not None or request.pending_forks or request.num_preemptions:
+            self.kv_connector.release(request)
+            request.kv_transfer_params = None
+            return None
+        computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        num_external, _ = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        if num_external == 0:
+            request.kv_transfer_params = None
+            return None
+        if len(self.running) + len(self.waiting_for_remote) >= self.max_num_seqs:
+            return False
+        if kv.allocate_slots(request, num_external, computed_blocks, delay_cache_blocks=True) is None:
+            return False
+        first = num_hit_tokens // kv.block_size
+        last = first + num_external // kv.block_size
+        block_ids = kv.get_block_ids(request.request_id)[0][first:last]
+        self.kv_connector.update_state_after_alloc(request, block_ids, kv.get_block_hashes(request)[first:last])
+        # The blocks are not computed until the pull ends; the hit blocks are.
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting.popleft()
+        self.waiting_for_remote[request.request_id] = request
+        return True
+
+    def _update_from_kv_transfers(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Free blocks whose transfer ended; requests whose pull ended wait to be scheduled.
+
+        A pulled request enters its blocks into the prefix cache, frees them and goes back to
+        the front of ``waiting``: its admission then finds the prompt as a prefix hit (as a
+        later request with the same prefix will). A failed pull frees the blocks (never
+        cached) and either recomputes the prompt or fails the request, by policy.
+        """
+        kv = self.kv_cache_manager
+        outputs: list[EngineCoreOutput] = []
+        for hold_id in kv_output.finished_sending:
+            kv.release_held(hold_id)
+        for request_id in [*kv_output.finished_recving, *kv_output.failed_recving]:
+            aborted = self._aborted_loading.pop(request_id, None)
+            if aborted is not None:
+                kv.free(aborted)
+                continue
+            request = self.waiting_for_remote.pop(request_id, None)
+            if request is None:
+                continue
+            error = kv_output.failed_recving.get(request_id)
+            if error is None:
+                kv.cache_blocks(request, kv.get_num_blocks(request_id) * kv.block_size)
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.kv_transfer_params = None
+            if error is not None and self.kv_load_failure_policy == "fail":
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free_finished(request)
+                outputs.append(EngineCoreOutput(
+                    request_id, [], "abort", None, 0,
+                    error=f"loading the prompt's KV from the prefill instance failed: {error}",
+                    retryable=True,
+                ))
+                continue
+            if error is not None:
+                logger.info("request %s recomputes its prompt: %s", request_id, error)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return outputs
+
     def _num_tokens_to_compute(self, request: Request, num_hit_tokens: int = 0) -> int:
         """Tokens still to compute; a leader stops before the prompt's last token until its
         group has forked."""
@@ -323,6 +430,8 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
+        if model_runner_output.kv_connector_output:
+            outputs.extend(self._update_from_kv_transfers(model_runner_output.kv_connector_output))
         runner_logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
         for request_id, token_ids, logprobs in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, runner_logprobs
@@ -338,8 +447,9 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if check_stop(request, self.max_model_len):
                     break  # tokens after a stop are dropped
+            kv_transfer_params = None
             if request.is_finished:
-                self._free_finished(request)
+                kv_transfer_params = self._free_finished(request)
                 finished.add(request_id)
             outputs.append(
                 EngineCoreOutput(
@@ -350,6 +460,7 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens,
                     new_logprobs=logprobs[: len(new_token_ids)] if logprobs is not None else None,
                     prompt_logprobs=model_runner_output.prompt_logprobs.get(request_id),
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
         if finished:
@@ -393,12 +504,26 @@ class Scheduler:
             self.kv_cache_manager.num_free_blocks,
         )
 
-    def _free_finished(self, request: Request) -> None:
-        """Release a request whose status is already a finished one (caller fixes the queues)."""
+    def _free_finished(self, request: Request) -> dict | None:
+        """Release a request whose status is already a finished one (caller fixes the queues).
+
+        With a KV connector, the prompt's full blocks may stay held for a remote pull; the
+        returned kv_transfer_params (or None) tell the client where to pull them from.
+        """
         assert request.is_finished
+        params = None
+        if self.kv_connector is not None and request.kv_transfer_params is not None:
+            kv = self.kv_cache_manager
+            num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // kv.block_size
+            block_ids = kv.get_block_ids(request.request_id)[0][:num_full]
+            hashes = kv.get_block_hashes(request)[:num_full]
+            hold_id, params = self.kv_connector.request_finished(request, block_ids, hashes)
+            if hold_id is not None:
+                kv.hold(hold_id, request, num_full)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return params
 
 
 @dataclass

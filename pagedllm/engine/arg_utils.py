@@ -44,6 +44,8 @@ class EngineArgs:
     quantization: str | None = None
     """Weights: gguf (keep a GGUF file's Q4/Q8 types), int8 / int4 (quantize at load), none
     (dequantize to dtype); default: gguf for GGUF files whose types it supports, else none."""
+    kv_transfer_config: str | dict | None = None
+    """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -67,6 +69,10 @@ class EngineArgs:
         parser.add_argument(
             "--quantization", "-q", default=None, choices=["gguf", "int8", "int4", "none"]
         )
+        parser.add_argument(
+            "--kv-transfer-config", default=None,
+            help='disaggregated prefill, e.g. \'{"kv_role": "kv_producer", "kv_port": 14579}\'',
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -77,6 +83,14 @@ class EngineArgs:
         if self.enable_prefix_caching is None:
             return self.kv_cache_backend == "paged"
         return self.enable_prefix_caching
+
+    def parse_kv_transfer_config(self):
+        """The KVTransferConfig, or None; raises ValueError naming a bad key or value."""
+        if self.kv_transfer_config is None:
+            return None
+        from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+
+        return KVTransferConfig.from_cli(self.kv_transfer_config)
 
     def resolve_dtype(self) -> str:
         if self.dtype in ("float32", "bfloat16"):

@@ -68,6 +68,11 @@ class RequestFaultError(RuntimeError):
 EXPIRY_CHECK_INTERVAL_S = 0.2
 
 
+class KVTransferFailedError(EngineNotReadyError):
+    """Disaggregated prefill with kv_load_failure_policy "fail": the prompt's KV could not be
+    pulled from the prefill instance (the server answers 503, as for an unavailable engine)."""
+
+
 class RequestStream:
     """The outputs of one request, as the output handler delivers them."""
 
@@ -205,6 +210,7 @@ class AsyncLLM:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Validate and queue a request. Raises ValueError on bad input."""
         self._check_ready()
@@ -221,10 +227,12 @@ class AsyncLLM:
             from pagedllm.core.vattention_manager import FORK_UNSUPPORTED
 
             raise ValueError(f"n={params.n}: {FORK_UNSUPPORTED}")
+        if kv_transfer_params is not None:
+            self._check_kv_transfer_params(kv_transfer_params, params)
         assert self.output_processor is not None
         request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
-            self.tokenizer, self.output_processor, cache_salt,
+            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params,
         )
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         stream = RequestStream(request_id, self, deadline)
@@ -282,6 +290,18 @@ class AsyncLLM:
             eo.request_id, text, prompt_token_ids, outputs, finished=True,
             metrics={"arrival_time": arrival, "finished_time": now},
         )
+
+    def _check_kv_transfer_params(self, kv_transfer_params: dict, params: SamplingParams) -> None:
+        from pagedllm.distributed.kv_transfer.zmq_connector import validate_kv_transfer_params
+
+        if self.args.kv_transfer_config is None:
+            raise ValueError(
+                "kv_transfer_params given, but this server runs without --kv-transfer-config "
+                "(start it with a kv_role to take part in disaggregated prefill)"
+            )
+        if params.n != 1:
+            raise ValueError("kv_transfer_params needs n=1")
+        validate_kv_transfer_params(kv_transfer_params)
 
     async def generate(
         self,
@@ -406,9 +426,16 @@ class AsyncLLM:
         now = time.monotonic()
         states = self.output_processor.states
         failed = [eo for eo in core_outputs.outputs if eo.error is not None and eo.request_id in states]
-        if failed:  # a step failed in the core (beam searches carry their own errors below)
+        if failed:  # the core failed these requests (beam searches carry their own errors below)
             for eo in failed:
-                self._fail(self.output_processor.user_request_id(eo.request_id), RuntimeError(eo.error))
+                user_id = self.output_processor.user_request_id(eo.request_id)
+                if eo.retryable:  # a KV pull that failed under policy "fail": a 503
+                    stream = self._streams.get(user_id)
+                    if stream is not None:
+                        stream.put(KVTransferFailedError(eo.error))
+                    self.abort(user_id)
+                else:  # a step that raised: a 500
+                    self._fail(user_id, RuntimeError(eo.error))
             failed_ids = {eo.request_id for eo in failed}
             core_outputs.outputs = [eo for eo in core_outputs.outputs if eo.request_id not in failed_ids]
         for eo in core_outputs.outputs:

@@ -81,8 +81,27 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     )
     kv_manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots)
     kv_manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers))
-    scheduler = Scheduler(config.scheduler_config, kv_manager)
+    transfer_config = args.parse_kv_transfer_config()
+    scheduler_connector = None
+    if transfer_config is not None:
+        from pagedllm.distributed.kv_transfer.zmq_connector import ZmqConnectorScheduler
+
+        if not args.resolve_prefix_caching() or len(group_specs) != 1:
+            raise ValueError(
+                "--kv-transfer-config needs prefix caching (blocks travel under their prefix-cache "
+                "hashes) and a model with one KV cache group (no sliding-window layers)"
+            )
+        scheduler_connector = ZmqConnectorScheduler(transfer_config, block_size)
+    scheduler = Scheduler(
+        config.scheduler_config, kv_manager, scheduler_connector,
+        transfer_config.kv_load_failure_policy if transfer_config is not None else "recompute",
+    )
     runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
+    worker_connector = None
+    if transfer_config is not None:
+        from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker
+
+        worker_connector = ZmqConnectorWorker(transfer_config, runner.kv_caches)
     # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
     max_concurrency = (num_blocks - 1) / kv_manager.max_blocks_per_request(max_len)
     free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -101,9 +120,9 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         (num_blocks - 1) * block_size, max_concurrency, max_len, time.monotonic() - t0,
     )
     return BuiltEngine(
-        engine_core=EngineCore(scheduler, runner, structured_output=StructuredOutputManager(
-            loaded.tokenizer, model_config.vocab_size, model_config.eos_token_ids,
-        )),
+        engine_core=EngineCore(
+            scheduler, runner, _structured_output_manager(loaded), kv_connector=worker_connector
+        ),
         scheduler=scheduler,
         tokenizer=loaded.tokenizer,
         model_config=model_config,
@@ -120,6 +139,11 @@ def _build_vattention(args: EngineArgs, loaded: Any, t0: float) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner, VAttentionLayout
     from pagedllm.worker.vattention_kv import HUGE, SMALL_PAGE
 
+    if args.kv_transfer_config is not None:
+        raise ValueError(
+            "--kv-transfer-config is not supported with --kv-cache-backend vattention (blocks "
+            "travel under prefix-cache hashes, which vattention slots do not have); use the paged backend"
+        )
     model_config = loaded.model_config
     layers = attention_layers(loaded.model)
     token_bytes = model_config.num_kv_heads * model_config.head_dim * _DTYPE_BYTES[model_config.dtype]
@@ -161,13 +185,18 @@ def _build_vattention(args: EngineArgs, loaded: Any, t0: float) -> BuiltEngine:
         num_pages / needed, max_len, time.monotonic() - t0,
     )
     return BuiltEngine(
-        engine_core=EngineCore(scheduler, runner),
+        engine_core=EngineCore(scheduler, runner, _structured_output_manager(loaded)),
         scheduler=scheduler,
         tokenizer=loaded.tokenizer,
         model_config=model_config,
         config=config,
         model_dir=loaded.model_dir,
     )
+
+
+def _structured_output_manager(loaded: Any) -> StructuredOutputManager:
+    model_config = loaded.model_config
+    return StructuredOutputManager(loaded.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
 
 def check_kv_capacity(

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_STATS_INTERVAL_S = 0.5
 BUSY_STATS_INTERVAL_S = 0.25
+KV_POLL_INTERVAL_S = 0.02
 _PR_SET_PDEATHSIG = 1
 
 
@@ -62,6 +63,8 @@ class CoreStats:
     num_total_blocks: int
     queue_times: list[float] = field(default_factory=list)
     """Seconds from arrival to first scheduling, for requests first scheduled since the last stats."""
+    kv_transfer: dict[str, float] | None = None
+    """Disaggregated prefill: the KV connector's counters since start (None without one)."""
 
 
 @dataclass
@@ -115,6 +118,7 @@ def run_engine_core(
     try:
         proc.run()
     finally:
+        proc.core.shutdown()
         in_sock.close(linger=0)
         out_sock.close(linger=1000)
         ctx.term()
@@ -174,14 +178,17 @@ class EngineCoreProc:
         was_busy = False
         while not self._stop:
             busy = self._has_work()
-            timeout_ms = 0 if busy else int(IDLE_STATS_INTERVAL_S * 1000)
+            # Blocks held for a remote pull: poll the KV connector often, without spinning.
+            kv_pending = self.scheduler.has_pending_kv_transfers()
+            idle_s = KV_POLL_INTERVAL_S if kv_pending else IDLE_STATS_INTERVAL_S
+            timeout_ms = 0 if busy else int(idle_s * 1000)
             if poller.poll(timeout_ms):
                 self._drain_input()
             if os.getppid() != self.parent_pid:
                 logger.warning("front end process is gone; engine core exits")
                 return
             outputs = []
-            if self._has_work():
+            if self._has_work() or kv_pending:
                 t0 = time.perf_counter()
                 outputs = self._step()
                 self._step_seconds.append(time.perf_counter() - t0)
@@ -293,4 +300,5 @@ class EngineCoreProc:
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.num_total_blocks,
             queue_times=queue_times,
+            kv_transfer=self.core.kv_connector.get_stats() if self.core.kv_connector is not None else None,
         )

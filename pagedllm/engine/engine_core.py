@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
@@ -25,7 +26,11 @@ GRAMMAR_WAIT_S = 0.05
 
 class EngineCore:
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, structured_output: StructuredOutputManager | None = None
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        structured_output: StructuredOutputManager | None = None,
+        kv_connector: Any = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -33,6 +38,8 @@ class EngineCore:
         self.structured_output = structured_output
         # Constrained requests whose grammar is compiling, by id, in arrival order.
         self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
+        # Disaggregated prefill: the KV connector's worker side (KVConnectorWorkerBase) or None.
+        self.kv_connector = kv_connector
 
     def add_request(self, request: Request) -> None:
         spec = request.sampling_params.structured_outputs
@@ -80,11 +87,21 @@ class EngineCore:
             # Finished (not preempted) requests drop their matchers.
             so_manager.remove(r for r in scheduler_output.finished_req_ids if r not in self.scheduler.requests)
             scheduler_output.grammar_bitmask = so_manager.grammar_bitmask(self._sampling_req_ids(scheduler_output))
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
         runner_output = self.runner.execute(scheduler_output)
+        if self.kv_connector is not None:
+            if scheduler_output.is_empty and self.scheduler.waiting_for_remote:
+                self.kv_connector.wait_for_transfers(0.005)  # only pulls in flight: do not spin
+            runner_output.kv_connector_output = self.kv_connector.get_finished()
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.grammar_bitmask is not None:
             self._advance_matchers(step_outputs)
         return outputs + self.beam_search.process(step_outputs)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()

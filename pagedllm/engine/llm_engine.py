@@ -92,6 +92,7 @@ def make_requests(
     tokenizer: Any,
     output_processor: OutputProcessor,
     cache_salt: str | None = None,
+    kv_transfer_params: dict | None = None,
 ) -> Request:
     """Register a validated request with the output processor; return the core request to
     submit. For n > 1, one core request per sequence ("{i}_{request_id}", as vLLM) in one
@@ -101,6 +102,7 @@ def make_requests(
         return Request(
             core_id, prompt_token_ids, child, eos_token_ids=model_config.eos_token_ids,
             max_tokens=max_tokens, group_id=group_id, cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
 
     if params.n == 1:

@@ -24,7 +24,7 @@ class RequestState:
         "request_id", "prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids",
         "text", "finish_reason", "stop_reason", "num_cached_tokens", "arrival_time",
         "first_token_time", "finished_time", "max_stop_len", "logprobs", "cumulative_logprob",
-        "prompt_logprobs", "index",
+        "prompt_logprobs", "index", "kv_transfer_params",
     )
 
     def __init__(
@@ -52,6 +52,7 @@ class RequestState:
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,6 +82,7 @@ class RequestState:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
             metrics={
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time,
@@ -203,6 +205,8 @@ class OutputProcessor:
             if state.first_token_time is None and eo.new_token_ids:
                 state.first_token_time = now
             state.num_cached_tokens = eo.num_cached_tokens
+            if eo.kv_transfer_params is not None:
+                state.kv_transfer_params = eo.kv_transfer_params
             state.output_token_ids.extend(eo.new_token_ids)
             if eo.finish_reason is not None:
                 state.finish_reason, state.stop_reason = eo.finish_reason, eo.stop_reason

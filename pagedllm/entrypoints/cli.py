@@ -74,6 +74,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template, run_server
 
+    try:
+        EngineArgs.from_cli_args(args).parse_kv_transfer_config()  # fail before loading anything
+    except ValueError as e:
+        raise SystemExit(f"pagedllm serve: {e}") from None
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -105,6 +109,25 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+def cmd_proxy(args: argparse.Namespace) -> None:
+    """`pagedllm proxy`: disaggregated prefill/decode over running `pagedllm serve` instances."""
+    from pagedllm.distributed.kv_transfer.proxy import run_proxy
+
+    run_proxy(args.prefill, args.decode, args.host, args.port, args.uvicorn_log_level)
+
+
+def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
+    proxy = sub.add_parser("proxy", help="route requests over prefill and decode instances")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                       help="prefill instances (serve --kv-transfer-config with kv_producer)")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                       help="decode instances (serve --kv-transfer-config with kv_consumer)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--uvicorn-log-level", default="info")
+    proxy.set_defaults(func=cmd_proxy)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference on CPUs")
     parser.add_argument("--log-level", default="INFO")
@@ -124,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_chat_demo)
 
     _add_serve_parser(sub)
+    _add_proxy_parser(sub)
 
     from pagedllm.entrypoints.bench import add_bench_parser
 

@@ -67,6 +67,9 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Disaggregated prefill (set by `pagedllm proxy`): {"do_remote_decode": true} to a prefill
+    instance; the prefill response's kv_transfer_params to a decode instance."""
 
 
 # Token ids must be ints: a list of strings is a list of prompts, not ids.
@@ -148,6 +151,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- chat ------------------------------------------------------------------------------
@@ -187,6 +191,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

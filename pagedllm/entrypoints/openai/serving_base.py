@@ -267,6 +267,7 @@ def chat_logprobs(
 def add_requests(
     engine: AsyncLLM, base_id: str, prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams | BeamSearchRequest, cache_salt: str | None,
+    kv_transfer_params: dict | None = None,
 ) -> list[RequestStream]:
     """Queue one request per prompt; on a bad one, abort those already queued and raise a 400."""
     try:
@@ -275,19 +276,27 @@ def add_requests(
     except ValueError as e:
         raise bad_request(str(e), "n") from None
     streams: list[RequestStream] = []
+    if kv_transfer_params is not None and len(prompts) != 1:
+        raise bad_request("kv_transfer_params needs a single prompt", "kv_transfer_params")
     try:
         for i, (text, ids) in enumerate(prompts):
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             if isinstance(params, BeamSearchRequest):
+                if kv_transfer_params is not None:
+                    raise ValueError("kv_transfer_params cannot be combined with use_beam_search")
                 assert engine.model_config is not None
                 beam = params.params_for(len(ids), engine.model_config.max_model_len)
                 streams.append(engine.add_beam_search(request_id, text, beam, prompt_token_ids=ids))
                 continue
-            streams.append(engine.add_request(request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt))
+            streams.append(engine.add_request(
+                request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt,
+                kv_transfer_params=kv_transfer_params,
+            ))
     except ValueError as e:
         for s in streams:
             s.abort()
-        raise bad_request(str(e), "prompt") from None
+        param = "kv_transfer_params" if "kv_transfer_params" in str(e) else "prompt"
+        raise bad_request(str(e), param) from None
     except BaseException:
         for s in streams:
             s.abort()

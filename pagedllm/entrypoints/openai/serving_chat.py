@@ -91,7 +91,7 @@ class OpenAIServingChat:
         assert self.engine.model_config is not None
         check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("chatcmpl")
-        streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt)
+        streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params)
         if req.stream:
             return self._stream(req, request_id, streams)
         try:
@@ -110,7 +110,8 @@ class OpenAIServingChat:
         num_prompt, num_completion = usage_of([out])
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+                                      kv_transfer_params=out.kv_transfer_params)
 
     def _decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])

@@ -73,7 +73,7 @@ class OpenAIServingCompletion:
         for _, ids in prompts:
             check_context_length(len(ids), req.max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("cmpl")
-        streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt)
+        streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt, req.kv_transfer_params)
         if req.stream:
             return self._stream(req, request_id, prompts, streams)
         try:
@@ -106,7 +106,8 @@ class OpenAIServingCompletion:
         num_prompt, num_completion = usage_of(outputs)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion)
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+                                  kv_transfer_params=outputs[0].kv_transfer_params if outputs else None)
 
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list, streams) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}  # choice index -> chars sent

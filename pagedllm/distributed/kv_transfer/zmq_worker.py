@@ -1,0 +1,325 @@
+"""ZmqConnector, worker side: KV blocks over TCP with pyzmq, zero-copy.
+
+Producer: a ROUTER socket on ``tcp://kv_host:kv_port``, served by a background thread.
+A held transfer is registered as {hash: block id}. A pull names the transfer and the hashes
+it wants; the answer is one multipart message: a JSON header, then one frame per run of
+consecutive block ids, per layer tensor, for K then V. Each frame is a view of the cache
+tensor (no copy); the thread waits on zmq's tracker before releasing the blocks, so they are
+not reused while zmq still reads them.
+
+Consumer: a background thread takes loads in order; each opens a DEALER to the producer,
+sends the pull, waits up to ``kv_transfer_timeout_s`` and copies the frames into the
+allocated blocks. Those blocks are not in any batch until the load is reported finished.
+
+Wire header fields: ok, error, transfer_id, runs [[first hash index, count]], block_size,
+num_kv_heads, head_dim, num_layers, dtype; a consumer refuses a geometry unlike its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from pagedllm.distributed.kv_transfer.base import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorWorkerBase,
+    LoadSpec,
+    ReleaseSpec,
+)
+from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+
+logger = logging.getLogger(__name__)
+
+_REGISTRATION_WAIT_S = 5.0  # a pull may outrun the registration of its transfer by a step
+_TRACKER_TIMEOUT_S = 60.0
+_NUM_DONE_REMEMBERED = 4096  # ended transfers, to refuse a late pull at once
+_DEAD_PEER_S = 5.0  # after a pull timed out, later pulls from that address fail at once
+
+
+@dataclass
+class _Held:
+    blocks: dict[bytes, int]  # hash -> block id
+    deadline: float
+    in_flight: bool = False
+
+
+def block_runs(indices_ids: list[int]) -> list[tuple[int, int]]:
+    """Split a list of block ids into runs of consecutive ids: (start index, count)."""
+    runs: list[tuple[int, int]] = []
+    for i, block_id in enumerate(indices_ids):
+        if runs and block_id == indices_ids[runs[-1][0]] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+class ZmqConnectorWorker(KVConnectorWorkerBase):
+    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor]) -> None:
+        # kv_caches: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer slot
+        self.config = config
+        self.kv_caches = kv_caches
+        _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
+        self.dtype = kv_caches[0].dtype
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._held: dict[str, _Held] = {}
+        self._done: OrderedDict[str, None] = OrderedDict()
+        self._output = KVConnectorOutput()
+        self._stats = {"blocks_sent": 0, "bytes_sent": 0, "blocks_received": 0, "bytes_received": 0,
+                       "seconds": 0.0, "failed_loads": 0, "expired_holds": 0}
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._threads: list[threading.Thread] = []
+        self._jobs: queue.Queue[LoadSpec | ReleaseSpec | None] = queue.Queue()
+        self._dead_until: dict[tuple[str, int], float] = {}  # loader thread only
+        if config.is_producer:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(f"tcp://{config.kv_host}:{config.kv_port}")
+            self._start(self._serve_loop, "kv-transfer-server")
+            logger.info("KV transfer server on tcp://%s:%d (%s)", config.kv_host, config.kv_port, config.kv_role)
+        if config.is_consumer:
+            self._start(self._load_loop, "kv-transfer-loader")
+
+    def _start(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # ---- the engine's calls --------------------------------------------------------------
+
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
+        if not metadata:
+            return
+        deadline = time.monotonic() + self.config.kv_hold_timeout_s
+        with self._lock:
+            for send in metadata.sends:
+                self._held[send.transfer_id] = _Held(dict(zip(send.block_hashes, send.block_ids)), deadline)
+        for job in [*metadata.loads, *metadata.releases]:
+            self._jobs.put(job)
+
+    def get_finished(self) -> KVConnectorOutput:
+        now = time.monotonic()
+        with self._lock:
+            for transfer_id, held in list(self._held.items()):
+                if not held.in_flight and now > held.deadline:
+                    self._end_hold(transfer_id)
+                    self._stats["expired_holds"] += 1
+                    logger.warning("KV transfer %s was not pulled within %.0f s; its blocks are freed",
+                                   transfer_id, self.config.kv_hold_timeout_s)
+            out, self._output = self._output, KVConnectorOutput()
+            self._event.clear()
+        return out
+
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        self._event.wait(timeout_s)
+
+    def get_stats(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._stats)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._ctx.destroy(linger=0)
+
+    def _end_hold(self, transfer_id: str) -> None:
+        """Under the lock: the hold is over, the scheduler frees its blocks."""
+        self._held.pop(transfer_id, None)
+        self._output.finished_sending.add(transfer_id)
+        self._done[transfer_id] = None
+        if len(self._done) > _NUM_DONE_REMEMBERED:
+            self._done.popitem(last=False)
+        self._event.set()
+
+    def _finish(self, **kwargs) -> None:
+        with self._lock:
+            out = self._output
+            out.finished_sending |= kwargs.get("sending", set())
+            out.finished_recving |= kwargs.get("recving", set())
+            out.failed_recving.update(kwargs.get("failed", {}))
+            self._event.set()
+
+    # ---- producer: serve held blocks -------------------------------------------------------
+
+    def _serve_loop(self) -> None:
+        pending: list[tuple[float, list[bytes]]] = []  # pulls for transfers not registered yet
+        while not self._stop.is_set():
+            try:
+                if self._router.poll(20 if pending else 200):
+                    msg = self._router.recv_multipart()
+                    pending.append((time.monotonic() + _REGISTRATION_WAIT_S, msg))
+                still = []
+                for deadline, msg in pending:
+                    try:
+                        handled = self._handle(msg, give_up=time.monotonic() > deadline)
+                    except (ValueError, KeyError, IndexError, zmq.NotDone):  # a malformed pull
+                        logger.exception("KV transfer server dropped a message")
+                        handled = True
+                    if not handled:
+                        still.append((deadline, msg))
+                pending = still
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                logger.exception("KV transfer server error")
+
+    def _handle(self, msg: list[bytes], give_up: bool) -> bool:
+        """Answer one message; False to retry later (transfer not registered yet)."""
+        identity, kind, raw = msg[0], msg[1], msg[2]
+        req = json.loads(raw)
+        transfer_id = req["transfer_id"]
+        with self._lock:
+            held = self._held.get(transfer_id)
+            if held is None and not give_up and transfer_id not in self._done:
+                return False
+            if kind == b"release":
+                if held is not None and not held.in_flight:
+                    self._end_hold(transfer_id)
+                return True
+            if held is None or held.in_flight:
+                self._reply_error(identity, transfer_id, "the prefill instance holds no blocks under this "
+                                  "transfer id (expired, already pulled, or unknown)")
+                return True
+            hashes = [bytes.fromhex(h) for h in req["hashes"]]
+            missing = [h for h in hashes if h not in held.blocks]
+            if missing:
+                self._reply_error(identity, transfer_id, f"{len(missing)} requested blocks are not held")
+                return True
+            held.in_flight = True
+            block_ids = [held.blocks[h] for h in hashes]
+        try:
+            self._send_blocks(identity, transfer_id, block_ids)
+        finally:
+            with self._lock:
+                self._end_hold(transfer_id)
+        return True
+
+    def _reply_error(self, identity: bytes, transfer_id: str, error: str) -> None:
+        header = {"ok": False, "error": error, "transfer_id": transfer_id}
+        self._router.send_multipart([identity, json.dumps(header).encode()])
+
+    def _send_blocks(self, identity: bytes, transfer_id: str, block_ids: list[int]) -> None:
+        runs = block_runs(block_ids)
+        header = {
+            "ok": True, "transfer_id": transfer_id, "runs": runs, "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "num_layers": len(self.kv_caches), "dtype": str(self.dtype),
+        }
+        frames: list = [identity, json.dumps(header).encode()]
+        for start, count in runs:
+            first = block_ids[start]
+            for cache in self.kv_caches:
+                for kv in (0, 1):
+                    # A contiguous slice of the pool: the frame reads the tensor's memory.
+                    frames.append(cache[kv, first : first + count].view(torch.uint8).numpy())
+        tracker = self._router.send_multipart(frames, copy=False, track=True)
+        tracker.wait(_TRACKER_TIMEOUT_S)  # zmq no longer reads the blocks: they may be freed
+        num_bytes = sum(f.nbytes for f in frames[2:])
+        with self._lock:
+            self._stats["blocks_sent"] += len(block_ids)
+            self._stats["bytes_sent"] += num_bytes
+
+    # ---- consumer: pull blocks -------------------------------------------------------------
+
+    def _load_loop(self) -> None:
+        while not self._stop.is_set():
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, ReleaseSpec):
+                self._send_release(job)
+                continue
+            t0 = time.monotonic()
+            try:
+                num_bytes = self._pull(job)
+            except Exception as e:  # any failure: the scheduler recomputes (or fails) the request
+                logger.warning("KV pull for request %s from %s:%d failed: %s",
+                               job.req_id, job.remote_host, job.remote_port, e)
+                with self._lock:
+                    self._stats["failed_loads"] += 1
+                self._finish(failed={job.req_id: str(e)})
+                continue
+            elapsed = time.monotonic() - t0
+            with self._lock:
+                self._stats["blocks_received"] += len(job.block_ids)
+                self._stats["bytes_received"] += num_bytes
+                self._stats["seconds"] += elapsed
+            logger.debug("pulled %d blocks (%.1f MB) for %s in %.1f ms (%.0f MB/s)", len(job.block_ids),
+                         num_bytes / 1e6, job.req_id, elapsed * 1e3, num_bytes / 1e6 / max(elapsed, 1e-9))
+            self._finish(recving={job.req_id})
+
+    def _dealer(self, host: str, port: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{host}:{port}")
+        return sock
+
+    def _send_release(self, job: ReleaseSpec) -> None:
+        sock = self._dealer(job.remote_host, job.remote_port)
+        try:
+            sock.send_multipart([b"release", json.dumps({"transfer_id": job.transfer_id}).encode()])
+            # Give zmq a moment to deliver; a producer that is gone frees on its timeout.
+            sock.setsockopt(zmq.LINGER, 1000)
+        finally:
+            sock.close()
+
+    def _pull(self, job: LoadSpec) -> int:
+        """Fetch the blocks and copy them into place; returns bytes received."""
+        address = (job.remote_host, job.remote_port)
+        if time.monotonic() < self._dead_until.get(address, 0.0):
+            raise TimeoutError(f"{job.remote_host}:{job.remote_port} did not answer a pull moments ago")
+        sock = self._dealer(job.remote_host, job.remote_port)
+        try:
+            request = {"transfer_id": job.transfer_id, "hashes": [h.hex() for h in job.block_hashes]}
+            sock.send_multipart([b"pull", json.dumps(request).encode()])
+            if not sock.poll(int(self.config.kv_transfer_timeout_s * 1000)):
+                # Queued pulls from a dead instance fail fast instead of each waiting in turn.
+                self._dead_until[address] = time.monotonic() + _DEAD_PEER_S
+                raise TimeoutError(f"no answer within {self.config.kv_transfer_timeout_s} s")
+            frames = sock.recv_multipart(copy=False)
+        finally:
+            sock.close()
+        header = json.loads(frames[0].bytes)
+        if not header.get("ok"):
+            raise RuntimeError(header.get("error", "refused"))
+        self._check_geometry(header)
+        runs = header["runs"]
+        expected = len(runs) * len(self.kv_caches) * 2
+        if len(frames) - 1 != expected or sum(n for _, n in runs) != len(job.block_ids):
+            raise RuntimeError(f"malformed answer: {len(frames) - 1} frames, expected {expected}")
+        shape = (self.block_size, self.num_kv_heads, self.head_dim)
+        it = iter(frames[1:])
+        num_bytes = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # zmq frames are read-only buffers; we only read them
+            for start, count in runs:
+                dst = torch.tensor(job.block_ids[start : start + count], dtype=torch.int64)
+                for cache in self.kv_caches:
+                    for kv in (0, 1):
+                        frame = next(it)
+                        src = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(self.dtype)
+                        cache[kv].index_copy_(0, dst, src.view(count, *shape))
+                        num_bytes += len(frame.buffer)
+        return num_bytes
+
+    def _check_geometry(self, header: dict) -> None:
+        mine = {"block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "num_layers": len(self.kv_caches), "dtype": str(self.dtype)}
+        theirs = {k: header.get(k) for k in mine}
+        if theirs != mine:
+            raise RuntimeError(f"the prefill instance's KV layout {theirs} differs from ours {mine}; "
+                               "run both with the same model, --dtype and --block-size")
