@@ -57,6 +57,7 @@ class Request:
         "cache_salt",
         "group_id",
         "pending_forks",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -93,6 +94,9 @@ class Request:
         # its blocks.
         self.group_id = group_id
         self.pending_forks: list[Request] = []
+        # Draft tokens proposed for the next step (speculative decoding); never part of
+        # all_token_ids, so they are never hashed into the prefix cache.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -51,6 +51,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) physical blocks: copy src's KV into dst in every layer before the forward
     (copy-on-write of a shared, partly filled block)."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens to verify, per request id; they are the last len(drafts) of the request's
+    num_scheduled_tokens."""
 
     @property
     def is_empty(self) -> bool:
@@ -72,9 +75,11 @@ class ModelRunnerOutput:
     req_ids: list[str]
     """Requests that sampled a token this step, in the runner's order."""
     sampled_token_ids: list[list[int]]
-    """New tokens per request in req_ids (one each until speculative decoding)."""
+    """New tokens per request in req_ids: one, or with drafts the accepted ones plus one."""
     logprobs: list[list[PositionLogprobsData] | None] | None = None
     """Per request in req_ids, per new token (None: not asked for); None if no request asked."""
     prompt_logprobs: dict[str, list[PositionLogprobsData]] = field(default_factory=dict)
     """For requests that sampled their first token this step and asked for prompt logprobs:
     one entry per prompt token after the first."""
+    spec_token_ids: list[list[int]] | None = None
+    """Drafts proposed for the next step, per request in req_ids (None: no speculation)."""
