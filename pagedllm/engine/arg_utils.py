@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, fields
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
+from pagedllm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +41,8 @@ class EngineArgs:
     """Reuse the KV blocks of shared prompt prefixes."""
     seed: int = 0
     """Seed for requests without their own seed."""
+    speculative_config: dict | None = None
+    """Speculative decoding as vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -46,6 +56,10 @@ class EngineArgs:
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
         )
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--speculative-config", type=_json_dict, default=None,
+            help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -81,4 +95,15 @@ class EngineArgs:
             ),
             num_blocks=num_blocks,
             seed=self.seed,
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
         )
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -68,8 +68,11 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         max_len,
         budget_config.kv_cache_memory_bytes,
     )
-    scheduler = Scheduler(config.scheduler_config, kv_manager)
-    runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
+    scheduler = Scheduler(config.scheduler_config, kv_manager, config.speculative_config)
+    runner = ModelRunner(
+        loaded.model, model_config, block_size, num_blocks, seed=args.seed,
+        speculative_config=config.speculative_config,
+    )
     # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
     max_concurrency = (num_blocks - 1) / kv_manager.max_blocks_per_request(max_len)
     logger.info(

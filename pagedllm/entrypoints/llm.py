@@ -23,7 +23,8 @@ class LLM:
 
     Engine arguments are named like vLLM's: ``max_model_len``, ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``dtype``,
-    ``seed``, ``enable_prefix_caching``.
+    ``seed``, ``enable_prefix_caching``, ``speculative_config`` (a dict as vLLM's, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4}``).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
@@ -69,6 +70,11 @@ class LLM:
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt; each output holds its beams best first (as vLLM)."""
+        if self.llm_engine.config.speculative_config is not None:
+            raise ValueError(
+                "beam search is not supported with speculative decoding; create the LLM "
+                "without speculative_config to use beam_search"
+            )
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         engine = self.llm_engine

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +34,19 @@ def _build_dir(sources: list[Path]) -> str:
     return path
 
 
+def _local_copies(build_dir: str, sources: list[Path]) -> list[str]:
+    """Build from copies inside the (content-keyed) build directory: checkouts at other paths
+    with the same sources then share one build instead of rebuilding each other's."""
+    copies = []
+    for src in sources:
+        dst = os.path.join(build_dir, src.name)
+        if not os.path.exists(dst):
+            shutil.copyfile(src, dst + ".tmp")
+            os.replace(dst + ".tmp", dst)
+        copies.append(dst)
+    return copies
+
+
 def _load_locked(build_dir: str) -> ModuleType:
     """Build or load the extension under an flock, which the kernel releases if we die.
 
@@ -52,7 +66,7 @@ def _load_locked(build_dir: str) -> ModuleType:
             os.remove(stale)
         return load(
             name="pagedllm_paged_attention",
-            sources=[str(src) for src in _SOURCES],
+            sources=_local_copies(build_dir, _SOURCES),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
