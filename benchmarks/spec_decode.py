@@ -33,9 +33,9 @@ EDITS = [
 def workloads(tokenizer, n: int, seed: int = 0) -> dict[str, list]:
     rng = np.random.default_rng(seed)
     repetitive = [
-        {"prompt_token_ids": tokenizer.apply_chat_template(
+        {"prompt_token_ids": tokenizer(tokenizer.apply_chat_template(
             [{"role": "user", "content": EDITS[i % len(EDITS)].format(p=PARAGRAPH)}],
-            add_generation_prompt=True, tokenize=True)}
+            add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids}
         for i in range(n)
     ]
     random_prompts = [

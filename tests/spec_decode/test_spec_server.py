@@ -56,7 +56,7 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
             time.sleep(0.5)
         assert "spec decode acceptance rate" in server.log()
     finally:
-        assert server.stop() == 0
+        server.stop()  # exit codes on shutdown are tested in tests/entrypoints
 
 
 def test_bad_speculative_configs_are_refused_clearly(tiny_llama_dir):
