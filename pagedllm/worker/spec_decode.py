@@ -128,8 +128,9 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.num_speculative_tokens = k
         self.shares_target_kv = shares_target_kv
-        # Separate draft model: tokens of each request whose KV is in the draft's cache.
-        self.num_draft_computed: dict[str, int] = {}
+        # Separate draft model: tokens of each request whose KV is in the draft's cache, keyed
+        # by the runner's state object (a resumed request gets a new one, and new blocks).
+        self.num_draft_computed: dict[str, tuple[CachedRequestState, int]] = {}
 
     def propose(self, states: list[CachedRequestState], max_model_len: int) -> list[list[int]]:
         caps = self.max_drafts(states, max_model_len)
@@ -146,8 +147,9 @@ class DraftModelProposer(Proposer):
             s = states[i]
             start = len(s.token_ids) - 1
             if not self.shares_target_kv:
-                start = min(self.num_draft_computed.get(s.req_id, 0), start)
-                self.num_draft_computed[s.req_id] = len(s.token_ids)
+                owner, num_computed = self.num_draft_computed.get(s.req_id, (s, 0))
+                start = min(num_computed if owner is s else 0, start)
+                self.num_draft_computed[s.req_id] = (s, len(s.token_ids))
             views.append(dataclasses.replace(s, num_computed_tokens=start, token_ids=list(s.token_ids)))
             counts.append(len(s.token_ids) - start)
         live_views = list(range(len(views)))
