@@ -87,6 +87,10 @@ def assert_all_blocks_free(llm: LLM) -> None:
                       "prompt_lookup_max": 5}, id="ngram"),
         pytest.param({"method": "draft_model", "num_speculative_tokens": 3, "model": "DRAFT"}, id="draft_model"),
         pytest.param({"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 1}, id="self_draft"),
+        # ~36 blocks of 16 tokens: far less than the batch needs, so requests are preempted.
+        pytest.param({"method": "ngram", "num_speculative_tokens": 4, "preempt": True}, id="ngram_preempted"),
+        pytest.param({"method": "draft_model", "num_speculative_tokens": 3, "model": "DRAFT", "preempt": True},
+                     id="draft_model_preempted"),
     ],
 )
 def test_greedy_outputs_agree_with_and_without_speculation(
@@ -94,7 +98,9 @@ def test_greedy_outputs_agree_with_and_without_speculation(
 ):
     if spec.get("model") == "DRAFT":
         spec = spec | {"model": tiny_draft_dir}
-    llm = LLM(tiny_llama_dir, speculative_config=spec, **ENGINE_ARGS)
+    preempt = spec.pop("preempt", False)
+    args = ENGINE_ARGS | ({"kv_cache_memory_bytes": 37 * 8192, "max_model_len": 512} if preempt else {})
+    llm = LLM(tiny_llama_dir, speculative_config=spec, **args)
     tokens, _ = greedy_with_gaps(llm, spec_prompts)
     ref_tokens, ref_gaps = reference
     for i, (ours, ref, gaps) in enumerate(zip(tokens, ref_tokens, ref_gaps)):
@@ -104,6 +110,8 @@ def test_greedy_outputs_agree_with_and_without_speculation(
     # The drafts were really exercised: some accepted, some rejected.
     assert stats.num_drafts > 30
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if preempt:
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
     assert_all_blocks_free(llm)
 
 
