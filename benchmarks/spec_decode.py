@@ -72,13 +72,14 @@ def main() -> None:
     ap.add_argument("--num-prompts-c8", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--configs", default="none,ngram,self_draft", help="comma-separated subset")
     args = ap.parse_args()
     configs = {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-        f"self_draft_L{args.draft_layers}": {"method": "draft_model", "num_speculative_tokens": 2,
-                                             "draft_layers": args.draft_layers},
+        "self_draft": {"method": "draft_model", "num_speculative_tokens": 2, "draft_layers": args.draft_layers},
     }
+    configs = {name: configs[name] for name in args.configs.split(",")}
     results: dict[str, dict] = {}
     for name, spec in configs.items():
         llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes="256MiB",
