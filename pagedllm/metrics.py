@@ -74,6 +74,12 @@ class EngineMetrics:
             for key in ("blocks_sent", "bytes_sent", "blocks_received", "bytes_received",
                         "seconds", "failed_loads", "expired_holds")
         }
+        # Speculative decoding (zero without it), vLLM's names.
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Draft verifications (per request and step).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens at each draft position.", ("position",))
         # Create every labelled child now, so each series is exported from the start.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
                        self.kv_cache_free_blocks, self.kv_cache_total_blocks, self.prompt_tokens,
@@ -81,7 +87,8 @@ class EngineMetrics:
                        self.kv_cache_fragmentation_ratio,
                        self.generation_tokens, self.num_preemptions, self.prefix_cache_queries,
                        self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
-                       self.e2e_request_latency, self.request_queue_time):
+                       self.e2e_request_latency, self.request_queue_time, self.spec_decode_num_drafts,
+                       self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens):
             self._l(metric)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
@@ -91,6 +98,10 @@ class EngineMetrics:
         self._log_generation_tokens = 0
         self._log_queries = 0
         self._log_hits = 0
+        self._log_draft_tokens = 0
+        self._log_accepted_tokens = 0
+        self._log_drafts = 0
+        self._spec_enabled = False
         self._last_log = time.monotonic()
         self._logged_idle = False
         self.history = DashboardHistory()  # recent records for GET /dashboard/state
@@ -125,6 +136,19 @@ class EngineMetrics:
         for key, value in (stats.kv_transfer or {}).items():
             if key in self.kv_transfer:
                 self._l(self.kv_transfer[key]).set(value)
+        if s.spec_decoding_stats is not None:
+            self._record_spec(s.spec_decoding_stats)
+
+    def _record_spec(self, spec) -> None:  # spec: SpecDecodingStats over an interval
+        self._spec_enabled = True
+        self._l(self.spec_decode_num_drafts).inc(spec.num_drafts)
+        self._l(self.spec_decode_num_draft_tokens).inc(spec.num_draft_tokens)
+        self._l(self.spec_decode_num_accepted_tokens).inc(spec.num_accepted_tokens)
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(n)
+        self._log_drafts += spec.num_drafts
+        self._log_draft_tokens += spec.num_draft_tokens
+        self._log_accepted_tokens += spec.num_accepted_tokens
 
     # ---- from the front end's output processing ---------------------------------------
 
@@ -163,12 +187,19 @@ class EngineMetrics:
             return False  # one line for an idle stretch is enough
         self._logged_idle = idle
         hit_rate = self._log_hits / self._log_queries if self._log_queries else 0.0
+        spec = ""
+        if self._spec_enabled:
+            rate = self._log_accepted_tokens / self._log_draft_tokens if self._log_draft_tokens else 0.0
+            # Tokens per verification: the accepted drafts plus the one the target adds.
+            length = 1 + self._log_accepted_tokens / self._log_drafts if self._log_drafts else 0.0
+            spec = f", spec decode acceptance rate {100 * rate:.1f}%, mean acceptance length {length:.2f}"
         logger.info(
             "Engine: running %d, waiting %d, KV cache usage %.1f%%, prompt %.1f tok/s, "
-            "generation %.1f tok/s, prefix cache hit rate %.1f%%",
+            "generation %.1f tok/s, prefix cache hit rate %.1f%%%s",
             s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
-            self._log_prompt_tokens / elapsed, self._log_generation_tokens / elapsed, 100 * hit_rate,
+            self._log_prompt_tokens / elapsed, self._log_generation_tokens / elapsed, 100 * hit_rate, spec,
         )
         self._log_prompt_tokens = self._log_generation_tokens = self._log_queries = self._log_hits = 0
+        self._log_drafts = self._log_draft_tokens = self._log_accepted_tokens = 0
         self._last_log = now
         return True

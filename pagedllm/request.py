@@ -59,6 +59,7 @@ class Request:
         "group_id",
         "pending_forks",
         "kv_transfer_params",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -99,6 +100,9 @@ class Request:
         # Disaggregated prefill (distributed/kv_transfer/): {"do_remote_decode": true} on a
         # prefill instance; on a decode instance, where to pull the prompt's KV blocks from.
         self.kv_transfer_params = kv_transfer_params
+        # Draft tokens proposed for the next step (speculative decoding); never part of
+        # all_token_ids, so they are never hashed into the prefix cache.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

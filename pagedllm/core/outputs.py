@@ -59,6 +59,35 @@ class PrefixCacheStats:
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding over an interval (as vLLM's counters)."""
+
+    num_spec_tokens: int
+    """k: drafts proposed per request and step at most."""
+    num_drafts: int = 0
+    """Verification runs (one per request and step with drafts)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] | None = None
+    """Accepted drafts at each of the k positions."""
+
+    def __post_init__(self) -> None:
+        if self.num_accepted_tokens_per_pos is None:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """A snapshot for metrics and the periodic log line."""
 
@@ -75,6 +104,8 @@ class SchedulerStats:
     idle slots' included (vattention)."""
     kv_token_bytes: int = 0
     """Of it, bytes holding computed tokens of running requests (K and V, every layer)."""
+    spec_decoding_stats: SpecDecodingStats | None = None
+    """Drafts since the previous ``get_stats()`` call; None without speculative decoding."""
 
     @property
     def kv_fragmentation(self) -> float:

@@ -62,6 +62,9 @@ class SchedulerOutput:
     """vattention backend: slots whose pages the runner releases (madvise) before the forward."""
     kv_connector_metadata: Any = None
     """Disaggregated prefill: a KVConnectorMetadata for the connector's worker side (or None)."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens to verify, per request id; they are the last len(drafts) of the request's
+    num_scheduled_tokens."""
 
     @property
     def is_empty(self) -> bool:
@@ -83,7 +86,7 @@ class ModelRunnerOutput:
     req_ids: list[str]
     """Requests that sampled a token this step, in the runner's order."""
     sampled_token_ids: list[list[int]]
-    """New tokens per request in req_ids (one each until speculative decoding)."""
+    """New tokens per request in req_ids: one, or with drafts the accepted ones plus one."""
     logprobs: list[list[PositionLogprobsData] | None] | None = None
     """Per request in req_ids, per new token (None: not asked for); None if no request asked."""
     prompt_logprobs: dict[str, list[PositionLogprobsData]] = field(default_factory=dict)
@@ -91,3 +94,5 @@ class ModelRunnerOutput:
     one entry per prompt token after the first."""
     kv_connector_output: Any = None
     """Disaggregated prefill: a KVConnectorOutput, the transfers that ended (or None)."""
+    spec_token_ids: list[list[int]] | None = None
+    """Drafts proposed for the next step, per request in req_ids (None: no speculation)."""

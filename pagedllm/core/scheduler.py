@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
+from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from pagedllm.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -47,8 +47,16 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         kv_connector: KVConnectorSchedulerBase | None = None,
         kv_load_failure_policy: str = "recompute",
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        # Speculative decoding: a running request's drafts are scheduled after its own tokens;
+        # a draft model also needs KV slots past them to write its proposals.
+        self.speculative_config = speculative_config
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
+        self._spec_stats = (
+            SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
+        )
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
@@ -201,6 +209,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             blocks_to_copy=step.blocks_to_copy,
             kv_slots_to_release=self.kv_cache_manager.take_slots_to_release(),
+            scheduled_spec_decode_tokens={r: t for r, t in step.spec_tokens.items() if r not in dropped},
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta()
@@ -216,7 +225,7 @@ class Scheduler:
             if request.pending_forks and request.num_computed_tokens == request.num_prompt_tokens - 1:
                 self._fork_group(request, req_index)
             num_new_tokens = min(
-                self._num_tokens_to_compute(request),
+                self._num_tokens_to_compute(request) + len(request.spec_token_ids),
                 step.token_budget,
                 # Position max_model_len - 1 is never computed: the request stops first.
                 self.max_model_len - 1 - request.num_computed_tokens,
@@ -224,7 +233,11 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
-            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+            # Drafts that did not fit the budget or max_model_len are dropped.
+            num_drafts = max(0, num_new_tokens - self._num_tokens_to_compute(request))
+            del request.spec_token_ids[num_drafts:]
+            lookahead = self.num_lookahead_tokens
+            while (new_block_ids := kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
                 # The victim group is at the tail; any of its members scheduled earlier in
                 # this step are unscheduled with it (then the current request is among them).
                 victims = self._pop_victim_group()
@@ -248,6 +261,8 @@ class Scheduler:
                     )
                 )
             step.schedule(request.request_id, num_new_tokens)
+            if request.spec_token_ids:
+                step.spec_tokens[request.request_id] = list(request.spec_token_ids)
             req_index += 1
 
     def _admit_waiting_group(self, step: _Step) -> bool:
@@ -288,7 +303,9 @@ class Scheduler:
                 members.extend(request.pending_forks)
                 request.pending_forks = []
                 continue
-            block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+            block_ids = kv.allocate_slots(
+                request, num_new_tokens, computed_blocks, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if block_ids is None or num_new_tokens <= 0:
                 # Roll back: the group waits whole (FCFS, nothing overtakes it).
                 rollback = admitted + ([(request, 0, block_ids, num_hit_tokens)] if block_ids else [])
@@ -433,14 +450,24 @@ class Scheduler:
         if model_runner_output.kv_connector_output:
             outputs.extend(self._update_from_kv_transfers(model_runner_output.kv_connector_output))
         runner_logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
-        for request_id, token_ids, logprobs in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, runner_logprobs
+        proposals = model_runner_output.spec_token_ids or [None] * len(model_runner_output.req_ids)
+        for request_id, token_ids, logprobs, spec_token_ids in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, runner_logprobs, proposals
         ):
             assert request_id in scheduler_output.num_scheduled_tokens, request_id
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING or not token_ids:
                 continue
-            # Speculative decoding will roll num_computed_tokens back here for rejected drafts.
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                # Accepted drafts plus one token came back: the rejected drafts' KV slots are
+                # no longer computed (the next step overwrites them).
+                num_accepted = len(token_ids) - 1
+                assert 0 <= num_accepted <= len(drafts), (request_id, drafts, token_ids)
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                assert self._spec_stats is not None
+                self._spec_stats.observe(len(drafts), num_accepted)
+            request.spec_token_ids = []
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
@@ -451,6 +478,8 @@ class Scheduler:
             if request.is_finished:
                 kv_transfer_params = self._free_finished(request)
                 finished.add(request_id)
+            elif spec_token_ids:
+                request.spec_token_ids = list(spec_token_ids)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -479,7 +508,14 @@ class Scheduler:
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             kv_resident_bytes=self.kv_cache_manager.resident_bytes,
             kv_token_bytes=sum(r.num_computed_tokens for r in self.running) * self.kv_cache_manager.bytes_per_token,
+            spec_decoding_stats=self._take_spec_stats(),
         )
+
+    def _take_spec_stats(self) -> SpecDecodingStats | None:
+        stats = self._spec_stats
+        if stats is not None:
+            self._spec_stats = SpecDecodingStats(stats.num_spec_tokens)
+        return stats
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -487,6 +523,7 @@ class Scheduler:
         """Preempt by recompute: drop the KV, requeue at the front of ``waiting``."""
         num_computed = request.num_computed_tokens
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         # Keeps the block hashes (not finished); blocks allocated for this step's tokens,
         # if it was scheduled before being taken back, leave the prefix cache.
         self.kv_cache_manager.free(request, num_valid_tokens=num_computed)
@@ -535,6 +572,7 @@ class _Step:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     unscheduled: set[str] = field(default_factory=set)
     preempted: bool = False
 

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, fields
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
+from pagedllm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,8 @@ class EngineArgs:
     (dequantize to dtype); default: gguf for GGUF files whose types it supports, else none."""
     kv_transfer_config: str | dict | None = None
     """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
+    speculative_config: dict | None = None
+    """Speculative decoding as vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -72,6 +82,10 @@ class EngineArgs:
         parser.add_argument(
             "--kv-transfer-config", default=None,
             help='disaggregated prefill, e.g. \'{"kv_role": "kv_producer", "kv_port": 14579}\'',
+        )
+        parser.add_argument(
+            "--speculative-config", type=_json_dict, default=None,
+            help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
         )
 
     @classmethod
@@ -122,4 +136,15 @@ class EngineArgs:
             ),
             num_blocks=num_blocks,
             seed=self.seed,
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
         )
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -379,7 +379,7 @@ class AsyncLLM:
         try:
             info = await self._client.wait_ready()
             self.model_config, self.config, self.tokenizer = info.model_config, info.config, info.tokenizer
-            self.input_processor = InputProcessor(self.tokenizer, self.model_config)
+            self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.config.speculative_config)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.ready = True
             self._ready_event.set()

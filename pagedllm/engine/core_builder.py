@@ -95,8 +95,12 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     scheduler = Scheduler(
         config.scheduler_config, kv_manager, scheduler_connector,
         transfer_config.kv_load_failure_policy if transfer_config is not None else "recompute",
+        speculative_config=config.speculative_config,
     )
-    runner = ModelRunner(loaded.model, model_config, block_size, num_blocks, seed=args.seed)
+    runner = ModelRunner(
+        loaded.model, model_config, block_size, num_blocks, seed=args.seed,
+        speculative_config=config.speculative_config,
+    )
     worker_connector = None
     if transfer_config is not None:
         from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker
@@ -139,6 +143,11 @@ def _build_vattention(args: EngineArgs, loaded: Any, t0: float) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner, VAttentionLayout
     from pagedllm.worker.vattention_kv import HUGE, SMALL_PAGE
 
+    if args.speculative_config is not None:
+        raise ValueError(
+            "--speculative-config is not supported with --kv-cache-backend vattention yet (drafts "
+            "need lookahead slots and rollback, built for the paged backend); use the paged backend"
+        )
     if args.kv_transfer_config is not None:
         raise ValueError(
             "--kv-transfer-config is not supported with --kv-cache-backend vattention (blocks "

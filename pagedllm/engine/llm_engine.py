@@ -28,7 +28,7 @@ class LLMEngine:
         self.tokenizer = built.tokenizer
         self.model_config = built.model_config
         self.model_dir = built.model_dir  # HF-format directory of the weights (GGUF: converted cache)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -23,9 +23,10 @@ class LLM:
 
     Engine arguments are named like vLLM's: ``max_model_len``, ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``dtype``,
-    ``seed``, ``enable_prefix_caching``, ``quantization``; ``kv_cache_backend`` ("paged" or
-    "vattention", with ``vattention_hugepages`` and ``vattention_deferred_reclaim``: README, KV
-    cache backends).
+    ``seed``, ``enable_prefix_caching``, ``quantization``, ``speculative_config`` (a dict as
+    vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
+    ("paged" or "vattention", with ``vattention_hugepages`` and ``vattention_deferred_reclaim``:
+    README, KV cache backends).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
@@ -71,6 +72,11 @@ class LLM:
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt; each output holds its beams best first (as vLLM)."""
+        if self.llm_engine.config.speculative_config is not None:
+            raise ValueError(
+                "beam search is not supported with speculative decoding; create the LLM "
+                "without speculative_config to use beam_search"
+            )
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         engine = self.llm_engine

@@ -191,7 +191,19 @@ def torch_attention(
     nd = md.num_decodes
     if nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window)
+    # Short query runs over a cached context (speculative verification): one padded call.
+    short = [
+        i for i in range(nd, md.num_reqs)
+        if 1 < md.query_start_loc[i + 1] - md.query_start_loc[i] <= _MAX_SHORT_RUN
+        and md.query_start_loc[i + 1] - md.query_start_loc[i] < md.seq_lens_list[i]
+    ]
+    if len(short) > 1:
+        _short_runs_attention(q, out, kv_cache, md, short, scale, sliding_window)
+    else:
+        short = []
     for i in range(nd, md.num_reqs):
+        if short and i in short:
+            continue
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         seq_len, query_len = md.seq_lens_list[i], end - start
         if query_len == seq_len:
@@ -210,6 +222,44 @@ def torch_attention(
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+_MAX_SHORT_RUN = 16  # query lengths batched into one padded call (drafts + 1)
+
+
+def _short_runs_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    rows: list[int],
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Requests ``rows`` each have a short query run after a cached context: gather every
+    context through the block tables, pad the runs to the longest, one SDPA call; q: [T, H, D]."""
+    starts = [md.query_start_loc[i] for i in rows]
+    lens = [md.query_start_loc[i + 1] - md.query_start_loc[i] for i in rows]
+    seq_lens = torch.tensor([md.seq_lens_list[i] for i in rows])  # [R]
+    num_q = max(lens)
+    max_blocks = (int(seq_lens.max()) + md.block_size - 1) // md.block_size
+    k, v = _gather_context(kv_cache, md.block_tables[rows, :max_blocks])  # [R, L, Hkv, D]
+    # Token index of each padded query slot in the flat batch (pads repeat the run's last).
+    offsets = torch.arange(num_q).unsqueeze(0)  # [1, Qmax]
+    lens_t = torch.tensor(lens).unsqueeze(1)  # [R, 1]
+    index = torch.tensor(starts).unsqueeze(1) + torch.minimum(offsets, lens_t - 1)  # [R, Qmax]
+    qr = q[index]  # [R, Qmax, H, D]
+    q_pos = seq_lens.unsqueeze(1) - lens_t + torch.minimum(offsets, lens_t - 1)  # [R, Qmax]
+    k_pos = torch.arange(k.shape[1]).view(1, 1, -1)  # [1, 1, L]
+    mask = k_pos <= q_pos.unsqueeze(2)  # [R, Qmax, L]; also keeps keys < seq_len; also keeps keys < seq_len
+    if sliding_window is not None:
+        mask &= k_pos > q_pos.unsqueeze(2) - sliding_window
+    o = F.scaled_dot_product_attention(
+        qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True,
+    ).transpose(1, 2)  # [R, Qmax, H, D]
+    valid = offsets < lens_t  # [R, Qmax]
+    out[index[valid]] = o[valid]
 
 
 def _decode_attention(

@@ -47,9 +47,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V] float32
         raw_logits = logits
-        logits = apply_restrictions(logits, md)
-        if md.penalties is not None:
-            logits = apply_penalties(logits, md.penalties)
+        logits = process_logits(logits, md)
         sampled = self.sample(logits, md)
         logprobs = None
         if md.max_num_logprobs is not None:
@@ -61,14 +59,28 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy
-        temperature = torch.where(md.temperature > 0, md.temperature, 1.0)
-        logits = logits / temperature.unsqueeze(1)
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(dim=-1)
+        probs = target_probs(logits, md)
         sampled = exponential_race(probs, self.generator, md.generators)
         return torch.where(md.temperature > 0, sampled, greedy)
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Restrictions then penalties: the logits greedy rows take the argmax of. [B, V]."""
+    logits = apply_restrictions(logits, md)
+    if md.penalties is not None:
+        logits = apply_penalties(logits, md.penalties)
+    return logits
+
+
+def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: processed logits -> temperature -> min_p ->
+    top-k / top-p -> softmax. [B, V] (greedy rows: temperature 1, unused)."""
+    temperature = torch.where(md.temperature > 0, md.temperature, 1.0)
+    logits = logits / temperature.unsqueeze(1)
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    return logits.softmax(dim=-1)
 
 
 def apply_restrictions(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -14,14 +14,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata, forward_context
 from pagedllm.layers.cpu_kernels import paged_attention_ops
 from pagedllm.sample.logprobs import compute_logprobs
+from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
 from pagedllm.worker.sampling_inputs import CachedRequestState, build_sampling_metadata
+from pagedllm.worker.spec_decode import Proposer, build_proposer, verify_drafts
 from pagedllm.worker.vattention_kv import VAttentionKVCache
 
 _NO_BLOCK_TABLE = torch.zeros((0, 0), dtype=torch.int64)
@@ -35,6 +37,7 @@ class VAttentionLayout:
     slot_capacity: int
     hugepages: bool = False
 
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,6 +50,7 @@ class ModelRunner:
         num_blocks: int,
         seed: int = 0,
         vattention: VAttentionLayout | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """With ``vattention``, the KV cache is the vattention backend's reserved slots
         (worker/vattention_kv.py) and ``block_size``/``num_blocks`` are unused."""
@@ -68,6 +72,14 @@ class ModelRunner:
         else:
             self.num_kv_cache_groups = len(kv_cache_groups(layers))
             self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, model_config.dtype)
+        # Speculative decoding: every sampling request goes through the rejection sampler (a
+        # request without drafts samples its one token there), so a seeded request's tokens
+        # do not depend on whether others in the batch had drafts.
+        self.speculative_config = speculative_config
+        self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.proposer: Proposer | None = None
+        if speculative_config is not None:
+            self.proposer = build_proposer(speculative_config, self)
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
 
@@ -115,7 +127,8 @@ class ModelRunner:
         # Decodes (one query token) first: the attention backend batches them.
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in req_ids]
-        batch = self._prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids])
+        drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
+        batch = self._prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids], drafts)
         with forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
         self._prompt_logprobs(hidden, states, batch)
@@ -128,6 +141,8 @@ class ModelRunner:
             from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 
             apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
+        if self.speculative_config is not None:
+            return self._verify_and_propose(logits, sampling_states, [drafts[i] for i in sample_rows])
         md = build_sampling_metadata(sampling_states, logits.shape[1], self.eos_token_ids)
         out = self.sampler(logits, md)
         tokens = out.sampled_token_ids.tolist()
@@ -152,6 +167,30 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
+    def _verify_and_propose(
+        self, logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]]
+    ) -> ModelRunnerOutput:
+        """Speculative decoding: verify each request's drafts (logits: [sum(1 + k_r), V]),
+        append the emitted tokens, then propose the next drafts."""
+        tokens, logprobs = verify_drafts(
+            self.rejection_sampler, logits, states, drafts, self.eos_token_ids
+        )
+        prompt_logprobs: dict[str, list[PositionLogprobsData]] = {}
+        for state, emitted in zip(states, tokens):
+            if state.prompt_logprobs is not None:
+                prompt_logprobs[state.req_id] = state.prompt_logprobs
+                state.prompt_logprobs = None
+            state.token_ids.extend(emitted)
+        assert self.proposer is not None
+        proposals = self.proposer.propose(states, self.model_config.max_model_len)
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            spec_token_ids=proposals,
+        )
+
     def _prompt_logprobs(
         self, hidden: torch.Tensor, states: list[CachedRequestState], batch: _Batch
     ) -> None:
@@ -171,7 +210,9 @@ class ModelRunner:
             k = state.sampling_params.prompt_logprobs or 0
             state.prompt_logprobs.extend(compute_logprobs(logits, targets, k).tolists([k] * len(targets)))
 
-    def _prepare_inputs(self, states: list[CachedRequestState], num_scheduled: list[int]) -> _Batch:
+    def _prepare_inputs(
+        self, states: list[CachedRequestState], num_scheduled: list[int], drafts: list[list[int]] | None = None
+    ) -> _Batch:
         bs = self.block_size
         counts = np.asarray(num_scheduled, dtype=np.int64)  # [R]
         computed = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -181,9 +222,12 @@ class ModelRunner:
         # positions: [T], each request's run num_computed .. num_computed + count - 1
         req_of_token = np.repeat(np.arange(len(states)), counts)
         positions = np.arange(total) - np.repeat(query_start[:-1] - computed, counts)
+        drafts = drafts or [[] for _ in states]
+        num_drafts = np.asarray([len(d) for d in drafts], dtype=np.int64)  # [R]
         input_ids = np.empty(total, dtype=np.int64)
         for i, s in enumerate(states):
-            input_ids[query_start[i] : query_start[i + 1]] = s.token_ids[computed[i] : computed[i] + counts[i]]
+            tokens = s.token_ids + drafts[i] if drafts[i] else s.token_ids
+            input_ids[query_start[i] : query_start[i + 1]] = tokens[computed[i] : computed[i] + counts[i]]
         seq_lens = computed + counts
         seq_lens_t, seq_lens_list = torch.from_numpy(seq_lens), seq_lens.tolist()
         query_start_list = query_start.tolist()
@@ -204,7 +248,7 @@ class ModelRunner:
                 slots=torch.from_numpy(slots),
                 slots_list=slots.tolist(),
             )
-            return self._batch(states, input_ids, positions, md, query_start, seq_lens, counts)
+            return self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
         # Per KV cache group: its own block table and slots (sliding-window groups hold
         # other blocks than full-attention ones); the rest of the metadata is shared.
@@ -227,7 +271,8 @@ class ModelRunner:
                 )
             )
         return self._batch(
-            states, input_ids, positions, mds[0] if len(mds) == 1 else mds, query_start, seq_lens, counts
+            states, input_ids, positions, mds[0] if len(mds) == 1 else mds, query_start, seq_lens, counts,
+            num_drafts,
         )
 
     @staticmethod
@@ -239,10 +284,16 @@ class ModelRunner:
         query_start: np.ndarray,
         seq_lens: np.ndarray,
         counts: np.ndarray,
+        num_drafts: np.ndarray,
     ) -> _Batch:
-        # A request samples when this step reaches the end of its known tokens.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
-        logits_indices = torch.from_numpy(query_start[1:][sample_rows] - 1)
+        # A request samples when this step reaches the end of its known tokens (and drafts);
+        # with k drafts it needs logits at its last k + 1 positions.
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
+        rows = np.asarray(sample_rows, dtype=np.int64)
+        num_logits = num_drafts[rows] + 1
+        ends = np.repeat(query_start[1:][rows], num_logits)
+        offsets = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        logits_indices = torch.from_numpy(ends - np.repeat(num_logits, num_logits) + offsets)
         return _Batch(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),

@@ -56,9 +56,10 @@ def test_torch_attention_matches_reference(sliding_window, compiled, D, monkeypa
     if compiled:
         assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
     torch.manual_seed(0)
-    # Three decodes (long, short, one-token context), then a first prefill and a later chunk.
-    computed = [17, 3, 0, 0, 9]
-    query_lens = [1, 1, 1, 7, 6]
+    # Three decodes (long, short, one-token context), then a first prefill, a later chunk,
+    # and short runs after a context (speculative verification: batched into one call).
+    computed = [17, 3, 0, 0, 9, 21, 2, 6]
+    query_lens = [1, 1, 1, 7, 6, 5, 3, 2]
     md = _metadata(computed, query_lens)
     cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D)
     # Earlier context: random K/V at the already-computed positions.

@@ -1,0 +1,38 @@
+"""Prompt-lookup (n-gram) proposer: no model, numpy over each request's tokens.
+
+The longest suffix n-gram of prompt + output (from ``prompt_lookup_max`` down to
+``prompt_lookup_min`` tokens) that occurred earlier proposes the tokens that followed its most
+recent earlier occurrence, up to ``num_speculative_tokens`` of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int) -> None:
+        self.k = num_speculative_tokens
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, token_ids: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
+        """Drafts per request (possibly empty), at most ``min(k, max_drafts[i])`` each."""
+        return [
+            self.propose_one(np.asarray(tokens, dtype=np.int64), min(self.k, cap)) if cap > 0 else []
+            for tokens, cap in zip(token_ids, max_drafts)
+        ]
+
+    def propose_one(self, tokens: np.ndarray, k: int) -> list[int]:
+        # tokens: [L] int64
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = tokens[length - n :]
+            # Windows that end before the last token, so each has a continuation.
+            windows = sliding_window_view(tokens[: length - 1], n)  # [L - n, n]
+            matches = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(matches):
+                start = int(matches[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []
