@@ -45,6 +45,7 @@ class Scheduler:
         self,
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
+        *,
         kv_connector: KVConnectorSchedulerBase | None = None,
         kv_load_failure_policy: str = "recompute",
         speculative_config: SpeculativeConfig | None = None,
@@ -175,7 +176,7 @@ class Scheduler:
 
     def has_pending_kv_transfers(self) -> bool:
         """Blocks held for a remote pull: the engine keeps polling the connector."""
-        return self.kv_cache_manager.num_held > 0
+        return self.kv_connector is not None and self.kv_cache_manager.num_held > 0
 
     def has_finished_requests(self) -> bool:
         """Whether finished/preempted ids wait to reach the runner (one more step flushes them)."""

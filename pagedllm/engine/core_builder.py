@@ -93,8 +93,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
             )
         scheduler_connector = ZmqConnectorScheduler(transfer_config, block_size)
     scheduler = Scheduler(
-        config.scheduler_config, kv_manager, scheduler_connector,
-        transfer_config.kv_load_failure_policy if transfer_config is not None else "recompute",
+        config.scheduler_config, kv_manager, kv_connector=scheduler_connector,
+        kv_load_failure_policy=transfer_config.kv_load_failure_policy if transfer_config is not None else "recompute",
         speculative_config=config.speculative_config,
     )
     runner = ModelRunner(

@@ -115,17 +115,24 @@ def run_engine_core(
         ctx.term()
         raise SystemExit(1) from e
     signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
+    exit_code = 0
     try:
         proc.run()
-    finally:
+    except BaseException:  # a bug in the loop: exit at once, so the front end sees it (503s)
+        logger.exception("engine core failed; exiting")
+        exit_code = 1
+    try:
         proc.core.shutdown()
-        in_sock.close(linger=0)
-        out_sock.close(linger=1000)
-        ctx.term()
-    # A clean stop: skip the interpreter's teardown of torch and its thread pools, which on a
-    # loaded machine takes longer than the front end waits before terminating the process.
+    except Exception:
+        logger.exception("engine core shutdown failed")
+    in_sock.close(linger=0)
+    out_sock.close(linger=1000)
+    ctx.term()
+    # Skip the interpreter's teardown of torch and its thread pools: on a loaded machine it
+    # takes longer than the front end waits before terminating the process, and after a
+    # failure it could hang with the process still alive (the front end would not notice).
     logging.shutdown()
-    os._exit(0)
+    os._exit(exit_code)
 
 
 class EngineCoreProc:

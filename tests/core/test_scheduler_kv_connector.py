@@ -22,7 +22,9 @@ PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks and 2 tokens
 def make(role: str, policy: str = "recompute") -> tuple[Scheduler, FakeRunner]:
     config = KVTransferConfig(kv_role=role, kv_load_failure_policy=policy)
     kv = make_kv_cache_manager(NUM_BLOCKS, BS)
-    sched = Scheduler(SchedulerConfig(64, 8, 256), kv, ZmqConnectorScheduler(config, BS), policy)
+    sched = Scheduler(
+        SchedulerConfig(64, 8, 256), kv, kv_connector=ZmqConnectorScheduler(config, BS), kv_load_failure_policy=policy
+    )
     return sched, FakeRunner(BS, NUM_BLOCKS)
 
 

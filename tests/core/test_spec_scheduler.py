@@ -97,7 +97,7 @@ class SpecFakeRunner(FakeRunner):
 def make_spec_scheduler(k: int, budget: int, num_blocks: int, max_model_len: int = 96) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=max_model_len)
     kv = make_kv_cache_manager(num_blocks, 4, max_model_len)
-    return Scheduler(config, kv, SpeculativeConfig("ngram", num_speculative_tokens=k))
+    return Scheduler(config, kv, speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=k))
 
 
 def reference_outputs(prompts: dict[str, list[int]], max_tokens: dict[str, int], max_model_len: int):

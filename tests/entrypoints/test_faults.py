@@ -88,8 +88,25 @@ def test_engine_core_crash_gives_503_and_exit(faulty_server):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            in_flight = [asyncio.create_task(post(client, url, body(stream=s, max_tokens=200))) for s in (False, True)]
-            await asyncio.sleep(1.0)
+            # Kill once a 200-token stream has produced its first token: both requests (sent
+            # together, the same length) are then surely still running, on a fast machine too.
+            first_token = asyncio.Event()
+
+            async def stream_until_killed() -> tuple[int, object]:
+                async with client.stream("POST", url, json=body(stream=True, max_tokens=200)) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line[6:])
+                            first_token.set()
+                assert lines[-1] == "[DONE]"
+                return r.status_code, [json.loads(x) for x in lines[:-1]]
+
+            in_flight = [
+                asyncio.create_task(post(client, url, body(max_tokens=200))),
+                asyncio.create_task(stream_until_killed()),
+            ]
+            await asyncio.wait_for(first_token.wait(), 60)
             os.kill(core_pid, signal.SIGKILL)
             results = await asyncio.gather(*in_flight)
             try:  # until the server has closed its socket, new requests get a 503 too
