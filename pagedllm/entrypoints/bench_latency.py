@@ -37,17 +37,25 @@ class LatencyResult:
         )
 
 
-def _linear_weight_numel(model) -> int:
+def _linear_weights(model) -> tuple[int, int]:
+    """(weights, bytes) of the matmuls a decode step runs: the projections and the head, not
+    the embedding table; a quantized layer counts its logical [N, K] and its packed bytes; a
+    tied head counts once."""
     import torch
 
-    seen: dict[int, int] = {}  # data pointer -> numel: a tied head counts once
+    seen: dict[int, tuple[int, int]] = {}  # data pointer -> (numel, bytes)
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
             continue
+        quant = getattr(module, "quant", None)
+        if quant is not None:
+            n, k = quant.shape
+            seen[quant.qweight.data_ptr()] = (n * k, quant.nbytes)
+            continue
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            seen[weight.data_ptr()] = weight.numel()
-    return sum(seen.values())
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel():
+            seen[weight.data_ptr()] = (weight.numel(), weight.numel() * weight.element_size())
+    return sum(n for n, _ in seen.values()), sum(b for _, b in seen.values())
 
 
 def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed: int) -> LatencyResult:
@@ -79,11 +87,10 @@ def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed:
     while engine.has_unfinished_requests():
         engine.step()
     step_s = float(np.median(times))
-    runner_model = engine.engine_core.runner.model
-    linear_numel = _linear_weight_numel(runner_model)
-    itemsize = next(runner_model.parameters()).element_size()
+    linear_numel, linear_bytes = _linear_weights(engine.engine_core.runner.model)
+    itemsize = 4 if model_config.dtype == "float32" else 2  # the KV cache's dtype
     kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
-    read_bytes = linear_numel * itemsize + batch_size * (context_len + num_steps // 2) * kv_bytes_per_token
+    read_bytes = linear_bytes + batch_size * (context_len + num_steps // 2) * kv_bytes_per_token
     return LatencyResult(
         batch_size=batch_size,
         context_len=context_len,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedllm import LLM
-from pagedllm.entrypoints.bench_latency import _linear_weight_numel, measure_decode
+from pagedllm.entrypoints.bench_latency import _linear_weights, measure_decode
 
 
 def test_measure_decode_counts_and_frees(tiny_llama_dir):
@@ -15,7 +15,8 @@ def test_measure_decode_counts_and_frees(tiny_llama_dir):
     # Linear FLOPs count the projections and the head, not the embedding table.
     model = engine.engine_core.runner.model
     hidden = model.model.embed_tokens.weight.shape[1]
-    assert _linear_weight_numel(model) < sum(p.numel() for p in model.parameters())
-    assert _linear_weight_numel(model) > 2 * 4 * hidden * hidden  # 2 layers' attention at least
+    numel, nbytes = _linear_weights(model)
+    assert 2 * 4 * hidden * hidden < numel < sum(p.numel() for p in model.parameters())  # 2 layers' attention at least
+    assert nbytes == 4 * numel  # float32
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.scheduler.kv_cache_manager.block_pool.num_blocks - 1
