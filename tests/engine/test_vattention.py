@@ -30,6 +30,12 @@ def test_unsupported_features_are_refused(vattn_llm, tiny_llama_dir):
         LLM(tiny_llama_dir, dtype="float32", kv_cache_backend="vattention", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="kv_cache_backend='pages' is not one of paged, vattention"):
         LLM(tiny_llama_dir, dtype="float32", kv_cache_backend="pages")
+    with pytest.raises(ValueError, match="--speculative-config is not supported with --kv-cache-backend vattention"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_backend="vattention",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="--kv-transfer-config is not supported with --kv-cache-backend vattention"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_backend="vattention",
+            kv_transfer_config={"kv_role": "kv_consumer"})
     assert not vattn_llm.llm_engine.config.cache_config.enable_prefix_caching  # off by default
     # The engine still serves requests after refusing (nothing leaked).
     out = vattn_llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
