@@ -21,10 +21,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp"]
 _QUANT_SOURCES = [_CSRC / "quant_linear.cpp"]
-_module: ModuleType | None = None
-_failed = False
-_quant_module: ModuleType | None = None
-_quant_failed = False
+# Extension name -> the loaded module, or None once it failed to build (or kernels are off).
+_loaded: dict[str, ModuleType | None] = {}
 
 
 def _build_dir(sources: list[Path]) -> str:
@@ -81,34 +79,26 @@ def _load_locked(
         )
 
 
+def _extension(name: str, sources: list[Path], fallback: str) -> ModuleType | None:
+    """Build or load an extension once per process; None where it cannot be built (or
+    PAGEDLLM_CPU_KERNELS=0), saying once in the log what runs instead."""
+    if name in _loaded:
+        return _loaded[name]
+    module = None
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+        try:
+            module = _load_locked(_build_dir(sources), name, sources)
+        except Exception as e:  # no compiler, headers, or ninja
+            logger.warning("compiled %s unavailable, %s: %s", name, fallback, str(e).splitlines()[0])
+    _loaded[name] = module
+    return module
+
+
 def paged_attention_ops() -> ModuleType | None:
-    """The compiled module, or None where it cannot be built (or PAGEDLLM_CPU_KERNELS=0)."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-        _failed = True
-        return None
-    try:
-        _module = _load_locked(_build_dir(_SOURCES))
-    except Exception as e:  # no compiler, headers, or ninja: use the torch path
-        logger.warning("compiled paged attention unavailable, using torch ops: %s", str(e).splitlines()[0])
-        _failed = True
-    return _module
+    """The compiled paged attention module, or None (the torch path runs instead)."""
+    return _extension("pagedllm_paged_attention", _SOURCES, "using torch ops")
 
 
 def quant_linear_ops() -> ModuleType | None:
     """The compiled weight-only quantized linear kernels (AVX2), or None where unavailable."""
-    global _quant_module, _quant_failed
-    if _quant_module is not None or _quant_failed:
-        return _quant_module
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-        _quant_failed = True
-        return None
-    try:
-        build_dir = _build_dir(_QUANT_SOURCES)
-        _quant_module = _load_locked(build_dir, "pagedllm_quant_linear", _QUANT_SOURCES)
-    except Exception as e:  # no compiler or no AVX2: dequantize and use torch matmuls
-        logger.warning("compiled quantized linear unavailable, dequantizing per layer: %s", str(e).splitlines()[0])
-        _quant_failed = True
-    return _quant_module
+    return _extension("pagedllm_quant_linear", _QUANT_SOURCES, "dequantizing per layer")

@@ -154,17 +154,12 @@ class ModelRunner:
                 [entry] if s.sampling_params.logprobs is not None else None
                 for s, entry in zip(sampling_states, lists)
             ]
-        prompt_logprobs: dict[str, list[PositionLogprobsData]] = {}
-        for state, token in zip(sampling_states, tokens):
-            if state.prompt_logprobs is not None:
-                prompt_logprobs[state.req_id] = state.prompt_logprobs
-                state.prompt_logprobs = None
-            state.token_ids.append(token)
+        sampled = [[t] for t in tokens]
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in sampling_states],
-            sampled_token_ids=[[t] for t in tokens],
+            sampled_token_ids=sampled,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=_append_sampled(sampling_states, sampled),
         )
 
     def _verify_and_propose(
@@ -175,12 +170,7 @@ class ModelRunner:
         tokens, logprobs = verify_drafts(
             self.rejection_sampler, logits, states, drafts, self.eos_token_ids
         )
-        prompt_logprobs: dict[str, list[PositionLogprobsData]] = {}
-        for state, emitted in zip(states, tokens):
-            if state.prompt_logprobs is not None:
-                prompt_logprobs[state.req_id] = state.prompt_logprobs
-                state.prompt_logprobs = None
-            state.token_ids.extend(emitted)
+        prompt_logprobs = _append_sampled(states, tokens)
         assert self.proposer is not None
         proposals = self.proposer.propose(states, self.model_config.max_model_len)
         return ModelRunnerOutput(
@@ -303,6 +293,20 @@ class ModelRunner:
             query_start=query_start[:-1].tolist(),
             num_scheduled=counts.tolist(),
         )
+
+
+def _append_sampled(
+    states: list[CachedRequestState], emitted: list[list[int]]
+) -> dict[str, list[PositionLogprobsData]]:
+    """Append each request's emitted tokens to its state; hand over (once) the prompt
+    logprobs it accumulated over its prefill chunks."""
+    prompt_logprobs: dict[str, list[PositionLogprobsData]] = {}
+    for state, tokens in zip(states, emitted):
+        if state.prompt_logprobs is not None:
+            prompt_logprobs[state.req_id] = state.prompt_logprobs
+            state.prompt_logprobs = None
+        state.token_ids.extend(tokens)
+    return prompt_logprobs
 
 
 @dataclass
