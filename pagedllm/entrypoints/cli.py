@@ -87,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         uvicorn_log_level=args.uvicorn_log_level,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
+        timeout_keep_alive_s=args.timeout_keep_alive,
     )
     run_server(EngineArgs.from_cli_args(args), config)
 
@@ -106,6 +107,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds after which an unfinished request is aborted (503 with Retry-After)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=30.0,
+                       help="seconds an idle HTTP keep-alive connection stays open (keep it above "
+                            "your clients' pool expiry, 5 s for httpx/openai)")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -97,6 +97,9 @@ def make_driver(user_data_dir: str):
                  f"--user-data-dir={user_data_dir}"):
         options.add_argument(flag)
     options.unhandled_prompt_behavior = "ignore"  # the test answers the API-key prompt itself
+    # driver.get returns at DOMContentLoaded: the page's API-key prompt comes after load, and
+    # a prompt open while chromedriver waits for a full load could hold driver.get forever.
+    options.page_load_strategy = "eager"
     return webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
 
 

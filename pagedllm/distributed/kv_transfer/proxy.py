@@ -147,4 +147,4 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
 def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, log_level: str = "info") -> None:
     app = build_app(DisaggProxy(prefill_urls, decode_urls))
     logger.info("proxy on http://%s:%d: prefill %s, decode %s", host, port, prefill_urls, decode_urls)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)

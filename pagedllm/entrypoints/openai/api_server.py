@@ -65,6 +65,10 @@ class ServerConfig:
     """Sequences allowed to wait beyond max_num_seqs; more get a 503 with Retry-After (None: no bound)."""
     request_timeout_s: float | None = None
     """A request unfinished this long after arrival is aborted with a 503 (None: no limit)."""
+    timeout_keep_alive_s: float = 30.0
+    """Seconds an idle keep-alive connection stays open. Longer than the pool expiry of common
+    clients (httpx and so the openai client: 5 s) so a client never reuses a connection at the
+    moment the server closes it (that race shows up as "connection reset by peer")."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -264,7 +268,7 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     app = build_app(engine, config, model_name)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-        timeout_graceful_shutdown=10, timeout_keep_alive=5,
+        timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive_s,
     )
     server = _Server(uv_config, engine)
 
