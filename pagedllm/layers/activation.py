@@ -6,12 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.cpu_kernels import layer_ops, use_layer_ops
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up over the fused gate/up projection output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+        if use_layer_ops(x):
+            return layer_ops().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

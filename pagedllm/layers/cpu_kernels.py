@@ -1,6 +1,7 @@
 """Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use:
-paged attention (csrc/paged_attention.cpp) and weight-only quantized linears
-(csrc/quant_linear.cpp, AVX2), each its own extension in its own build directory.
+paged attention (csrc/paged_attention.cpp), weight-only quantized linears
+(csrc/quant_linear.cpp, AVX2) and fused elementwise layer ops (csrc/layer_ops.cpp: RMSNorm,
+rotary, silu-and-mul), each its own extension in its own build directory.
 
 The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions/<source hash> (default ~/.cache/pagedllm),
 so only the first start on a machine compiles. If the build fails (no compiler), callers
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp"]
 _QUANT_SOURCES = [_CSRC / "quant_linear.cpp"]
+_LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp"]
 # Extension name -> the loaded module, or None once it failed to build (or kernels are off).
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -102,3 +104,23 @@ def paged_attention_ops() -> ModuleType | None:
 def quant_linear_ops() -> ModuleType | None:
     """The compiled weight-only quantized linear kernels (AVX2), or None where unavailable."""
     return _extension("pagedllm_quant_linear", _QUANT_SOURCES, "dequantizing per layer")
+
+
+def layer_ops() -> ModuleType | None:
+    """The compiled fused layer ops (RMSNorm, rotary, silu-and-mul), or None (torch ops run)."""
+    return _extension("pagedllm_layer_ops", _LAYER_OPS_SOURCES, "using torch ops")
+
+
+_LAYER_OPS_DTYPES = ("float32", "bfloat16")
+
+
+def use_layer_ops(x) -> bool:
+    """Whether the fused layer ops take x: a CPU [rows, width] float32/bfloat16 tensor with
+    unit stride on width, and the extension built."""
+    return (
+        x.dim() == 2
+        and x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and str(x.dtype).removeprefix("torch.") in _LAYER_OPS_DTYPES
+        and layer_ops() is not None
+    )

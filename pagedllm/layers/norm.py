@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.cpu_kernels import layer_ops, use_layer_ops
+
 
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), the statistic computed in float32.
@@ -40,6 +42,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_layer_ops(x):
+            ops = layer_ops()
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            normed, x = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed, x
         if residual is None:
             return self._norm(x)
         x = residual + x

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.cpu_kernels import layer_ops, use_layer_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -75,6 +77,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int64; q: [T, num_heads * head_dim]; k: [T, num_kv_heads * head_dim]
+        if use_layer_ops(q) and k.stride(-1) == 1 and positions.is_contiguous():
+            q, k = layer_ops().rotary_embedding(positions, q, k, self.cos_sin_cache)
+            return q, k
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
         cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

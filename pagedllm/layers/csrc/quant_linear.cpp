@@ -16,6 +16,8 @@
 #include <omp.h>
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace {
 
 constexpr int kGroup = 32;
@@ -69,6 +71,127 @@ inline void row_dot(const float* x, int64_t ldx, const uint8_t* qrow, const floa
     }
   }
   for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(acc[m]);
+}
+
+// Activations as int16 per group of 32: x[m, 32 g + i] ~ xq[m, 32 g + i] * xs[m, g], with
+// xsum[m, g] = sum_i x[m, 32 g + i] in float32 (the zero points multiply the exact sum).
+// The rounding error is at most half a step, 1 / 65534 of the group's largest |x|.
+void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs, float* xsum) {
+  const int64_t groups = K / kGroup;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t mg = 0; mg < M * groups; ++mg) {
+    const float* xg = x + mg * kGroup;
+    __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xg + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      sum = _mm256_add_ps(sum, v[j]);
+    }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    const float m = _mm_cvtss_f32(a);
+    xs[mg] = m / 32767.f;
+    xsum[mg] = hsum(sum);
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int j = 0; j < 4; j += 2) {
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
+      // packs interleaves 128-bit lanes: restore element order with a 64-bit permute.
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + mg * kGroup + 8 * j), packed);
+    }
+  }
+}
+
+// y[m, n] for rows m0 .. m0 + MT of the int16 activations and one weight row n: per group,
+// integer dot products (madd_epi16: int16 x int16 pairs summed into int32), then scaled.
+template <int MT, bool INT4>
+inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, int64_t K,
+                        const uint8_t* qrow, const float* srow, const float* zrow, int64_t groups,
+                        float* y, int64_t ldy) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i w0, w1;  // elements 0..15 and 16..31 of the group as int16
+    if constexpr (INT4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + g * (kGroup / 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qrow) + g * kGroup;
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    }
+    const float sw = srow[g];
+    for (int m = 0; m < MT; ++m) {
+      const int16_t* xg = xq + m * K + g * kGroup;
+      const __m256i p = _mm256_add_epi32(
+          _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
+          _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sw * xs[m * groups + g]), acc[m]);
+    }
+  }
+  if constexpr (INT4) {
+    // The zero points times the groups' exact sums, eight groups per multiply-add.
+    for (int m = 0; m < MT; ++m) {
+      const float* xsm = xsum + m * groups;
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8)
+        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(zrow + g), _mm256_loadu_ps(xsm + g), acc[m]);
+      float tail = 0.f;
+      for (; g < groups; ++g) tail += zrow[g] * xsm[g];
+      y[m * ldy] = hsum(acc[m]) + tail;
+    }
+  } else {
+    for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(acc[m]);
+  }
+}
+
+template <bool INT4>
+torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qweight,
+                               const torch::Tensor& scales, const torch::Tensor& zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  const int64_t groups = K / kGroup;
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (INT4 ? K / 2 : K), "qweight shape");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N &&
+                  scales.size(1) == groups, "scales must be float32 [N, K / 32]");
+  if (INT4) {
+    TORCH_CHECK(zeros.scalar_type() == torch::kFloat32 && zeros.is_contiguous() &&
+                    zeros.size(0) == N && zeros.size(1) == groups, "zeros must be float32 [N, K / 32]");
+  }
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * groups), xsum(M * groups);
+  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), xs.data(), xsum.data());
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t qstride = INT4 ? K / 2 : K;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* qrow = qp + n * qstride;
+    const float* srow = sp + n * groups;
+    const float* zrow = INT4 ? zp + n * groups : nullptr;
+    int64_t m = 0;
+    for (; m + kRowTile <= M; m += kRowTile)
+      row_dot_q16<kRowTile, INT4>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K, qrow,
+                                  srow, zrow, groups, yp + m * N + n, N);
+    const int16_t* xr = xq.data() + m * K;
+    const float *sr = xs.data() + m * groups, *ur = xsum.data() + m * groups;
+    switch (M - m) {
+      case 3: row_dot_q16<3, INT4>(xr, sr, ur, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
+      case 2: row_dot_q16<2, INT4>(xr, sr, ur, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
+      case 1: row_dot_q16<1, INT4>(xr, sr, ur, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
+      default: break;
+    }
+  }
+  return y;
 }
 
 template <bool INT4>
@@ -146,6 +269,12 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, tor
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
   return quant_linear<false>(x, q, s, s);
 }
+torch::Tensor int4_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
+  return quant_linear_q16<true>(x, q, s, z);
+}
+torch::Tensor int8_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
+  return quant_linear_q16<false>(x, q, s, s);
+}
 void int4_dequantize_rows(torch::Tensor q, torch::Tensor s, torch::Tensor z, int64_t row0, torch::Tensor out) {
   dequantize_rows<true>(q, s, z, row0, out);
 }
@@ -158,6 +287,8 @@ void int8_dequantize_rows(torch::Tensor q, torch::Tensor s, int64_t row0, torch:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x [M, K] @ dequant(int4 weight [N, K]).T -> [M, N]");
   m.def("int8_linear", &int8_linear, "x [M, K] @ dequant(int8 weight [N, K]).T -> [M, N]");
+  m.def("int4_linear_q16", &int4_linear_q16, "int4_linear with int16 activations");
+  m.def("int8_linear_q16", &int8_linear_q16, "int8_linear with int16 activations");
   m.def("int4_dequantize_rows", &int4_dequantize_rows, "rows of the int4 weight as float32");
   m.def("int8_dequantize_rows", &int8_dequantize_rows, "rows of the int8 weight as float32");
 }
