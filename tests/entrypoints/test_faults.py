@@ -24,8 +24,10 @@ from tests.utils import assert_greedy_match
 pytestmark = pytest.mark.slow
 
 TINY_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB", "--max-num-seqs", "8"]
-FAULTS = ("detokenize:poison-detok,core_step:poison-core,grammar:poison-grammar,sample:poison-sample,"
-          "beam:poison-beam")
+# Per-request sites fail mid-way: from the 4th grammar bitmask fill, the 3rd sampling pass
+# and the 2nd beam expansion of a marked request on (pagedllm/faults.py).
+FAULTS = ("detokenize:poison-detok,core_step:poison-core,grammar:poison-grammar@4,sample:poison-sample@3,"
+          "beam:poison-beam@2")
 # Disaggregated decode side that fails (503) instead of recomputing when a KV pull fails.
 KV_FAIL_ARGS = ["--kv-transfer-config", json.dumps(
     {"kv_role": "kv_consumer", "kv_load_failure_policy": "fail", "kv_transfer_timeout_s": 2})]
@@ -96,18 +98,22 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 async def outcome(coro) -> tuple[str, object]:
-    """("ok", the response or the list of stream chunks) or ("error", (status, message))."""
+    """("ok", the response or the list of stream chunks) or ("error", (status, message, the
+    stream chunks received before the error))."""
     import openai
 
+    chunks: list = []
     try:
         result = await coro
         if isinstance(result, openai.AsyncStream):
-            result = [chunk async for chunk in result]
+            async for chunk in result:
+                chunks.append(chunk)
+            result = chunks
         return "ok", result
     except openai.APIStatusError as e:
-        return "error", (e.status_code, str(e.message))
+        return "error", (e.status_code, str(e.message), chunks)
     except openai.APIError as e:  # an error event inside a stream
-        return "error", ((e.body or {}).get("code"), str(e.message))
+        return "error", ((e.body or {}).get("code"), str(e.message), chunks)
 
 
 def test_per_request_faults_fail_only_their_request(faulty_server, tiny_llama_dir):
@@ -163,8 +169,10 @@ def test_per_request_faults_fail_only_their_request(faulty_server, tiny_llama_di
     alone, mixed, failed = asyncio.run(run())
     for site, (status, result) in failed.items():
         assert status == "error", (site, result)
-        code, message = result
+        code, message, chunks = result
         assert code == 500 and f"InjectedFault: injected fault at {site.split('_')[0]} for" in message, (site, result)
+        if site.endswith("_stream"):  # the fault came mid-way: some text was streamed first
+            assert "".join(c.choices[0].text for c in chunks if c.choices), (site, chunks)
     for kind, (status, result) in mixed.items():
         assert status == "ok" and alone[kind][0] == "ok", (kind, result, alone[kind])
         if kind in ("plain", "stream"):
