@@ -96,3 +96,6 @@ class ModelRunnerOutput:
     """Disaggregated prefill: a KVConnectorOutput, the transfers that ended (or None)."""
     spec_token_ids: list[list[int]] | None = None
     """Drafts proposed for the next step, per request in req_ids (None: no speculation)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests whose own processing raised this step (request id -> message): the engine
+    core fails them alone and drops whatever they sampled."""

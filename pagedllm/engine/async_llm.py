@@ -276,6 +276,9 @@ class AsyncLLM:
         self._beam_widths.pop(eo.request_id, None)
         if eo.error is not None or eo.beams is None:
             self.metrics.observe_finished("abort", now - arrival)
+            if eo.error is not None and not eo.retryable:  # a fault in its processing: a 500
+                logger.error("beam search %s failed: %s", eo.request_id, eo.error)
+                return RequestFaultError(f"the engine failed while processing this request: {eo.error}")
             return RequestFailedError(eo.error or "beam search failed")
         outputs = [
             CompletionOutput(

@@ -16,10 +16,12 @@ uncomputed token is the chosen one, and the old beam is freed.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm import faults
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -27,6 +29,8 @@ from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import Scheduler
     from pagedllm.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -158,13 +162,31 @@ class BeamSearchManager:
                 others.append(self._final(group, error=(
                     "beam search lost lockstep (a beam was preempted for lack of KV cache): "
                     "raise kv_cache_memory_bytes or lower the beam width"
-                )))
-            elif self._advance(group):
+                ), retryable=True))
+                continue
+            try:
+                done = self._advance(group)
+            except Exception as e:  # noqa: BLE001 -- one search's fault fails it alone
+                logger.exception("beam search %s failed; the others go on", group_id)
+                others.append(self.fail(group_id, f"{type(e).__name__}: {e}"))
+                continue
+            if done:
                 del self._groups[group_id]
                 others.append(self._final(group))
         if touched:
             self._start_pending()
         return others
+
+    def fail(self, search_id: str, error: str) -> EngineCoreOutput:
+        """End a running search with an error: every request of its group is freed (forks
+        made before the error included). Returns its final output."""
+        group = self._groups.pop(search_id)
+        ids = [r for r, g in self._group_of.items() if g == search_id]
+        for request_id in ids:
+            del self._group_of[request_id]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._start_pending()
+        return self._final(group, error=error)
 
     # ---- groups ------------------------------------------------------------------------
 
@@ -198,6 +220,7 @@ class BeamSearchManager:
 
     def _advance(self, group: _Group) -> bool:
         """Score this step's candidates, fork the chosen ones, free the rest. True when done."""
+        faults.maybe_raise("beam", group.group_id)
         p = group.params
         k = p.beam_width
         generated_len = group.beams[0].request.num_output_tokens  # including the core's token
@@ -240,7 +263,7 @@ class BeamSearchManager:
         self._drop_beams(old)
         return done
 
-    def _final(self, group: _Group, error: str | None = None) -> EngineCoreOutput:
+    def _final(self, group: _Group, error: str | None = None, retryable: bool = False) -> EngineCoreOutput:
         num_prompt = len(group.prompt_token_ids)
         for seq in group.finished:
             output = seq.tokens[num_prompt:]
@@ -250,7 +273,7 @@ class BeamSearchManager:
                 seq.output_token_ids = output
         return EngineCoreOutput(
             group.group_id, [], "abort" if error else "stop", None, 0,
-            beams=None if error else group.finished, error=error,
+            beams=None if error else group.finished, error=error, retryable=retryable,
         )
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_snapshot import take_kv_snapshot
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
-from pagedllm.engine import faults
+from pagedllm import faults
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams

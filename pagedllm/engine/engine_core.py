@@ -82,11 +82,14 @@ class EngineCore:
         """Schedule, run the model, and fold the sampled tokens back into the requests."""
         outputs = self._admit_compiled() if self._awaiting_grammar else []
         scheduler_output = self.scheduler.schedule()
+        failed: dict[str, str] = {}  # requests whose own processing raised: they fail alone
         so_manager = self.structured_output
         if so_manager is not None and so_manager.num_matchers:
             # Finished (not preempted) requests drop their matchers.
             so_manager.remove(r for r in scheduler_output.finished_req_ids if r not in self.scheduler.requests)
-            scheduler_output.grammar_bitmask = so_manager.grammar_bitmask(self._sampling_req_ids(scheduler_output))
+            scheduler_output.grammar_bitmask = so_manager.grammar_bitmask(
+                self._sampling_req_ids(scheduler_output), failed
+            )
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
         runner_output = self.runner.execute(scheduler_output)
@@ -94,10 +97,40 @@ class EngineCore:
             if scheduler_output.is_empty and self.scheduler.waiting_for_remote:
                 self.kv_connector.wait_for_transfers(0.005)  # only pulls in flight: do not spin
             runner_output.kv_connector_output = self.kv_connector.get_finished()
+        failed.update(runner_output.failed)
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.grammar_bitmask is not None:
-            self._advance_matchers(step_outputs)
+            self._advance_matchers(step_outputs, failed)
+        if failed:
+            step_outputs = self._fail_requests(failed, step_outputs)
         return outputs + self.beam_search.process(step_outputs)
+
+    def _fail_requests(self, failed: dict[str, str], step_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Finish the requests whose own processing raised this step, each with an error
+        output (a beam fails its whole search); what they sampled this step is dropped. The
+        rest of the batch goes on."""
+        searches: dict[str, str] = {}
+        for request_id, message in failed.items():
+            search_id = self.beam_search.search_id_of(request_id)
+            if search_id is not None:
+                searches.setdefault(search_id, message)
+        dropped = set(failed)
+        outputs = [
+            o for o in step_outputs
+            if o.request_id not in dropped and self.beam_search.search_id_of(o.request_id) not in searches
+        ]
+        for request_id, message in failed.items():
+            if self.beam_search.search_id_of(request_id) is not None:
+                continue
+            logger.error("request %s failed: %s; the others go on", request_id, message)
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+            if self.structured_output is not None:
+                self.structured_output.remove([request_id])
+            outputs.append(EngineCoreOutput(request_id, [], "abort", None, 0, error=message))
+        for search_id, message in searches.items():
+            logger.error("beam search %s failed: %s; the others go on", search_id, message)
+            outputs.append(self.beam_search.fail(search_id, message))
+        return outputs
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
@@ -146,20 +179,20 @@ class EngineCore:
             self.scheduler.add_request(request)
         return outputs
 
-    def _advance_matchers(self, outputs: list[EngineCoreOutput]) -> None:
+    def _advance_matchers(self, outputs: list[EngineCoreOutput], failed: dict[str, str]) -> None:
         """Feed the appended tokens to the matchers. A terminated grammar finishes its
         request with "stop" (normally it ends on EOS, which the scheduler already stopped;
-        with ignore_eos the grammar decides)."""
+        with ignore_eos the grammar decides). A matcher that raises (a rejected token, a
+        grammar failing mid-way) puts its request in ``failed``."""
         assert self.structured_output is not None
         done: list[str] = []
         for out in outputs:
+            if out.request_id in failed:
+                continue
             try:
                 terminated = self.structured_output.accept(out.request_id, out.new_token_ids)
-            except ValueError as e:
-                logger.error("%s; finishing the request", e)
-                if not out.finished:
-                    self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_ABORTED)
-                    out.finish_reason = "abort"
+            except Exception as e:  # noqa: BLE001 -- one grammar's fault fails its request alone
+                failed[out.request_id] = f"{type(e).__name__}: {e}"
                 done.append(out.request_id)
                 continue
             if terminated is None:

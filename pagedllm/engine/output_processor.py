@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.outputs import EngineCoreOutput
-from pagedllm.engine import faults
+from pagedllm import faults
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.core.sched_output import PositionLogprobsData
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput

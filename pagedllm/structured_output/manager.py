@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from pagedllm import faults
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.bitmask import GrammarBitmask
 from pagedllm.structured_output.grammar import compile_spec
@@ -106,17 +107,32 @@ class StructuredOutputManager:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def grammar_bitmask(self, sampling_req_ids: list[str]) -> GrammarBitmask | None:
+    def grammar_bitmask(
+        self, sampling_req_ids: list[str], failed: dict[str, str]
+    ) -> GrammarBitmask | None:
         """Masks for the constrained requests among ``sampling_req_ids`` (those that sample
-        this step), in that order; None if none is constrained."""
+        this step), in that order; None if none is constrained. A request whose matcher raises
+        gets no row and lands in ``failed`` (id -> message); its matcher is dropped."""
         req_ids = [r for r in sampling_req_ids if r in self._matchers]
         if not req_ids:
             return None
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)  # [R, W] int32
+        rows: list[int] = []
         for row, request_id in enumerate(req_ids):
-            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+            try:
+                faults.maybe_raise("grammar", request_id)
+                self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+                rows.append(row)
+            except Exception as e:  # noqa: BLE001 -- one grammar's fault fails its request alone
+                logger.error("request %s: filling its grammar bitmask failed: %s", request_id, e)
+                del self._matchers[request_id]
+                failed[request_id] = f"{type(e).__name__}: {e}"
+        if len(rows) < len(req_ids):
+            if not rows:
+                return None
+            req_ids, bitmask = [req_ids[r] for r in rows], bitmask[rows]
         return GrammarBitmask(req_ids, bitmask)
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool | None:

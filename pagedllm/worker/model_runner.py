@@ -22,8 +22,9 @@ from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
 from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
-from pagedllm.worker.sampling_inputs import CachedRequestState, build_sampling_metadata
-from pagedllm.worker.spec_decode import Proposer, build_proposer, verify_drafts
+from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
+from pagedllm.worker.sampling_inputs import CachedRequestState
+from pagedllm.worker.spec_decode import Proposer, build_proposer
 from pagedllm.worker.vattention_kv import VAttentionKVCache
 
 _NO_BLOCK_TABLE = torch.zeros((0, 0), dtype=torch.int64)
@@ -143,8 +144,10 @@ class ModelRunner:
             apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
         if self.speculative_config is not None:
             return self._verify_and_propose(logits, sampling_states, [drafts[i] for i in sample_rows])
-        md = build_sampling_metadata(sampling_states, logits.shape[1], self.eos_token_ids)
-        out = self.sampler(logits, md)
+        # A request whose sampling raises fails alone (fault_isolation.py).
+        out, sampling_states, failed = sample_isolated(self.sampler, logits, sampling_states, self.eos_token_ids)
+        if out is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
         tokens = out.sampled_token_ids.tolist()
         logprobs: list[list[PositionLogprobsData] | None] | None = None
         if out.logprobs is not None:
@@ -160,6 +163,7 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=_append_sampled(sampling_states, sampled),
+            failed=failed,
         )
 
     def _verify_and_propose(
@@ -167,18 +171,22 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """Speculative decoding: verify each request's drafts (logits: [sum(1 + k_r), V]),
         append the emitted tokens, then propose the next drafts."""
-        tokens, logprobs = verify_drafts(
-            self.rejection_sampler, logits, states, drafts, self.eos_token_ids
-        )
+        # A request whose verification or proposal raises fails alone (fault_isolation.py).
+        verified, kept, failed = verify_isolated(self.rejection_sampler, logits, states, drafts, self.eos_token_ids)
+        if verified is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
+        tokens, logprobs = verified
+        states = [states[i] for i in kept]
         prompt_logprobs = _append_sampled(states, tokens)
         assert self.proposer is not None
-        proposals = self.proposer.propose(states, self.model_config.max_model_len)
+        proposals, failed_proposals = propose_isolated(self.proposer, states, self.model_config.max_model_len)
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
             sampled_token_ids=tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             spec_token_ids=proposals,
+            failed={**failed, **failed_proposals},
         )
 
     def _prompt_logprobs(

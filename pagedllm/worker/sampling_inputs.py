@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm import faults
 from pagedllm.sample.penalties import PenaltyMetadata
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 def build_sampling_metadata(
     states: list[CachedRequestState], vocab_size: int, eos_token_ids: list[int]
 ) -> SamplingMetadata:
+    faults.maybe_raise_any("sample", (s.req_id for s in states))
     params = [s.sampling_params for s in states]
     temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
     top_k = top_p = min_p = None

@@ -1,6 +1,7 @@
 """Soak: the real server at about twice its saturation (open streams = 4 x --max-num-seqs),
-a mix of completions and chat, streaming or not, n > 1, stop strings, 10% of streams dropped
-by their clients, every request under a deadline. Two identical rounds; after each, every
+a mix of completions and chat, streaming or not, n > 1, stop strings, structured outputs (a
+JSON schema, a regex, a choice: the output must match), beam search (n beams back), 10% of
+streams dropped by their clients, every request under a deadline. Two identical rounds; after each, every
 request completed or got a clear error, the only 5xx are 503/429 with Retry-After, every KV
 block is free, and the engine's resident memory after round two is within RSS_TOLERANCE of
 round one.
@@ -15,11 +16,13 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.entrypoints.test_metrics_disconnect import wait_all_blocks_free
@@ -42,6 +45,8 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", 
 @dataclass
 class Tally:
     outcomes: Counter = field(default_factory=Counter)
+    completed_kinds: Counter = field(default_factory=Counter)
+    """Completed requests by kind (plain, beam, json, regex, choice)."""
     latencies: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -54,28 +59,97 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def make_request(rng: random.Random) -> tuple[str, dict, bool]:
-    """(path, body, whether the client drops the stream midway)."""
+# Structured outputs whose every match is short: the grammar ends them well within max_tokens.
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                         "size": {"type": "integer", "minimum": 1, "maximum": 99}},
+          "required": ["color", "size"], "additionalProperties": False}
+REGEX = r"[0-9]{3}-[0-9]{4}"
+CHOICES = ["yes", "no", "maybe"]
+
+
+def check_structured(body: dict, text: str) -> str | None:
+    """Whether ``text`` matches what the request constrained it to (None if it does)."""
+    spec = body.get("structured_outputs") or {"json": body.get("response_format", {}).get("json_schema", {}).get("schema")}
+    try:
+        if spec.get("json") is not None:
+            jsonschema.validate(json.loads(text), spec["json"])
+        elif spec.get("regex") is not None:
+            assert re.fullmatch(spec["regex"], text)
+        else:
+            assert text in spec["choice"]
+    except (AssertionError, ValueError, jsonschema.ValidationError) as e:
+        return f"structured output {text!r} does not match {spec}: {type(e).__name__}"
+    return None
+
+
+# The first request of the first clients, sent while the queue still has room: each kind
+# surely gets through at least once per round, however slow the machine.
+FIRST_KINDS = ["beam", "json", "regex", "choice", "beam", "json"]
+
+
+def make_request(rng: random.Random, kind: str | None = None) -> tuple[str, dict, bool]:
+    """(path, body, whether the client drops the stream midway); ``kind`` forces beam search
+    or a structured output (and no drop)."""
     stream = rng.random() < 0.5
     body: dict = {"max_tokens": rng.randint(4, 120), "n": rng.choice([1, 1, 1, 2]),
                   "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1000), "stream": stream}
-    if rng.random() < 0.3:
-        body["stop"] = [rng.choice(["\n", ".", " the", "e"])]
-    if rng.random() < 0.3:
-        body["ignore_eos"] = True
+    draw = rng.random()
+    spec = rng.choice([{"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}])
+    if kind is not None:
+        draw = 0.0 if kind == "beam" else 0.2
+        spec = {kind: {"json": SCHEMA, "regex": REGEX, "choice": CHOICES}.get(kind)}
+    if draw < 0.1:  # beam search: n is the beam width; no stop strings, temperature 0
+        body.update(use_beam_search=True, n=2, temperature=0.0, max_tokens=rng.randint(4, 24))
+    elif draw < 0.25:
+        body["max_tokens"] = 48
+        body["structured_outputs"] = spec
+    else:
+        if rng.random() < 0.3:
+            body["stop"] = [rng.choice(["\n", ".", " the", "e"])]
+        if rng.random() < 0.3:
+            body["ignore_eos"] = True
     prompt = rng.choice(PROMPTS) + " " * rng.randint(0, 3)
+    drop = stream and rng.random() < 0.1 and kind is None
+    if "structured_outputs" in body and "json" in body["structured_outputs"] and rng.random() < 0.5:
+        # Chat asks for the schema the OpenAI way.
+        del body["structured_outputs"]
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}, drop
     if rng.random() < 0.5:
-        return "/v1/completions", {**body, "prompt": prompt}, stream and rng.random() < 0.1
-    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}, stream and rng.random() < 0.1
+        return "/v1/completions", {**body, "prompt": prompt}, drop
+    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}, drop
+
+
+def kind_of(body: dict) -> str:
+    if body.get("use_beam_search"):
+        return "beam"
+    if "response_format" in body:
+        return "json"
+    return next(iter(body.get("structured_outputs") or {"plain": None}))
+
+
+def check_choices(body: dict, finishes: dict[int, str], texts: dict[int, str]) -> str | None:
+    """n choices (n beams for beam search), each finished by stop or length; a constrained
+    output ends by its grammar ("stop") and matches it."""
+    if sorted(finishes) != list(range(body["n"])) or not set(finishes.values()) <= {"stop", "length"}:
+        return f"finishes {finishes} for n={body['n']}"
+    if "structured_outputs" in body or "response_format" in body:
+        for index, text in texts.items():
+            if finishes[index] != "stop":
+                return f"structured output ended by {finishes[index]}: {text!r}"
+            problem = check_structured(body, text)
+            if problem:
+                return problem
+    return None
 
 
 def check_body(path: str, body: dict, data: dict) -> str | None:
     choices = data.get("choices") or []
+    finishes = {c["index"]: c.get("finish_reason") for c in choices}
+    texts = {c["index"]: c["text"] if "text" in c else c["message"]["content"] for c in choices}
     if len(choices) != body["n"]:
         return f"{len(choices)} choices for n={body['n']}"
-    if any(c.get("finish_reason") not in ("stop", "length") for c in choices):
-        return f"finish reasons {[c.get('finish_reason') for c in choices]}"
-    return None
+    return check_choices(body, finishes, texts)
 
 
 async def one(client: httpx.AsyncClient, path: str, body: dict, drop: bool, tally: Tally) -> float:
@@ -86,6 +160,7 @@ async def one(client: httpx.AsyncClient, path: str, body: dict, drop: bool, tall
         if r.status_code == 200:
             problem = check_body(path, body, r.json())
             tally.outcomes["completed" if problem is None else "bad_body"] += 1
+            tally.completed_kinds[kind_of(body)] += problem is None
             if problem:
                 tally.problems.append(f"{path}: {problem}")
             tally.latencies.append(time.monotonic() - t0)
@@ -96,6 +171,7 @@ async def one(client: httpx.AsyncClient, path: str, body: dict, drop: bool, tall
             await r.aread()
             return classify_error(r.status_code, r.headers, r.text, tally)
         finishes: dict[int, str] = {}
+        texts: dict[int, str] = {}
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -109,14 +185,18 @@ async def one(client: httpx.AsyncClient, path: str, body: dict, drop: bool, tall
                 tally.outcomes["dropped_by_client"] += 1
                 return 0.0  # leaving the block closes the connection mid-stream
             for c in event["choices"]:
+                piece = c["text"] if "text" in c else (c.get("delta") or {}).get("content")
+                texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
                 if c.get("finish_reason"):
                     finishes[c["index"]] = c["finish_reason"]
-    if sorted(finishes) == list(range(body["n"])) and set(finishes.values()) <= {"stop", "length"}:
+    problem = check_choices(body, finishes, texts)
+    if problem is None:
         tally.outcomes["completed"] += 1
+        tally.completed_kinds[kind_of(body)] += 1
         tally.latencies.append(time.monotonic() - t0)
     else:
         tally.outcomes["bad_stream"] += 1
-        tally.problems.append(f"{path} n={body['n']}: stream ended with finishes {finishes}")
+        tally.problems.append(f"{path} stream: {problem}")
     return 0.0
 
 
@@ -138,8 +218,10 @@ async def soak_round(base_url: str, seed: int) -> Tally:
     async def worker(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         async with httpx.AsyncClient(base_url=base_url, timeout=DEADLINE_S) as client:
+            kind = FIRST_KINDS[i] if i < len(FIRST_KINDS) else None
             while time.monotonic() < end:
-                path, body, drop = make_request(rng)
+                path, body, drop = make_request(rng, kind)
+                kind = None
                 try:
                     backoff = await one(client, path, body, drop, tally)
                 except httpx.TimeoutException:
@@ -162,6 +244,7 @@ def soak_server(tiny_llama_dir):
 def test_soak_two_rounds(soak_server):
     core_pid = engine_core_pid(soak_server.proc.pid)
     rss = []
+    completed_kinds: Counter = Counter()
     for round_index in range(2):
         tally = asyncio.run(soak_round(soak_server.url, seed=1))  # both rounds send the same mix
         text = wait_all_blocks_free(soak_server)
@@ -173,12 +256,16 @@ def test_soak_two_rounds(soak_server):
         p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else float("nan")
         sent = sum(tally.outcomes.values())
         print(f"\nsoak round {round_index + 1} ({ROUND_S:.0f} s, {CONCURRENCY} clients, max_num_seqs={MAX_NUM_SEQS}): "
-              f"sent {sent}, outcomes {dict(tally.outcomes)}, p99 latency {p99:.2f} s, "
+              f"sent {sent}, outcomes {dict(tally.outcomes)}, completed by kind {dict(tally.completed_kinds)}, "
+              f"p99 latency {p99:.2f} s, "
               f"blocks held at end {total - free:.0f}/{total:.0f}, preemptions so far {preemptions:.0f}, "
               f"RSS engine core {rss[-1][0] / 2**20:.1f} MiB, front end {rss[-1][1] / 2**20:.1f} MiB")
         assert not tally.problems, tally.problems[:10]
         assert tally.outcomes["completed"] > 0
         assert free == total
+        completed_kinds += tally.completed_kinds
+    # Every kind of request got through at least once (the outputs checked as it did).
+    assert set(completed_kinds) == {"plain", "beam", "json", "regex", "choice"}, completed_kinds
     (core1, front1), (core2, front2) = rss
     assert core2 <= core1 * (1 + RSS_TOLERANCE), (core1, core2)
     assert front2 <= front1 * (1 + RSS_TOLERANCE), (front1, front2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -31,13 +32,31 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
     server = RemoteServer(
         ["--dtype", "float32", "--kv-cache-memory-bytes", "8MiB", "--speculative-config", json.dumps(spec)],
         model=tiny_llama_dir,
+        # Faults inside one request's draft proposal or verification (pagedllm/faults.py).
+        env={"PAGEDLLM_INJECT_FAULT": "propose:poison-propose,sample:poison-verify"},
     )
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=120)
-        out = client.completions.create(
-            model=tiny_llama_dir, prompt=prompt, max_tokens=24, temperature=0,
-            extra_body={"allowed_token_ids": ALLOWED, "ignore_eos": True},
-        )
+
+        def complete(request_id: str | None = None):
+            extra = {"allowed_token_ids": ALLOWED, "ignore_eos": True}
+            return client.completions.create(
+                model=tiny_llama_dir, prompt=prompt, max_tokens=24, temperature=0,
+                extra_body={**extra, "request_id": request_id} if request_id else extra,
+            )
+
+        def outcome(request_id: str | None):
+            try:
+                return complete(request_id)
+            except openai.APIStatusError as e:
+                return e
+
+        # Poisoned requests beside a healthy one: they fail alone (500), it is unaffected.
+        with ThreadPoolExecutor(3) as pool:
+            out, *poisoned = pool.map(outcome, [None, "poison-propose-1", "poison-verify-1"])
+        for err, site in zip(poisoned, ["propose", "sample"]):
+            assert isinstance(err, openai.APIStatusError) and err.status_code == 500, err
+            assert f"injected fault at {site} for" in err.message, err.message
         assert out.choices[0].text == want
         assert out.usage.completion_tokens == 24
         deadline = time.monotonic() + 30

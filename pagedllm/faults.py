@@ -1,0 +1,76 @@
+"""Fault injection, so tests can drive the failure paths of a real server.
+
+``PAGEDLLM_INJECT_FAULT="<site>:<marker>[@<n>][,...]"`` makes ``site`` raise
+``InjectedFault`` for every request whose id contains ``marker`` (clients choose ids with the
+``request_id`` field; the sequences of n > 1 and the beams of a beam search carry it too);
+with ``@<n>``, from the n-th time that request passes the site on (a fault mid-way).
+Sites, each a per-request processing point but ``core_step``:
+
+- ``detokenize``: front end, detokenizing one output of the request;
+- ``grammar``: engine core, filling the request's structured-output token bitmask;
+- ``sample``: model runner, applying the request's sampling parameters;
+- ``propose``: model runner, proposing the request's speculative drafts;
+- ``beam``: engine core, expanding the beams of a beam search (marker in the search's id);
+- ``core_step``: engine core, before each step in which the request runs (fails the batch).
+
+Unset, every check is one dict lookup. Lives at the package top so every layer may call it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+SITES = ("detokenize", "grammar", "sample", "propose", "beam", "core_step")
+
+
+class InjectedFault(RuntimeError):
+    """Raised where a test asked for a fault."""
+
+
+def _parse(spec: str | None) -> dict[str, str]:
+    faults: dict[str, str] = {}
+    for item in (spec or "").split(","):
+        if not item:
+            continue
+        site, sep, marker = item.partition(":")
+        marker, at, nth = marker.partition("@")
+        if not sep or site not in SITES or not marker or (at and not nth.isdigit()):
+            raise ValueError(
+                f"PAGEDLLM_INJECT_FAULT={spec!r}: expected '<site>:<marker>[@<n>]' items, site in {SITES}"
+            )
+        faults[site] = marker
+        if at:
+            _FROM_NTH[site] = int(nth)
+    return faults
+
+
+_FROM_NTH: dict[str, int] = {}  # site -> the pass from which a marked request fails
+_passes: dict[tuple[str, str], int] = {}  # (site, marked request id) -> passes so far
+_FAULTS = _parse(os.environ.get("PAGEDLLM_INJECT_FAULT"))
+
+
+def _fires(site: str, marker: str, request_id: str) -> bool:
+    if marker not in request_id:
+        return False
+    nth = _FROM_NTH.get(site)
+    if nth is None:
+        return True
+    key = (site, request_id)
+    _passes[key] = _passes.get(key, 0) + 1
+    return _passes[key] >= nth
+
+
+def maybe_raise(site: str, request_id: str) -> None:
+    marker = _FAULTS.get(site)
+    if marker is not None and _fires(site, marker, request_id):
+        raise InjectedFault(f"injected fault at {site} for request {request_id}")
+
+
+def maybe_raise_any(site: str, request_ids: Iterable[str]) -> None:
+    """``maybe_raise`` for a batch: raises if any of the requests is marked."""
+    marker = _FAULTS.get(site)
+    if marker is not None:
+        for request_id in request_ids:
+            if _fires(site, marker, request_id):
+                raise InjectedFault(f"injected fault at {site} for request {request_id}")

@@ -1,0 +1,109 @@
+"""Per-request fault isolation in the runner: a request whose sampling parameters or draft
+proposal make the batched call raise fails alone, not the whole batch.
+
+The batched call runs first, so a step where nothing fails costs nothing extra. If it raises,
+each request is tried alone to find those that fail by themselves; they are reported failed
+(request id -> message) and the call is repeated over the others. A failure that no request
+causes alone (a bug in the batched path itself) is raised again, and the engine core fails
+the step as before. Sampling twice is harmless: every sampling op is out of place, and a
+seeded request's generator is a function of (seed, position) only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from pagedllm import faults
+from pagedllm.worker.sampling_inputs import CachedRequestState, build_sampling_metadata
+
+if TYPE_CHECKING:
+    from pagedllm.core.sched_output import PositionLogprobsData
+    from pagedllm.sample.rejection_sampler import RejectionSampler
+    from pagedllm.sample.sampler import Sampler, SamplerOutput
+    from pagedllm.worker.spec_decode import Proposer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def isolate(call: Callable[[list[int]], T], req_ids: list[str]) -> tuple[T | None, list[int], dict[str, str]]:
+    """``call(indices)`` does the batched work for those requests (indices into ``req_ids``).
+    Returns (its result over the kept requests or None if none is kept, the kept indices,
+    {failed request id: message})."""
+    everyone = list(range(len(req_ids)))
+    try:
+        return call(everyone), everyone, {}
+    except Exception:
+        failed: dict[str, str] = {}
+        for i in everyone:
+            try:
+                call([i])
+            except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
+                failed[req_ids[i]] = f"{type(e).__name__}: {e}"
+        if not failed:
+            raise  # no request fails alone: the batched path itself is broken
+    for request_id, message in failed.items():
+        logger.error("request %s failed in the model runner: %s", request_id, message)
+    kept = [i for i in everyone if req_ids[i] not in failed]
+    return (call(kept) if kept else None), kept, failed
+
+
+def sample_isolated(
+    sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState], eos_token_ids: list[int]
+) -> tuple[SamplerOutput | None, list[CachedRequestState], dict[str, str]]:
+    """Sample one token per state (logits: [len(states), V]); returns the sampler's output over
+    the kept states, the kept states and the failed ones."""
+
+    def call(idx: list[int]) -> SamplerOutput:
+        sub = [states[i] for i in idx]
+        md = build_sampling_metadata(sub, logits.shape[1], eos_token_ids)
+        return sampler(logits if len(idx) == len(states) else logits[idx], md)
+
+    out, kept, failed = isolate(call, [s.req_id for s in states])
+    return out, [states[i] for i in kept], failed
+
+
+def verify_isolated(
+    sampler: RejectionSampler,
+    logits: torch.Tensor,
+    states: list[CachedRequestState],
+    drafts: list[list[int]],
+    eos_token_ids: list[int],
+) -> tuple[tuple[list[list[int]], list[list[PositionLogprobsData] | None] | None] | None, list[int], dict[str, str]]:
+    """``verify_drafts`` with isolation; logits: [sum(1 + k_r), V], each request's rows
+    consecutive. Returns (its result over the kept states, the kept indices, the failed)."""
+    from pagedllm.worker.spec_decode import verify_drafts
+
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + 1 + len(d))
+
+    def call(idx: list[int]):
+        if len(idx) == len(states):
+            return verify_drafts(sampler, logits, states, drafts, eos_token_ids)
+        rows = [r for i in idx for r in range(starts[i], starts[i + 1])]
+        return verify_drafts(sampler, logits[rows], [states[i] for i in idx], [drafts[i] for i in idx], eos_token_ids)
+
+    return isolate(call, [s.req_id for s in states])
+
+
+def propose_isolated(
+    proposer: Proposer, states: list[CachedRequestState], max_model_len: int
+) -> tuple[list[list[int]], dict[str, str]]:
+    """Drafts per state (a failed state gets none) and the failed states."""
+
+    def call(idx: list[int]) -> list[list[int]]:
+        sub = [states[i] for i in idx]
+        faults.maybe_raise_any("propose", (s.req_id for s in sub))
+        return proposer.propose(sub, max_model_len)
+
+    proposals, kept, failed = isolate(call, [s.req_id for s in states])
+    drafts: list[list[int]] = [[] for _ in states]
+    for i, d in zip(kept, proposals or []):
+        drafts[i] = d
+    return drafts, failed
