@@ -111,16 +111,21 @@ def layer_ops() -> ModuleType | None:
     return _extension("pagedllm_layer_ops", _LAYER_OPS_SOURCES, "using torch ops")
 
 
-_LAYER_OPS_DTYPES = ("float32", "bfloat16")
+_layer_ops_dtypes: tuple | None = None  # (torch.float32, torch.bfloat16), set on first use
 
 
 def use_layer_ops(x) -> bool:
     """Whether the fused layer ops take x: a CPU [rows, width] float32/bfloat16 tensor with
-    unit stride on width, and the extension built."""
+    unit stride on width, and the extension built. Called per layer per step: kept cheap."""
+    global _layer_ops_dtypes
+    if _layer_ops_dtypes is None:
+        import torch
+
+        _layer_ops_dtypes = (torch.float32, torch.bfloat16)
     return (
-        x.dim() == 2
-        and x.device.type == "cpu"
+        x.dtype in _layer_ops_dtypes
+        and x.dim() == 2
+        and x.is_cpu
         and x.stride(-1) == 1
-        and str(x.dtype).removeprefix("torch.") in _LAYER_OPS_DTYPES
         and layer_ops() is not None
     )
