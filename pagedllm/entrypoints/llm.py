@@ -32,6 +32,10 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (they also stop with this process)."""
+        self.llm_engine.engine_core.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

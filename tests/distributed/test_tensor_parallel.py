@@ -1,0 +1,119 @@
+"""Tensor parallelism: greedy outputs of 2 ranks equal to 1 rank (mp and ray executors),
+the clear refusal of head counts that do not divide, and a killed worker failing the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.executor import WorkerDiedError
+from tests.utils import TEXT_PROMPTS, assert_same_greedy
+
+NUM_STEPS = 12
+ENGINE_ARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes="16MiB", max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_dir(tmp_path_factory, default_tokenizer):
+    """A tiny random GPT-2, 4 heads, with an odd vocabulary (one more row than the tokenizer)
+    so the vocabulary-parallel table of the last rank is padded."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    config = GPT2Config(
+        vocab_size=len(default_tokenizer) + 1, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+        initializer_range=0.2, bos_token_id=default_tokenizer.bos_token_id,
+        eos_token_id=default_tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(path, safe_serialization=True)
+    default_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_llama_dir, tiny_gpt2_dir):
+    return {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir}
+
+
+def greedy_with_gaps(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(TEXT_PROMPTS, params, use_tqdm=False)
+    tokens, gaps = [], []
+    for out in outs:
+        completion = out.outputs[0]
+        tokens.append(completion.token_ids)
+        lps = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in completion.logprobs]
+        gaps.append([top[0] - top[1] for top in lps])
+    return tokens, gaps
+
+
+@pytest.fixture(scope="module")
+def single_rank(checkpoints):
+    """Greedy tokens and gaps of each checkpoint with one rank (the reference)."""
+    results = {}
+    for name, path in checkpoints.items():
+        llm = LLM(path, **ENGINE_ARGS)
+        results[name] = greedy_with_gaps(llm)
+    return results
+
+
+def check_tp2(llm: LLM, reference: tuple[list[list[int]], list[list[float]]], label: str) -> None:
+    tokens, _ = greedy_with_gaps(llm)
+    ref_tokens, ref_gaps = reference
+    for i, (ours, ref, gaps) in enumerate(zip(tokens, ref_tokens, ref_gaps)):
+        assert len(ours) == NUM_STEPS
+        assert_same_greedy(ours, ref, gaps, f"{label} prompt {i}")
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == llm.llm_engine.config.num_blocks - 1  # every block came back
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.llm_engine.engine_core.runner.procs.values()]
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_tp2_mp_matches_tp1(name, checkpoints, single_rank):
+    affinity = os.sched_getaffinity(0)
+    llm = LLM(checkpoints[name], tensor_parallel_size=2, **ENGINE_ARGS)
+    pids = worker_pids(llm)
+    try:
+        # Each rank holds half the KV heads of every layer.
+        layer = llm.llm_engine.engine_core.runner.runner.kv_caches[0]
+        assert layer.shape[-2] == (2 if name == "llama" else 4) // 2
+        check_tp2(llm, single_rank[name], f"{name} tp=2 mp")
+    finally:
+        llm.shutdown()
+    assert_gone(pids)
+    assert os.sched_getaffinity(0) == affinity  # rank 0's pinning undone
+
+
+def test_default_model_heads_do_not_divide():
+    with pytest.raises(ValueError, match=r"9 query heads and 3 KV heads .*\[1, 3\]"):
+        LLM("SmolLM2-135M-Instruct", tensor_parallel_size=2, dtype="float32", quantization="none")
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_the_engine(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE_ARGS)
+    pids = worker_pids(llm)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(TEXT_PROMPTS[:2], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {pids[0]}\) was killed by SIGKILL"):
+        llm.generate(TEXT_PROMPTS[:2], params, use_tqdm=False)
+    assert_gone(pids)
+    with pytest.raises(WorkerDiedError, match="shut down"):
+        llm.generate(TEXT_PROMPTS[:1], params, use_tqdm=False)
+    llm.shutdown()
