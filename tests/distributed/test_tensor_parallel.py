@@ -117,3 +117,42 @@ def test_killed_worker_fails_the_engine(tiny_llama_dir):
     with pytest.raises(WorkerDiedError, match="shut down"):
         llm.generate(TEXT_PROMPTS[:1], params, use_tqdm=False)
     llm.shutdown()
+
+
+@pytest.fixture
+def local_ray_cluster(monkeypatch):
+    """`ray start --head` on loopback with 2 CPUs (DESIGN.md: Ray binds 127.0.0.1 only with
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), stopped at the end."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from pagedllm.distributed.mp_executor import _free_port
+
+    ray_bin = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+    port = _free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    temp_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must fit 107 bytes
+    subprocess.run(
+        [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+         "--num-cpus", "2", "--include-dashboard=false", "--disable-usage-stats",
+         "--temp-dir", temp_dir],
+        env=env, check=True, capture_output=True, timeout=120,
+    )
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_tp2_ray_matches_tp1(local_ray_cluster, checkpoints, single_rank):
+    llm = LLM(checkpoints["llama"], tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_ARGS)
+    try:
+        check_tp2(llm, single_rank["llama"], "llama tp=2 ray")
+    finally:
+        llm.shutdown()
