@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import signal
 
+import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.executor import WorkerDiedError
+from tests.entrypoints.utils import RemoteServer, child_pids, engine_core_pid, pid_alive
 from tests.utils import TEXT_PROMPTS, assert_same_greedy
 
 NUM_STEPS = 12
@@ -85,6 +87,7 @@ def assert_gone(pids: list[int]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_tp2_mp_matches_tp1(name, checkpoints, single_rank):
+    """GPT-2 then shuts down cleanly; Llama's worker is then killed, which fails the engine."""
     affinity = os.sched_getaffinity(0)
     llm = LLM(checkpoints[name], tensor_parallel_size=2, **ENGINE_ARGS)
     pids = worker_pids(llm)
@@ -93,10 +96,21 @@ def test_tp2_mp_matches_tp1(name, checkpoints, single_rank):
         layer = llm.llm_engine.engine_core.runner.runner.kv_caches[0]
         assert layer.shape[-2] == (2 if name == "llama" else 4) // 2
         check_tp2(llm, single_rank[name], f"{name} tp=2 mp")
+        if name == "llama":
+            check_killed_worker(llm, pids[0])
     finally:
         llm.shutdown()
     assert_gone(pids)
     assert os.sched_getaffinity(0) == affinity  # rank 0's pinning undone
+
+
+def check_killed_worker(llm: LLM, pid: int) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
+        llm.generate(TEXT_PROMPTS[:2], params, use_tqdm=False)
+    with pytest.raises(WorkerDiedError, match="shut down"):
+        llm.generate(TEXT_PROMPTS[:1], params, use_tqdm=False)
 
 
 def test_default_model_heads_do_not_divide():
@@ -105,18 +119,29 @@ def test_default_model_heads_do_not_divide():
 
 
 @pytest.mark.slow
-def test_killed_worker_fails_the_engine(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE_ARGS)
-    pids = worker_pids(llm)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    assert len(llm.generate(TEXT_PROMPTS[:2], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
-    os.kill(pids[0], signal.SIGKILL)
-    with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {pids[0]}\) was killed by SIGKILL"):
-        llm.generate(TEXT_PROMPTS[:2], params, use_tqdm=False)
-    assert_gone(pids)
-    with pytest.raises(WorkerDiedError, match="shut down"):
-        llm.generate(TEXT_PROMPTS[:1], params, use_tqdm=False)
-    llm.shutdown()
+def test_server_worker_killed_gives_503_and_exit(tiny_llama_dir):
+    """`pagedllm serve --tensor-parallel-size 2`: serves; a killed worker makes the engine core
+    exit with the reason logged, the server answer 503 and exit 1, no process left behind."""
+    srv = RemoteServer(
+        ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB",
+         "--max-num-seqs", "8", "--tensor-parallel-size", "2"],
+        model=tiny_llama_dir, startup_timeout_s=600,
+    )
+    try:
+        core = engine_core_pid(srv.proc.pid)
+        workers = [p for p in child_pids(core) if b"worker_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(workers) == 1, workers
+        body = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        url = srv.url + "/v1/completions"
+        assert httpx.post(url, json=body, timeout=120).status_code == 200
+        os.kill(workers[0], signal.SIGKILL)
+        r = httpx.post(url, json=body, timeout=120)
+        assert r.status_code == 503, r.text
+        assert srv.proc.wait(60) == 1, srv.log()
+        assert f"rank 1 (pid {workers[0]}) was killed by SIGKILL" in srv.log()
+        assert not pid_alive(core) and not pid_alive(workers[0])
+    finally:
+        srv.stop()
 
 
 @pytest.fixture
