@@ -72,19 +72,25 @@ class DistributedExecutor(abc.ABC):
         self._closed = False
 
     def load_model(self) -> Any:
-        """Rank 0's shard of the model (a LoadedModel)."""
-        return load_rank_model(self.args, self.group)
+        """Rank 0's shard of the model (a LoadedModel). Once rank 0's model is built and
+        checked (head counts, quantization), the workers launch and load their shards while
+        rank 0 loads its weights; a failure stops them."""
+        self._saved_placement = _current_placement()
+        try:
+            bind_rank(0, self.size, self._cpu_bind)
+            return load_rank_model(self.args, self.group, on_built=self._launch_workers)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def worker_spec(self, rank: int) -> WorkerSpec:
         return WorkerSpec(self.args, rank, self.size, self._cpu_bind)
 
     def start(self, runner: Any, block_size: int, num_blocks: int) -> DistributedExecutor:
-        """Start the workers (they load their shards), join the process group, have every
-        worker build its runner for the same KV pool; returns self, the engine's runner."""
+        """Once the workers have loaded: join the process group, have every worker build its
+        runner for the same KV pool; returns self, which the engine core uses as its runner."""
         self.runner = runner
-        self._saved_placement = _current_placement()
         try:
-            bind_rank(0, self.size, self._cpu_bind)
             self._start_workers(block_size, num_blocks)
         except BaseException:
             self.shutdown()
@@ -139,7 +145,12 @@ class DistributedExecutor(abc.ABC):
                 _restore_placement(self._saved_placement)
 
     @abc.abstractmethod
-    def _start_workers(self, block_size: int, num_blocks: int) -> None: ...
+    def _launch_workers(self) -> None:
+        """Start ranks 1..N-1 loading their shards (without waiting for them)."""
+
+    @abc.abstractmethod
+    def _start_workers(self, block_size: int, num_blocks: int) -> None:
+        """Wait for the workers' shards, join the process group, build their runners."""
 
     @abc.abstractmethod
     def _broadcast(self, data: bytes) -> None:

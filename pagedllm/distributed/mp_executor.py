@@ -30,7 +30,7 @@ STOP_TIMEOUT_S = 5.0
 class MPExecutor(DistributedExecutor):
     backend = "mp"
 
-    def _start_workers(self, block_size: int, num_blocks: int) -> None:
+    def _launch_workers(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
         self.conns: dict[int, Connection] = {}
         for rank in range(1, self.size):
@@ -43,12 +43,15 @@ class MPExecutor(DistributedExecutor):
             theirs.close()
             self.conns[rank] = Connection(ours.detach())
             self.conns[rank].send((self.worker_spec(rank), logging.getLogger().level))
+
+    def _start_workers(self, block_size: int, num_blocks: int) -> None:
         self._gather("loaded")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         for conn in self.conns.values():
             conn.send((init_method, block_size, num_blocks))
         self.group.init_process_group(init_method)
         self._gather("ready")
+        self._running = True
 
     def _gather(self, expected: str) -> None:
         """Wait for every worker's ``expected`` message; a failure or death raises."""
@@ -94,12 +97,14 @@ class MPExecutor(DistributedExecutor):
         return f"rank {rank} (pid {proc.pid}) {how}"
 
     def _stop_workers(self) -> None:
+        # Running workers stop at an empty message; ones still starting are killed.
+        graceful = getattr(self, "_running", False)
         for conn in getattr(self, "conns", {}).values():
             try:
                 conn.send_bytes(b"")
             except OSError:
                 pass
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
         for proc in getattr(self, "procs", {}).values():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -65,7 +65,7 @@ class RayWorker:
 class RayExecutor(DistributedExecutor):
     backend = "ray"
 
-    def _start_workers(self, block_size: int, num_blocks: int) -> None:
+    def _launch_workers(self) -> None:
         ray = _import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -89,6 +89,9 @@ class RayExecutor(DistributedExecutor):
             ).remote(self.worker_spec(i + 1))
             for i in range(num_workers)
         ]
+
+    def _start_workers(self, block_size: int, num_blocks: int) -> None:
+        ray = self._ray
         self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=START_TIMEOUT_S)
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         joined = [a.init_process_group.remote(init_method) for a in self.actors]

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pagedllm.distributed.cpu_bind import bind_rank
 from pagedllm.distributed.parallel_state import TPGroup, tensor_parallel
@@ -32,14 +32,14 @@ class WorkerSpec:
     """PAGEDLLM_CPU_BIND as rank 0 saw it (a Ray worker's environment may differ)."""
 
 
-def load_rank_model(args: EngineArgs, group: TPGroup) -> Any:
-    """This rank's shard of the model (a LoadedModel)."""
+def load_rank_model(args: EngineArgs, group: TPGroup, on_built: Callable[[], None] | None = None) -> Any:
+    """This rank's shard of the model (a LoadedModel); see load_model for ``on_built``."""
     from pagedllm.models.loader import load_model
 
     with tensor_parallel(group):
         return load_model(
             args.model, dtype=args.resolve_dtype(), max_model_len=args.max_model_len,
-            quantization=args.quantization,
+            quantization=args.quantization, on_built=on_built,
         )
 
 

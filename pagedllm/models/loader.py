@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 import torch
 from torch import nn
@@ -92,10 +92,12 @@ def load_model(
     dtype: str = "float32",
     max_model_len: int | None = None,
     quantization: str | None = None,
+    on_built: Callable[[], None] | None = None,
 ) -> LoadedModel:
     """Load a model for inference; ValueError with the accepted forms for anything unknown.
 
-    quantization: see resolve_quantization.
+    quantization: see resolve_quantization. on_built: called once the (empty) model is built
+    and checked, before its weights load (tensor parallelism starts its workers there).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
@@ -115,6 +117,8 @@ def load_model(
     tokenizer = _load_tokenizer(model_dir)
     net = model_cls(hf_config, _DTYPES[dtype])
     _check_tensor_parallel(net, architecture, quantization)
+    if on_built is not None:
+        on_built()
     _prepare_quantization(net, quantization)
     if quantization == "gguf":
         assert gguf_path is not None

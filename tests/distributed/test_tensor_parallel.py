@@ -43,8 +43,11 @@ def checkpoints(tiny_llama_dir, tiny_gpt2_dir):
 
 
 def greedy_with_gaps(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and top-2 gaps of each prompt; the last entry is a seeded sampled
+    request (temperature 1): every rank must draw the same tokens to stay in step."""
     params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True, logprobs=2)
-    outs = llm.generate(TEXT_PROMPTS, params, use_tqdm=False)
+    sampled = SamplingParams(max_tokens=NUM_STEPS, temperature=1.0, ignore_eos=True, seed=1234, logprobs=2)
+    outs = llm.generate(TEXT_PROMPTS + TEXT_PROMPTS[:1], [params] * len(TEXT_PROMPTS) + [sampled], use_tqdm=False)
     tokens, gaps = [], []
     for out in outs:
         completion = out.outputs[0]
@@ -67,9 +70,11 @@ def single_rank(checkpoints):
 def check_tp2(llm: LLM, reference: tuple[list[list[int]], list[list[float]]], label: str) -> None:
     tokens, _ = greedy_with_gaps(llm)
     ref_tokens, ref_gaps = reference
-    for i, (ours, ref, gaps) in enumerate(zip(tokens, ref_tokens, ref_gaps)):
+    for i, (ours, ref, gaps) in enumerate(zip(tokens[:-1], ref_tokens, ref_gaps)):
         assert len(ours) == NUM_STEPS
         assert_same_greedy(ours, ref, gaps, f"{label} prompt {i}")
+    # Seeded sampling: the same draws from (within float rounding) the same distributions.
+    assert tokens[-1] == ref_tokens[-1], f"{label}: seeded sample {tokens[-1]} != {ref_tokens[-1]}"
     kv = llm.llm_engine.scheduler.kv_cache_manager
     assert kv.num_free_blocks == llm.llm_engine.config.num_blocks - 1  # every block came back
 
