@@ -9,8 +9,12 @@ bytes and FLOPs; decode speed depends on shapes, not on the weights' values.
     python benchmarks/tensor_parallel.py --dtype float32 --batch-sizes 1 32 --max-tokens 32
 
 Decode time is (time of prompt + N tokens) - (time of prompt + 1 token), over N - 1 steps.
+TP 1 runs with one torch thread per available core (--tp1-threads), TP N with each rank
+pinned to its share.
 "Collective time" is rank 0's time inside all-reduce and all-gather, per decode step: it
 includes waiting for the other rank, so it also measures how unevenly the ranks progress.
+The bare gloo all-reduce latency of a [batch, 576] float32 tensor between two pinned
+processes is measured alone too (a step has 2 per layer + 1, plus the logits' all-gather).
 """
 
 from __future__ import annotations
@@ -63,6 +67,40 @@ def run(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> tuple[float, 
     return batch * steps / (tn - t1), (cn - c1) / steps
 
 
+def _allreduce_rank(rank: int, port: int, batch: int, iters: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.ones(batch, 576)
+    for _ in range(20):
+        dist.all_reduce(x)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    if rank == 0:
+        out.put((time.perf_counter() - t0) / iters)
+    dist.destroy_process_group()
+
+
+def bare_allreduce_seconds(batch: int, iters: int = 500) -> float:
+    import multiprocessing as mp
+
+    from pagedllm.distributed.mp_executor import _free_port
+
+    ctx = mp.get_context("spawn")
+    port, out = _free_port(), ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, batch, iters, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get()
+    for p in procs:
+        p.join()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a float checkpoint whose heads divide by 2")
@@ -71,10 +109,18 @@ def main() -> None:
     parser.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--tp1-threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="torch threads of the TP 1 run (default: every available core)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or default_shaped_llama(os.path.join(tmp, "llama-576"))
+        for batch in args.batch_sizes:
+            print(f"bare gloo all-reduce [{batch}, 576] fp32: {1e6 * bare_allreduce_seconds(batch):.1f} us", flush=True)
         for tp in args.tp_sizes:
+            if tp == 1:
+                import torch
+
+                torch.set_num_threads(args.tp1_threads)
             llm = LLM(
                 model, dtype=args.dtype, tensor_parallel_size=tp, max_model_len=512,
                 kv_cache_memory_bytes="1GiB", max_num_seqs=max(args.batch_sizes), quantization="none",

@@ -93,7 +93,8 @@ class RayExecutor(DistributedExecutor):
     def _start_workers(self, block_size: int, num_blocks: int) -> None:
         ray = self._ray
         self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=START_TIMEOUT_S)
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        address = ray.util.get_node_ip_address()
+        init_method = f"tcp://{address}:{_free_port(address)}"
         joined = [a.init_process_group.remote(init_method) for a in self.actors]
         self.group.init_process_group(init_method)
         ray.get(joined)
@@ -134,8 +135,8 @@ class RayExecutor(DistributedExecutor):
             ray.shutdown()
 
 
-def _free_port() -> int:
+def _free_port(address: str) -> int:
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
