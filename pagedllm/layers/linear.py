@@ -167,7 +167,11 @@ class QKVLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        if shard_id is None and not isinstance(loaded_weight, QuantizedWeight):
+        if shard_id is None:  # the fused tensor: rows [q | k | v]
+            if self.tp.size == 1:
+                self._load_rows(param, loaded_weight, 0, self.out_features)
+                return
+            assert not isinstance(loaded_weight, QuantizedWeight), "quantized weights are not sharded"
             for part, tensor in zip("qkv", loaded_weight.split(self._full_sizes)):
                 self.weight_loader(param, tensor, part)
             return
