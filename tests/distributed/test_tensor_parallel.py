@@ -123,6 +123,31 @@ def test_default_model_heads_do_not_divide():
         LLM("SmolLM2-135M-Instruct", tensor_parallel_size=2, dtype="float32", quantization="none")
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"quantization": "int8"}, "does not shard quantized weights"),
+        ({"kv_cache_backend": "vattention"}, "does not support kv_cache_backend='vattention'"),
+        ({"distributed_executor_backend": "uni"}, "'uni' runs one rank in process"),
+    ],
+)
+def test_refusals(tiny_llama_dir, extra, message):
+    args = {**ENGINE_ARGS, "tensor_parallel_size": 2, **extra}
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama_dir, **args)
+
+
+def test_cpu_bind_spec():
+    from pagedllm.distributed.cpu_bind import rank_cpus
+
+    assert rank_cpus(1, 2, "0-3|4-5,7") == [4, 5, 7]
+    assert rank_cpus(0, 2, "all") is None
+    assert [rank_cpus(r, 2, "", available=[0, 1, 2, 3, 4]) for r in range(2)] == [[0, 1], [2, 3]]
+    assert rank_cpus(0, 4, "", available=[0, 1]) is None  # fewer cores than ranks: no pinning
+    with pytest.raises(ValueError, match="lists 1 core sets for tensor_parallel_size=2"):
+        rank_cpus(0, 2, "0-3")
+
+
 @pytest.mark.slow
 def test_server_worker_killed_gives_503_and_exit(tiny_llama_dir):
     """`pagedllm serve --tensor-parallel-size 2`: serves; a killed worker makes the engine core
