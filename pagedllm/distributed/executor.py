@@ -29,13 +29,17 @@ from pagedllm.engine.arg_utils import EngineArgs
 logger = logging.getLogger(__name__)
 
 
-class WorkerDiedError(BaseException):
-    """A tensor-parallel worker died: the engine cannot step any more.
+class ExecutorFailedError(BaseException):
+    """The ranks can no longer step together: the engine stops.
 
     A BaseException (as SystemExit), not an Exception: the engine-core loop fails a batch on
-    an Exception and goes on, which a missing rank makes impossible; this ends the engine
-    (the server's core process exits non-zero, the front end answers 503 and exits).
+    an Exception and goes on, which a missing or out-of-step rank makes impossible; this ends
+    the engine (the server's core process exits non-zero, the front end answers 503 and exits).
     """
+
+
+class WorkerDiedError(ExecutorFailedError):
+    """A tensor-parallel worker died."""
 
 
 def check_parallel_args(args: EngineArgs) -> None:
@@ -114,21 +118,26 @@ class DistributedExecutor(abc.ABC):
 
     def execute(self, scheduler_output: Any) -> Any:
         if self._closed:
-            raise WorkerDiedError("the tensor-parallel executor is shut down")
+            raise ExecutorFailedError("the tensor-parallel executor is shut down")
         data = pickle.dumps(scheduler_output, protocol=5)
         try:
             self._broadcast(data)
             output = self.runner.execute(scheduler_output)
             self._finish_step()
-        except (RuntimeError, OSError, EOFError) as e:
+        except Exception as e:
+            # A lost worker breaks the collective (or the pipe) at once. Any other failure of
+            # rank 0's step may leave the workers inside a collective it never reached: the
+            # ranks are out of step either way.
             dead = self._dead_workers()
-            if not dead and isinstance(e, RuntimeError) and "gloo" not in str(e).lower():
-                raise  # a bug of rank 0's own step, not a lost worker
             self.shutdown()
-            what = "; ".join(dead) if dead else f"a collective failed ({e})"
-            raise WorkerDiedError(
-                f"tensor-parallel worker lost: {what}. The engine cannot continue without every "
-                "rank; restart it"
+            if dead:
+                raise WorkerDiedError(
+                    f"tensor-parallel worker lost: {'; '.join(dead)}. The engine cannot continue "
+                    "without every rank; restart it"
+                ) from e
+            raise ExecutorFailedError(
+                f"tensor-parallel step failed on rank 0 ({type(e).__name__}: {e}); the ranks may "
+                "be out of step, so the engine stops; restart it"
             ) from e
         return output
 

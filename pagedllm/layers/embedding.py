@@ -1,9 +1,11 @@
 """Token embedding and the LM head, which may share (tie) the embedding's weight.
 
+Either may hold a quantized weight (`quant`): a GGUF file's own Q8_0 table, or one quantized
+to int8 at load (`quantize_bits`); a tied head then multiplies with the embedding's.
+
 Tensor parallel (vocabulary parallel): each rank holds ceil(vocab / size) rows of the table
 (the last rank's tail is zero padding); a lookup sums the ranks' partial embeddings, the head
-gathers the ranks' logits. Either may hold a quantized weight (`quant`): a GGUF file's own Q8_0 table, or one quantized
-to int8 at load (`quantize_bits`); a tied head then multiplies with the embedding's.
+gathers the ranks' logits.
 """
 
 from __future__ import annotations

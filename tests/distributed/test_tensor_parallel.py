@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed.executor import WorkerDiedError
+from pagedllm.distributed.executor import ExecutorFailedError, WorkerDiedError
 from tests.entrypoints.utils import RemoteServer, child_pids, engine_core_pid, pid_alive
 from tests.utils import TEXT_PROMPTS, assert_same_greedy
 
@@ -114,7 +114,7 @@ def check_killed_worker(llm: LLM, pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
         llm.generate(TEXT_PROMPTS[:2], params, use_tqdm=False)
-    with pytest.raises(WorkerDiedError, match="shut down"):
+    with pytest.raises(ExecutorFailedError, match="shut down"):
         llm.generate(TEXT_PROMPTS[:1], params, use_tqdm=False)
 
 
