@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 
@@ -52,6 +53,15 @@ class MPExecutor(DistributedExecutor):
         self.group.init_process_group(init_method)
         self._gather("ready")
         self._running = True
+        for rank, proc in self.procs.items():
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-watch-{rank}").start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        """Log a worker's death when it happens (the engine fails at its next step)."""
+        code = proc.wait()
+        if not self._closed:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            logger.error("tensor-parallel rank %d (pid %d) %s; the engine fails at its next step", rank, proc.pid, how)
 
     def _gather(self, expected: str) -> None:
         """Wait for every worker's ``expected`` message; a failure or death raises."""
