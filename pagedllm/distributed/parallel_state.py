@@ -36,6 +36,11 @@ class TPGroup:
         """Join the gloo group (blocks until every rank has joined)."""
         if self.size == 1:
             return
+        if dist.is_initialized():
+            raise ValueError(
+                "this process already hosts a tensor-parallel engine (torch.distributed is "
+                "initialized); shut it down first (LLM.shutdown()) or use another process"
+            )
         dist.init_process_group(
             "gloo",
             init_method=init_method,
