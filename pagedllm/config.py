@@ -181,6 +181,34 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (distributed/): how many ranks, and who hosts them."""
+
+    tensor_parallel_size: int = 1
+    """Ranks each layer is split across (attention heads, MLP columns, vocabulary)."""
+    distributed_executor_backend: str | None = None
+    """"uni" (in process), "mp" (worker processes here) or "ray" (Ray actors); default: uni
+    for one rank, mp for more."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend={backend!r} is not one of {', '.join(EXECUTOR_BACKENDS)}"
+            )
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank in process, not "
+                f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' or 'ray'"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig

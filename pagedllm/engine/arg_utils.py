@@ -11,6 +11,7 @@ from pagedllm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     parse_bytes,
@@ -56,6 +57,13 @@ class EngineArgs:
     """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
     speculative_config: dict | None = None
     """Speculative decoding as vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks (README: Tensor parallelism)."""
+    distributed_executor_backend: str | None = None
+    """uni, mp or ray; default uni for one rank, mp for more."""
+
+    def __post_init__(self) -> None:
+        ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -87,6 +95,8 @@ class EngineArgs:
             "--speculative-config", type=_json_dict, default=None,
             help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
         )
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

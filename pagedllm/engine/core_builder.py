@@ -45,7 +45,12 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     t0 = time.monotonic()
     # Settings that cannot work together fail before the model loads.
     CacheConfig(enable_prefix_caching=args.resolve_prefix_caching(), kv_cache_backend=args.kv_cache_backend)
-    loaded = load_model(
+    executor = None
+    if args.tensor_parallel_size > 1:  # rank 0 here, ranks 1..N-1 in workers (distributed/)
+        from pagedllm.distributed.executor import create_executor
+
+        executor = create_executor(args)
+    loaded = executor.load_model() if executor is not None else load_model(
         args.model,
         dtype=args.resolve_dtype(),
         max_model_len=args.max_model_len,
@@ -101,6 +106,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         loaded.model, model_config, block_size, num_blocks, seed=args.seed,
         speculative_config=config.speculative_config,
     )
+    if executor is not None:
+        runner = executor.start(runner, block_size, num_blocks)
     worker_connector = None
     if transfer_config is not None:
         from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker

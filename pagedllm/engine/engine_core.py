@@ -135,6 +135,9 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        runner_shutdown = getattr(self.runner, "shutdown", None)  # tensor-parallel executors
+        if runner_shutdown is not None:
+            runner_shutdown()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()

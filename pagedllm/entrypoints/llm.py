@@ -26,11 +26,16 @@ class LLM:
     ``seed``, ``enable_prefix_caching``, ``quantization``, ``speculative_config`` (a dict as
     vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
     ("paged" or "vattention", with ``vattention_hugepages`` and ``vattention_deferred_reclaim``:
-    README, KV cache backends).
+    README, KV cache backends); ``tensor_parallel_size`` and ``distributed_executor_backend``
+    ("mp" or "ray": README, Tensor parallelism; call ``shutdown()`` to stop the workers).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (they also stop with this process)."""
+        self.llm_engine.engine_core.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

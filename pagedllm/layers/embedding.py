@@ -2,6 +2,10 @@
 
 Either may hold a quantized weight (`quant`): a GGUF file's own Q8_0 table, or one quantized
 to int8 at load (`quantize_bits`); a tied head then multiplies with the embedding's.
+
+Tensor parallel (vocabulary parallel): each rank holds ceil(vocab / size) rows of the table
+(the last rank's tail is zero padding); a lookup sums the ranks' partial embeddings, the head
+gathers the ranks' logits.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import current_tp, shard_range
 from pagedllm.layers.kernels import linear_op
 from pagedllm.layers.quantization import (
     QuantizedWeight,
@@ -25,6 +30,11 @@ class _QuantizableTable(nn.Module):
 
     def __init__(self, rows: int, hidden_size: int) -> None:
         super().__init__()
+        self.tp = current_tp()
+        self.num_rows = rows
+        if self.tp.size > 1:
+            # This rank's vocabulary rows [vocab_start, vocab_start + rows).
+            self.vocab_start, rows = shard_range(rows, self.tp)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
         self.quant: QuantizedWeight | None = None
@@ -34,6 +44,10 @@ class _QuantizableTable(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedWeight, shard_id: object = None
     ) -> None:
+        if self.tp.size > 1:
+            assert not isinstance(loaded_weight, QuantizedWeight) and not self.quantize_bits
+            self._load_rank_rows(param, loaded_weight)
+            return
         if not isinstance(loaded_weight, QuantizedWeight) and not self.quantize_bits:
             default_weight_loader(param, loaded_weight, shard_id)
             return
@@ -50,6 +64,16 @@ class _QuantizableTable(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
 
+    def _load_rank_rows(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if tuple(loaded_weight.shape) != (self.num_rows, param.shape[1]):
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit a "
+                f"vocabulary table of shape {(self.num_rows, param.shape[1])}"
+            )
+        rows = min(param.shape[0], self.num_rows - self.vocab_start)
+        param.data.zero_()
+        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_start + rows])
+
 
 class VocabEmbedding(_QuantizableTable):
     """Lookup table [vocab_size, hidden_size]."""
@@ -63,6 +87,13 @@ class VocabEmbedding(_QuantizableTable):
         # input_ids: [num_tokens] -> [num_tokens, hidden]
         if self.quant is not None:
             return embedding_lookup(input_ids, self.quant, self.dtype)
+        if self.tp.size > 1:
+            # Ids outside this rank's rows read row 0 and are zeroed; the sum over ranks
+            # leaves each token the one rank's row that holds it.
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
         return F.embedding(input_ids, self.weight)
 
 
@@ -89,7 +120,11 @@ class LMHead(_QuantizableTable):
         owner: _QuantizableTable = self._tied[0] if self._tied else self
         if owner.quant is not None:
             return quantized_linear(hidden_states, owner.quant)
-        return linear_op(hidden_states, owner.weight, persistent_weight=True)
+        logits = linear_op(hidden_states, owner.weight, persistent_weight=True)
+        if self.tp.size > 1:
+            # [N, vocab / size] per rank -> [N, vocab] (the padding rows cut off)
+            return self.tp.all_gather(logits)[:, : self.vocab_size]
+        return logits
 
 
 class LearnedPositionEmbedding(nn.Module):

@@ -15,11 +15,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TPGroup, check_heads, current_tp, divide
 from pagedllm.layers.kernels import clear_weight_caches, linear_op
 from pagedllm.layers.quantization import QuantizedWeight, quantize, quantized_linear
 from pagedllm.layers.utils import set_weight_loader
 
-__all__ = ["Linear", "MergedLinear", "QKVLinear", "linear_op"]
+__all__ = [
+    "ColumnParallelLinear", "Linear", "MergedLinear", "QKVLinear", "RowParallelLinear", "linear_op",
+]
+
+
+def _rank_rows(tp: TPGroup, loaded_weight: torch.Tensor, per_rank: int) -> torch.Tensor:
+    """This rank's output rows [rank * per_rank, (rank + 1) * per_rank) of a full tensor."""
+    return loaded_weight if tp.size == 1 else loaded_weight.narrow(0, tp.rank * per_rank, per_rank)
 
 
 class Linear(nn.Module):
@@ -114,27 +122,39 @@ class MergedLinear(Linear):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+        # Tensor parallel: each output is split by rows (column parallel), this rank's part.
+        self.tp = current_tp()
+        sizes = [divide(size, self.tp.size, "output size") for size in output_sizes]
+        super().__init__(in_features, sum(sizes), bias)
+        self.output_sizes = sizes
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id])
-        self._load_rows(param, loaded_weight, offset, self.output_sizes[shard_id])
+        offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+        self._load_rows(param, _rank_rows(self.tp, loaded_weight, size), offset, size)
 
 
 class QKVLinear(Linear):
     """Fused q/k/v projection: rows are [q (num_heads * head_dim), k, v (num_kv_heads * head_dim)].
 
-    Checkpoint tensors load with shard_id "q", "k" or "v".
+    Checkpoint tensors load with shard_id "q", "k" or "v", or all three fused (shard_id None,
+    GPT-2's c_attn). Tensor parallel: this rank holds ``num_heads`` of the query heads and
+    ``num_kv_heads`` of the KV heads (the totals divided by the size).
     """
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
     ) -> None:
+        self.tp = current_tp()
+        if self.tp.size > 1:
+            check_heads(num_heads, num_kv_heads, self.tp.size)
+        self.num_heads = num_heads // self.tp.size
+        self.num_kv_heads = num_kv_heads // self.tp.size
+        self._full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
@@ -147,12 +167,61 @@ class QKVLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
+        if shard_id is None:  # the fused tensor: rows [q | k | v]
+            if self.tp.size == 1:
+                self._load_rows(param, loaded_weight, 0, self.out_features)
+                return
+            assert not isinstance(loaded_weight, QuantizedWeight), "quantized weights are not sharded"
+            for part, tensor in zip("qkv", loaded_weight.split(self._full_sizes)):
+                self.weight_loader(param, tensor, part)
+            return
         if shard_id not in self._shards:
             raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
         offset, size = self._shards[shard_id]  # type: ignore[index]
-        self._load_rows(param, loaded_weight, offset, size)
+        self._load_rows(param, _rank_rows(self.tp, loaded_weight, size), offset, size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # qkv: [T, q_size + 2 * kv_size] -> q: [T, q_size], k, v: [T, kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
+
+
+class ColumnParallelLinear(Linear):
+    """Tensor parallel: output features split across ranks; this rank computes
+    [rank * out / size, (rank + 1) * out / size) of them (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = current_tp()
+        super().__init__(in_features, divide(out_features, self.tp.size, "output features"), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        assert shard_id is None, f"{type(self).__name__} has no shards, got {shard_id!r}"
+        self._load_rows(param, _rank_rows(self.tp, loaded_weight, self.out_features), 0, self.out_features)
+
+
+class RowParallelLinear(Linear):
+    """Tensor parallel: input features split across ranks (the output of a column-parallel
+    layer, or of this rank's heads); partial products summed by an all-reduce, then the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = current_tp()
+        super().__init__(divide(in_features, self.tp.size, "input features"), out_features, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        assert shard_id is None, f"{type(self).__name__} has no shards, got {shard_id!r}"
+        if self.tp.size > 1 and param is self.weight:
+            loaded_weight = loaded_weight.narrow(1, self.tp.rank * self.in_features, self.in_features)
+        self._load_rows(param, loaded_weight, 0, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features / size] -> [num_tokens, out_features]
+        if self.tp.size == 1:
+            return super().forward(x)
+        assert self.quant is None, "quantized weights are not sharded (refused at load)"
+        y = linear_op(x, self.weight, None, persistent_weight=True)
+        self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -15,7 +15,7 @@ from torch import nn
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LearnedPositionEmbedding, LMHead, VocabEmbedding
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import ColumnParallelLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.utils import default_dtype
 from pagedllm.models.utils import load_named_weights
@@ -31,17 +31,16 @@ class GPT2Attention(nn.Module):
         super().__init__()
         hidden, num_heads = config.hidden_size, config.num_attention_heads
         head_dim = hidden // num_heads
-        self.hidden_size = hidden
-        self.c_attn = Linear(hidden, 3 * hidden, bias=True)  # rows: [q | k | v]
-        self.c_proj = Linear(hidden, hidden, bias=True)
+        self.c_attn = QKVLinear(hidden, head_dim, num_heads, num_heads, bias=True)  # rows: [q | k | v]
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
         scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scale /= layer_idx + 1
-        self.attn = Attention(num_heads, head_dim, num_heads, scale=scale)
+        self.attn = Attention(self.c_attn.num_heads, head_dim, self.c_attn.num_kv_heads, scale=scale)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [T, hidden] -> qkv: [T, 3 * hidden] -> [T, hidden]
-        q, k, v = self.c_attn(hidden_states).split(self.hidden_size, dim=-1)
+        q, k, v = self.c_attn.split(self.c_attn(hidden_states))
         return self.c_proj(self.attn(q, k, v))
 
 
@@ -49,8 +48,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = Linear(config.hidden_size, inner, bias=True)
-        self.c_proj = Linear(inner, config.hidden_size, bias=True)
+        self.c_fc = ColumnParallelLinear(config.hidden_size, inner, bias=True)
+        self.c_proj = RowParallelLinear(inner, config.hidden_size, bias=True)
         self.act = get_act_fn(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +88,7 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
+    supports_tensor_parallel = True
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if getattr(hf_config, "add_cross_attention", False):

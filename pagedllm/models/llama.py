@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.layers.utils import default_dtype
@@ -45,12 +45,12 @@ class LlamaAttention(nn.Module):
         # Qwen2 has biases on q/k/v but not on o_proj.
         qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_proj = QKVLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
-        self.o_proj = Linear(num_heads * head_dim, config.hidden_size, bias=attention_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=attention_bias)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            num_heads,
+        self.attn = Attention(  # this rank's heads (all of them without tensor parallelism)
+            self.qkv_proj.num_heads,
             head_dim,
-            num_kv_heads,
+            self.qkv_proj.num_kv_heads,
             scale=head_dim**-0.5,
             sliding_window=sliding_window_of(config, layer_idx),
         )
@@ -71,7 +71,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +123,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_tensor_parallel = True
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = hf_config

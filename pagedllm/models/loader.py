@@ -15,12 +15,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 import torch
 from torch import nn
 
 from pagedllm.config import DType, ModelConfig
+from pagedllm.distributed.parallel_state import current_tp
 from pagedllm.models.config_utils import (
     architecture_of,
     head_dim_of,
@@ -91,10 +92,12 @@ def load_model(
     dtype: str = "float32",
     max_model_len: int | None = None,
     quantization: str | None = None,
+    on_built: Callable[[], None] | None = None,
 ) -> LoadedModel:
     """Load a model for inference; ValueError with the accepted forms for anything unknown.
 
-    quantization: see resolve_quantization.
+    quantization: see resolve_quantization. on_built: called once the (empty) model is built
+    and checked, before its weights load (tensor parallelism starts its workers there).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
@@ -113,6 +116,9 @@ def load_model(
     weight_files = safetensors_files(model_dir)
     tokenizer = _load_tokenizer(model_dir)
     net = model_cls(hf_config, _DTYPES[dtype])
+    _check_tensor_parallel(net, architecture, quantization)
+    if on_built is not None:
+        on_built()
     _prepare_quantization(net, quantization)
     if quantization == "gguf":
         assert gguf_path is not None
@@ -177,6 +183,24 @@ def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str
         gguf_path, ", ".join(sorted(types - set(GGUF_QUANT_TYPES))),
     )
     return "none"
+
+
+def _check_tensor_parallel(net: nn.Module, architecture: str, quantization: str) -> None:
+    """Models built for several tensor-parallel ranks (distributed/parallel_state.py): only
+    models whose layers shard, with float weights."""
+    size = current_tp().size
+    if size == 1:
+        return
+    if not getattr(net, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"tensor_parallel_size={size}: {architecture} has no tensor-parallel layers yet "
+            "(supported: Llama, Mistral, Qwen2, GPT-2, OPT); use --tensor-parallel-size 1"
+        )
+    if quantization != "none":
+        raise ValueError(
+            f"tensor_parallel_size={size} does not shard quantized weights (quantization="
+            f"{quantization!r}); load float weights with --quantization none (quantization='none')"
+        )
 
 
 def _prepare_quantization(net: nn.Module, quantization: str) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LearnedPositionEmbedding, LMHead, VocabEmbedding
-from pagedllm.layers.linear import Linear, QKVLinear
+from pagedllm.layers.linear import ColumnParallelLinear, Linear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.utils import default_dtype
 from pagedllm.models.utils import load_named_weights
@@ -36,9 +36,9 @@ class OPTAttention(nn.Module):
         head_dim = hidden // num_heads
         bias = config.enable_bias
         self.qkv_proj = QKVLinear(hidden, head_dim, num_heads, num_heads, bias=bias)
-        self.out_proj = Linear(hidden, hidden, bias=bias)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
         # HF scales q after its projection; scaling the scores is the same product.
-        self.attn = Attention(num_heads, head_dim, num_heads, scale=head_dim**-0.5)
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads, scale=head_dim**-0.5)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [T, hidden] -> [T, hidden]
@@ -53,8 +53,8 @@ class OPTDecoderLayer(nn.Module):
         self.pre_norm = bool(config.do_layer_norm_before)
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = Linear(hidden, config.ffn_dim, bias=config.enable_bias)
-        self.fc2 = Linear(config.ffn_dim, hidden, bias=config.enable_bias)
+        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=config.enable_bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=config.enable_bias)
         self.activation_fn = get_act_fn(config.activation_function)
         self.final_layer_norm = LayerNorm(hidden, elementwise_affine=affine)
 
@@ -117,6 +117,7 @@ class OPTModel(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
+    supports_tensor_parallel = True
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = hf_config
