@@ -187,8 +187,10 @@ def torch_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to kv_cache) -> [T, H, D]."""
-    out = torch.empty_like(q)
     nd = md.num_decodes
+    if nd and nd == md.num_reqs:  # a pure decode step: one call, no copy into `out`
+        return _decode_attention(q, kv_cache, md, scale, sliding_window)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window)
     # Short query runs over a cached context (speculative verification): one padded call.
