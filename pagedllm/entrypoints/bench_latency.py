@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.step_profile import StepProfile, profiling
 
 
 @dataclass
@@ -58,7 +59,9 @@ def _linear_weights(model) -> tuple[int, int]:
     return sum(n for n, _ in seen.values()), sum(b for _, b in seen.values())
 
 
-def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed: int) -> LatencyResult:
+def measure_decode(
+    llm, batch_size: int, context_len: int, num_steps: int, seed: int, profile_steps: int = 0
+) -> tuple[LatencyResult, StepProfile | None]:
     import numpy as np
 
     from pagedllm.sampling_params import SamplingParams
@@ -66,7 +69,7 @@ def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed:
     engine = llm.llm_engine
     model_config = engine.model_config
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=num_steps + profile_steps + 4, temperature=0.0, ignore_eos=True, detokenize=False)
     ids = [
         engine.add_request({"prompt_token_ids": rng.integers(100, model_config.vocab_size, context_len).tolist()}, params)
         for _ in range(batch_size)
@@ -83,6 +86,12 @@ def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed:
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    profile = None
+    if profile_steps:
+        profile = StepProfile()
+        with profiling(engine, profile) as profiled_step:
+            for _ in range(profile_steps):
+                profiled_step()
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -91,7 +100,7 @@ def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed:
     itemsize = 4 if model_config.dtype == "float32" else 2  # the KV cache's dtype
     kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
     read_bytes = linear_bytes + batch_size * (context_len + num_steps // 2) * kv_bytes_per_token
-    return LatencyResult(
+    result = LatencyResult(
         batch_size=batch_size,
         context_len=context_len,
         step_ms=step_s * 1e3,
@@ -99,6 +108,7 @@ def measure_decode(llm, batch_size: int, context_len: int, num_steps: int, seed:
         linear_gflop_s=2 * linear_numel * batch_size / step_s / 1e9,
         read_gb_s=read_bytes / step_s / 1e9,
     )
+    return result, profile
 
 
 def run_latency(args: argparse.Namespace) -> None:
@@ -114,14 +124,21 @@ def run_latency(args: argparse.Namespace) -> None:
     print(f"pagedllm decode, {dtype}, zentorch {'allowed' if zentorch else 'off'}, context {args.input_len}:")
     results = []
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-        result = measure_decode(llm, batch_size, args.input_len, args.num_steps, args.seed)
+        result, profile = measure_decode(
+            llm, batch_size, args.input_len, args.num_steps, args.seed, args.num_steps if args.profile else 0
+        )
         print(result.summary(), flush=True)
-        results.append(result)
+        if profile is not None:
+            print(profile.table(), flush=True)
+        results.append((result, profile))
     if args.save_json:
         with open(args.save_json, "w") as f:
             json.dump(
                 {"model": args.model, "dtype": str(dtype), "zentorch_allowed": zentorch,
-                 "results": [asdict(r) for r in results]},
+                 "results": [
+                     {**asdict(r), **({"profile_ms_per_step": p.per_step_ms()} if p is not None else {})}
+                     for r, p in results
+                 ]},
                 f, indent=2,
             )
 
@@ -133,5 +150,8 @@ def add_latency_bench_parser(sub: argparse._SubParsersAction) -> None:
     lat.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated, e.g. 1,32")
     lat.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     lat.add_argument("--num-steps", type=int, default=16, help="timed decode steps per batch size")
+    lat.add_argument("--profile", action="store_true",
+                     help="after timing, profile as many steps again and print where a step's time goes "
+                          "(schedule, input preparation, each layer type, attention, sampling, detokenization)")
     lat.add_argument("--save-json", default=None)
     lat.set_defaults(func=lambda args: run_latency(args))

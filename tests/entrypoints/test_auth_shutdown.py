@@ -92,8 +92,8 @@ def test_sigterm_shuts_down_cleanly(keyed_server):
     keyed_server.proc.send_signal(signal.SIGTERM)
     code = keyed_server.proc.wait(60)
     t.join(60)
-    # uvicorn re-raises the signal once its graceful shutdown is done: -SIGTERM is the clean exit.
-    assert code in (0, -signal.SIGTERM), keyed_server.log()
+    # A handled SIGTERM is a clean stop: exit 0 (not death by the re-raised signal).
+    assert code == 0, keyed_server.log()
     assert "engine core process stopped (exit code 0)" in keyed_server.log()
     # The in-flight request either finished or failed with an error, never hung.
     assert result, "the in-flight request neither finished nor failed"

@@ -9,7 +9,7 @@ from pagedllm.entrypoints.bench_latency import _linear_weights, measure_decode
 def test_measure_decode_counts_and_frees(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes="8MiB")
     engine = llm.llm_engine
-    result = measure_decode(llm, batch_size=3, context_len=40, num_steps=5, seed=0)
+    result, profile = measure_decode(llm, batch_size=3, context_len=40, num_steps=5, seed=0, profile_steps=4)
     assert result.batch_size == 3 and result.step_ms > 0
     assert abs(result.decode_tok_s - 3 / (result.step_ms / 1e3)) < 1e-6 * result.decode_tok_s
     # Linear FLOPs count the projections and the head, not the embedding table.
@@ -18,5 +18,16 @@ def test_measure_decode_counts_and_frees(tiny_llama_dir):
     numel, nbytes = _linear_weights(model)
     assert 2 * 4 * hidden * hidden < numel < sum(p.numel() for p in model.parameters())  # 2 layers' attention at least
     assert nbytes == 4 * numel  # float32
+    # The profile splits real steps into parts that add up to the step, and unhooks itself.
+    assert profile is not None and profile.steps == 4
+    parts = profile.per_step_ms()
+    # Every profiled step decoded the whole batch (the requests outlive the profiled steps).
+    assert profile.request_outputs == 3 * 4
+    for part in ("schedule", "prepare inputs", "linear projections", "attention (+ KV write)", "norms",
+                 "LM head", "sampling", "scheduler update", "output processing"):
+        assert parts[part] > 0, part
+    assert abs(sum(parts.values()) - profile.step_seconds / 4 * 1e3) < 1e-6 * profile.step_seconds * 1e3 + 1e-9
+    assert "forward" not in vars(model) and "schedule" not in vars(engine.scheduler)
+    assert all(not m._forward_hooks for m in model.modules())
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.scheduler.kv_cache_manager.block_pool.num_blocks - 1

@@ -7,10 +7,11 @@ The engine core runs in its own process, so the HTTP side never waits on a model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -250,6 +251,15 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.engine.shutting_down = True  # /health answers 503 from now on
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a captured SIGTERM/SIGINT once its graceful shutdown is over, so
+        # the process would die by that signal (-15). The shutdown is complete and clean
+        # by then: exit 0, as service managers expect of a handled stop.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 def load_chat_template(value: str | None) -> str | None:
