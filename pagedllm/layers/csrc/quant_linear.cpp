@@ -16,6 +16,7 @@
 #include <omp.h>
 #include <torch/extension.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -150,11 +151,11 @@ inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, i
 }
 
 template <bool INT4>
-torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qweight,
-                               const torch::Tensor& scales, const torch::Tensor& zeros) {
+void check_quant_linear_args(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                             const torch::Tensor& zeros) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
   const int64_t groups = K / kGroup;
   TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (INT4 ? K / 2 : K), "qweight shape");
@@ -164,9 +165,16 @@ torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qwei
     TORCH_CHECK(zeros.scalar_type() == torch::kFloat32 && zeros.is_contiguous() &&
                     zeros.size(0) == N && zeros.size(1) == groups, "zeros must be float32 [N, K / 32]");
   }
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xs(M * groups), xsum(M * groups);
-  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), xs.data(), xsum.data());
+}
+
+// y = x @ dequant(w).T: the weight's rows are split across threads; each thread walks its
+// rows once per tile of up to 4 activation rows (a weight row is read ceil(M / 4) times),
+// `tile(std::integral_constant<int, MT>, m, qrow, srow, zrow, y + m * N + n)` computing rows
+// m .. m + MT of column n.
+template <bool INT4, typename Tile>
+torch::Tensor tiled_quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                                 const torch::Tensor& zeros, Tile tile) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), groups = K / kGroup;
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const float* sp = scales.data_ptr<float>();
@@ -180,60 +188,44 @@ torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qwei
     const float* zrow = INT4 ? zp + n * groups : nullptr;
     int64_t m = 0;
     for (; m + kRowTile <= M; m += kRowTile)
-      row_dot_q16<kRowTile, INT4>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K, qrow,
-                                  srow, zrow, groups, yp + m * N + n, N);
-    const int16_t* xr = xq.data() + m * K;
-    const float *sr = xs.data() + m * groups, *ur = xsum.data() + m * groups;
+      tile(std::integral_constant<int, kRowTile>{}, m, qrow, srow, zrow, yp + m * N + n);
     switch (M - m) {
-      case 3: row_dot_q16<3, INT4>(xr, sr, ur, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
-      case 2: row_dot_q16<2, INT4>(xr, sr, ur, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
-      case 1: row_dot_q16<1, INT4>(xr, sr, ur, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
+      case 3: tile(std::integral_constant<int, 3>{}, m, qrow, srow, zrow, yp + m * N + n); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m, qrow, srow, zrow, yp + m * N + n); break;
+      case 1: tile(std::integral_constant<int, 1>{}, m, qrow, srow, zrow, yp + m * N + n); break;
       default: break;
     }
   }
   return y;
 }
 
+// float32 activations: each weight group dequantized in registers.
 template <bool INT4>
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight,
                            const torch::Tensor& scales, const torch::Tensor& zeros) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous(), "scales: float32");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  const int64_t groups = K / kGroup;
-  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (INT4 ? K / 2 : K), "qweight shape");
-  TORCH_CHECK(scales.size(0) == N && scales.size(1) == groups, "scales must be [N, K / 32]");
-  if (INT4) {
-    TORCH_CHECK(zeros.scalar_type() == torch::kFloat32 && zeros.is_contiguous() &&
-                    zeros.size(0) == N && zeros.size(1) == groups, "zeros must be float32 [N, K / 32]");
-  }
-  auto y = torch::empty({M, N}, x.options());
+  check_quant_linear_args<INT4>(x, qweight, scales, zeros);
+  const int64_t K = x.size(1), N = qweight.size(0), groups = K / kGroup;
   const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t qstride = INT4 ? K / 2 : K;
-  // Rows of the weight are split across threads; each thread walks its rows once per tile
-  // of activation rows, so a weight row is read ceil(M / 4) times.
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* qrow = qp + n * qstride;
-    const float* srow = sp + n * groups;
-    const float* zrow = INT4 ? zp + n * groups : nullptr;
-    int64_t m = 0;
-    for (; m + kRowTile <= M; m += kRowTile)
-      row_dot<kRowTile, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N);
-    switch (M - m) {
-      case 3: row_dot<3, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
-      case 2: row_dot<2, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
-      case 1: row_dot<1, INT4>(xp + m * K, K, qrow, srow, zrow, groups, yp + m * N + n, N); break;
-      default: break;
-    }
-  }
-  return y;
+  return tiled_quant_linear<INT4>(x, qweight, scales, zeros, [&](auto mt, int64_t m, const uint8_t* qrow,
+                                                                 const float* srow, const float* zrow, float* y) {
+    row_dot<decltype(mt)::value, INT4>(xp + m * K, K, qrow, srow, zrow, groups, y, N);
+  });
+}
+
+// int16 activations (quantize_activations): integer dot products per group.
+template <bool INT4>
+torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qweight,
+                               const torch::Tensor& scales, const torch::Tensor& zeros) {
+  check_quant_linear_args<INT4>(x, qweight, scales, zeros);
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), groups = K / kGroup;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * groups), xsum(M * groups);
+  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), xs.data(), xsum.data());
+  return tiled_quant_linear<INT4>(x, qweight, scales, zeros, [&](auto mt, int64_t m, const uint8_t* qrow,
+                                                                 const float* srow, const float* zrow, float* y) {
+    row_dot_q16<decltype(mt)::value, INT4>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K,
+                                           qrow, srow, zrow, groups, y, N);
+  });
 }
 
 // Rows [row0, row0 + out.size(0)) of the dequantized weight into `out` (float32 [R, K]).
