@@ -62,3 +62,15 @@ def assert_same_greedy(a: list[int], b: list[int], ref_gaps: list[float] | None,
         assert a == b, f"{label}: {a} != {b}"
     else:
         assert_greedy_match(a, b, ref_gaps, label)
+
+
+def tokens_and_gaps(outs) -> tuple[list[list[int]], list[list[float]]]:
+    """Each RequestOutput's first completion: its tokens and, per position, the gap between
+    its top two logprobs (the request must ask for logprobs >= 2)."""
+    tokens, gaps = [], []
+    for out in outs:
+        completion = out.outputs[0]
+        tokens.append(completion.token_ids)
+        tops = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in completion.logprobs]
+        gaps.append([top[0] - top[1] for top in tops])
+    return tokens, gaps

@@ -12,7 +12,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.executor import ExecutorFailedError, WorkerDiedError
 from tests.entrypoints.utils import RemoteServer, child_pids, engine_core_pid, pid_alive
-from tests.utils import TEXT_PROMPTS, assert_same_greedy
+from tests.utils import TEXT_PROMPTS, assert_same_greedy, tokens_and_gaps
 
 NUM_STEPS = 12
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes="16MiB", max_num_seqs=8)
@@ -48,13 +48,7 @@ def greedy_with_gaps(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
     params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True, logprobs=2)
     sampled = SamplingParams(max_tokens=NUM_STEPS, temperature=1.0, ignore_eos=True, seed=1234, logprobs=2)
     outs = llm.generate(TEXT_PROMPTS + TEXT_PROMPTS[:1], [params] * len(TEXT_PROMPTS) + [sampled], use_tqdm=False)
-    tokens, gaps = [], []
-    for out in outs:
-        completion = out.outputs[0]
-        tokens.append(completion.token_ids)
-        lps = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in completion.logprobs]
-        gaps.append([top[0] - top[1] for top in lps])
-    return tokens, gaps
+    return tokens_and_gaps(outs)
 
 
 @pytest.fixture(scope="module")

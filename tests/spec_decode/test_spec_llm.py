@@ -11,7 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.sample.stats import SIGNIFICANCE, chi_square_p_value
-from tests.utils import assert_same_greedy
+from tests.utils import assert_same_greedy, tokens_and_gaps
 
 NUM_STEPS = 32
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory_bytes": "8MiB", "max_num_batched_tokens": 64, "max_num_seqs": 16}
@@ -59,13 +59,7 @@ def greedy_with_gaps(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]
     outs = llm.generate(inputs, greedy + [sampled] * 4, use_tqdm=False)
     for out in outs[len(prompts):]:
         assert len(out.outputs[0].token_ids) == NUM_STEPS
-    tokens, gaps = [], []
-    for out in outs[: len(prompts)]:
-        completion = out.outputs[0]
-        tokens.append(completion.token_ids)
-        lps = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in completion.logprobs]
-        gaps.append([top[0] - top[1] for top in lps])
-    return tokens, gaps
+    return tokens_and_gaps(outs[: len(prompts)])
 
 
 @pytest.fixture(scope="module")
