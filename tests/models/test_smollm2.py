@@ -85,7 +85,10 @@ def test_matches_hf_on_the_same_gguf(default_loaded: LoadedModel, hf_default_mod
         ref = hf_default_model(torch.tensor([req.token_ids])).logits[0].float().log_softmax(-1)
     torch.testing.assert_close(ours_prompt, ref[:num_prompt], atol=1e-3, rtol=0)
     ref_steps = ref[num_prompt - 1 : -1]  # [8, vocab], what each output token was chosen from
-    torch.testing.assert_close(torch.stack(req.logprobs), ref_steps, atol=1e-3, rtol=0)
+    # Decode steps (one row) run the 4-bit linears with int16 activations (quantization.py):
+    # measured up to ~7e-3 from the float reference over the whole vocabulary; prefill stays
+    # float32 and within 1e-3 above.
+    torch.testing.assert_close(torch.stack(req.logprobs), ref_steps, atol=2e-2, rtol=0)
     assert_greedy_match(req.token_ids[num_prompt:], ref_ids, ref_gaps, "SmolLM2 vs HF")
     assert "Paris" in loaded.tokenizer.decode(req.token_ids[len(prompt) :])
 

@@ -10,6 +10,10 @@ import torch
 from pagedllm import LLM, SamplingParams
 
 LOGPROB_TOL = 1e-3
+# The default model's 4-bit linears take int16 activations at batch <= 2 (single-stream
+# decode; layers/quantization.py): its decode-step logprobs drift from the float reference by
+# up to ~7e-3 (measured), prompt logprobs (the float32 prefill path) stay within LOGPROB_TOL.
+QUANTIZED_DECODE_TOL = 2e-2
 
 
 @pytest.fixture(scope="module", params=["paged", "vattention"])
@@ -49,7 +53,7 @@ def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
 
 
-def _check_logprobs(llm: LLM, hf_model, prompt: list[int], k: int, prompt_k: int) -> None:
+def _check_logprobs(llm: LLM, hf_model, prompt: list[int], k: int, prompt_k: int, decode_tol: float = LOGPROB_TOL) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=7, logprobs=k, prompt_logprobs=prompt_k, ignore_eos=True)
     out = _gen(llm, [prompt], params)[0]
     comp = out.outputs[0]
@@ -62,12 +66,12 @@ def _check_logprobs(llm: LLM, hf_model, prompt: list[int], k: int, prompt_k: int
         assert token in position and len(position) in (k, k + 1)
         top = row.topk(k)
         for tid, lp in position.items():
-            assert abs(lp.logprob - float(row[tid])) < LOGPROB_TOL, (step, tid)
+            assert abs(lp.logprob - float(row[tid])) < decode_tol, (step, tid)
             assert lp.decoded_token is not None
         assert position[token].rank == int((row > row[token]).sum()) + 1
         # The top-k token ids agree except where the reference's values nearly tie.
         for tid, value in zip(top.indices.tolist(), top.values.tolist()):
-            if abs(value - float(top.values[-1])) > LOGPROB_TOL:
+            if abs(value - float(top.values[-1])) > decode_tol:
                 assert tid in position, (step, tid)
         cumulative += position[token].logprob
     assert comp.cumulative_logprob == pytest.approx(cumulative, abs=1e-6)
@@ -88,7 +92,7 @@ def test_logprobs_match_hf_tiny(tiny_llm, hf_tiny_llama, default_tokenizer):
 @pytest.mark.slow
 def test_logprobs_match_hf_default(default_llm, hf_default_model):
     ids = default_llm.get_tokenizer().encode("The capital of France is a city called")
-    _check_logprobs(default_llm, hf_default_model, ids, k=4, prompt_k=2)
+    _check_logprobs(default_llm, hf_default_model, ids, k=4, prompt_k=2, decode_tol=QUANTIZED_DECODE_TOL)
 
 
 def test_prompt_logprobs_bypass_prefix_cache(tiny_llm, default_tokenizer):
