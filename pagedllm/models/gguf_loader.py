@@ -10,6 +10,7 @@ so HF's rotate_half rotary embedding applies).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -219,11 +220,28 @@ def read_gguf_tensors(
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 
-def gguf_quant_types(gguf_path: str) -> set[str]:
-    """The tensor types of a GGUF file's 2-D weights."""
+@functools.lru_cache(maxsize=2)
+def _open_gguf(gguf_path: str, mtime_ns: int, size: int) -> GGUFReader:
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
+    return gguf.GGUFReader(gguf_path)
+
+
+def open_gguf(gguf_path: str) -> GGUFReader:
+    """A reader of the file, parsed once per load: parsing the metadata (the tokenizer's
+    vocabulary field by field) takes seconds, and a load reads the file three times (type
+    check, quantization choice, weights). `release_gguf_readers()` drops them after the load."""
+    st = os.stat(gguf_path)
+    return _open_gguf(os.path.abspath(gguf_path), st.st_mtime_ns, st.st_size)
+
+
+def release_gguf_readers() -> None:
+    _open_gguf.cache_clear()
+
+
+def gguf_quant_types(gguf_path: str) -> set[str]:
+    """The tensor types of a GGUF file's 2-D weights."""
+    reader = open_gguf(gguf_path)
     return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
 
 
@@ -245,9 +263,7 @@ def read_gguf_quantized(
     gguf_path: str, hf_config: PretrainedConfig
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The file's weights with its quantized projections kept quantized (--quantization gguf)."""
-    import gguf
-
     check_gguf_quant_types(gguf_path)
-    reader = gguf.GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
     yield from read_gguf_tensors(reader, hf_config, arch, keep_quantized=True)
