@@ -1,7 +1,8 @@
 """The compiled fused layer ops (layers/csrc/layer_ops.cpp) against the torch formulations
 they replace: RMSNorm with and without the residual add, rotary embedding on strided q/k
-views, silu-and-mul. float32 agrees to rounding; bfloat16 rounds at the same points, so it
-agrees exactly."""
+views, silu-and-mul. float32 agrees to rounding. bfloat16 rounds at the same points: the
+elementwise ops agree exactly; the norm within one bfloat16 step, since its mean of squares
+sums in another order than torch's (whose order depends on its threads)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
 TOL = {torch.float32: dict(atol=2e-6, rtol=1e-6), torch.bfloat16: dict(atol=0, rtol=0)}
+# One bfloat16 step (8 significant bits): a float32 difference in the RMS can flip a rounding.
+NORM_TOL = {torch.float32: TOL[torch.float32], torch.bfloat16: dict(atol=1e-6, rtol=2**-7)}
 
 
 @pytest.fixture
@@ -46,8 +49,8 @@ def test_rms_norm_matches_torch(ops, torch_only, dtype, rows):
     assert not torch_only(lambda: cpu_kernels.use_layer_ops(x))  # ...and torch_only the torch ops
     fused, (fused_normed, fused_sum) = norm(x), norm(x, residual)
     want, (want_normed, want_sum) = torch_only(lambda: (norm(x), norm(x, residual)))
-    torch.testing.assert_close(fused, want, **TOL[dtype])
-    torch.testing.assert_close(fused_normed, want_normed, **TOL[dtype])
+    torch.testing.assert_close(fused, want, **NORM_TOL[dtype])
+    torch.testing.assert_close(fused_normed, want_normed, **NORM_TOL[dtype])
     assert torch.equal(fused_sum, want_sum)
 
 
