@@ -34,23 +34,33 @@ T = TypeVar("T")
 def isolate(call: Callable[[list[int]], T], req_ids: list[str]) -> tuple[T | None, list[int], dict[str, str]]:
     """``call(indices)`` does the batched work for those requests (indices into ``req_ids``).
     Returns (its result over the kept requests or None if none is kept, the kept indices,
-    {failed request id: message})."""
-    everyone = list(range(len(req_ids)))
-    try:
-        return call(everyone), everyone, {}
-    except Exception:
-        failed: dict[str, str] = {}
-        for i in everyone:
-            try:
-                call([i])
-            except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
-                failed[req_ids[i]] = f"{type(e).__name__}: {e}"
-        if not failed:
-            raise  # no request fails alone: the batched path itself is broken
-    for request_id, message in failed.items():
-        logger.error("request %s failed in the model runner: %s", request_id, message)
-    kept = [i for i in everyone if req_ids[i] not in failed]
-    return (call(kept) if kept else None), kept, failed
+    {failed request id: message}).
+
+    Each round that raises tries every remaining request alone and drops those that fail, so
+    a request that fails only on a later call (a fault that depends on how often it ran)
+    is caught in the next round instead of failing the step; every round drops at least one
+    request, so this ends."""
+    kept = list(range(len(req_ids)))
+    failed: dict[str, str] = {}
+    while kept:
+        try:
+            result = call(kept)
+        except Exception:
+            newly: dict[str, str] = {}
+            for i in kept:
+                try:
+                    call([i])
+                except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
+                    newly[req_ids[i]] = f"{type(e).__name__}: {e}"
+            if not newly:
+                raise  # no request fails alone: the batched path itself is broken
+            for request_id, message in newly.items():
+                logger.error("request %s failed in the model runner: %s", request_id, message)
+            failed.update(newly)
+            kept = [i for i in kept if req_ids[i] not in failed]
+            continue
+        return result, kept, failed
+    return None, kept, failed
 
 
 def sample_isolated(

@@ -116,10 +116,6 @@ async def outcome(coro) -> tuple[str, object]:
         return "error", ((e.body or {}).get("code"), str(e.message), chunks)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug, seen once in ~5 runs (fresh clone, 2026-11-29 16:48): a healthy plain request in "
-    "the mixed batch got the 500 of another request's InjectedFault, so some per-request fault "
-    "still fails a whole step or reaches the wrong request; under investigation (closing note)"))
 def test_per_request_faults_fail_only_their_request(faulty_server, tiny_llama_dir):
     """A grammar, sampling or beam-expansion fault inside one request's processing in the engine
     core fails that request (500, or an error event) while the others in the same batches

@@ -38,6 +38,26 @@ def test_isolate_finds_the_failing_request_and_reruns_the_others():
     assert calls == [[0, 1, 2], [0], [1], [2], [0, 2]]
 
 
+def test_isolate_catches_a_request_that_fails_only_on_a_later_call():
+    # "c" raises from its third call on (as an injected fault "@n" counting passes does):
+    # alone in the first round it still passes, then breaks the rerun of the others. It must
+    # fail alone in the next round, not fail the whole step.
+    seen = {"c": 0}
+
+    def call(idx: list[int]) -> list[int]:
+        if 2 in idx:
+            seen["c"] += 1
+            if seen["c"] >= 3:
+                raise RuntimeError("late fault")
+        if 1 in idx:
+            raise ValueError("bad request")
+        return [10 * i for i in idx]
+
+    result, kept, failed = isolate(call, ["a", "b", "c"])
+    assert result == [0] and kept == [0]
+    assert failed == {"b": "ValueError: bad request", "c": "RuntimeError: late fault"}
+
+
 def test_isolate_reraises_a_failure_no_request_causes_alone():
     def call(idx: list[int]) -> None:
         if len(idx) > 1:
