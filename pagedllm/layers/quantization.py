@@ -146,16 +146,14 @@ def quantized_linear(
     else:
         x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     ops = quant_linear_ops()
-    if ops is not None and 0 < x2.shape[0] <= INT16_MAX_ROWS:
+    rows = x2.shape[0]
+    if ops is not None and 0 < rows <= DECODE_MAX_ROWS:
+        int16 = rows <= INT16_MAX_ROWS  # integer dot products over int16 activations
         if weight.bits == 8:
-            y = ops.int8_linear_q16(x2, weight.qweight, weight.scales)
+            y = (ops.int8_linear_q16 if int16 else ops.int8_linear)(x2, weight.qweight, weight.scales)
         else:
-            y = ops.int4_linear_q16(x2, weight.qweight, weight.scales, weight.zeros)
-    elif ops is not None and 0 < x2.shape[0] <= DECODE_MAX_ROWS:
-        if weight.bits == 8:
-            y = ops.int8_linear(x2, weight.qweight, weight.scales)
-        else:
-            y = ops.int4_linear(x2, weight.qweight, weight.scales, weight.zeros)
+            kernel = ops.int4_linear_q16 if int16 else ops.int4_linear
+            y = kernel(x2, weight.qweight, weight.scales, weight.zeros)
     else:
         y = _dequantize_gemm(x2, weight)
     if bias is not None:
