@@ -20,9 +20,11 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention.cpp"]
-_QUANT_SOURCES = [_CSRC / "quant_linear.cpp"]
-_LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp"]
+# Each extension's files: its .cpp (compiled) and the kernel headers it includes (hashed into
+# the build directory's key and copied beside it).
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "paged_attention.h"]
+_QUANT_SOURCES = [_CSRC / "quant_linear.cpp", _CSRC / "quant_linear.h"]
+_LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp", _CSRC / "layer_ops.h"]
 # Extension name -> the loaded module, or None once it failed to build (or kernels are off).
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -73,7 +75,7 @@ def _load_locked(
             os.remove(stale)
         return load(
             name=name,
-            sources=_local_copies(build_dir, sources),
+            sources=[c for c in _local_copies(build_dir, sources) if c.endswith(".cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,

@@ -1,0 +1,205 @@
+#pragma once
+// Weight-only quantized linear layers for x86 CPUs with AVX2 (no AVX-512 needed).
+//
+// Weights stay quantized in memory; each group of 32 consecutive input columns of a row is
+// dequantized in registers to float32 and multiplied with float32 activations, so the result
+// equals F.linear over the dequantized weight up to summation order (no activation rounding).
+//
+// Layouts (N output rows, K input columns, G = K / 32 groups per row):
+//   int4: qweight uint8 [N, K / 2]; group g of row n is bytes [16 g, 16 g + 16): byte i holds
+//         element i in its low nibble and element i + 16 in its high nibble (GGUF Q4_0/Q4_1's
+//         own order). w = q * scale + zero, q in [0, 15]; scale, zero float32 [N, G].
+//   int8: qweight int8 [N, K]; w = q * scale; scale float32 [N, G].
+// A tile of up to 4 activation rows shares each dequantized group, so small batches read
+// the weights once.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <cstdint>
+
+#include <type_traits>
+#include <vector>
+
+namespace pagedllm {
+
+constexpr int kGroup = 32;
+constexpr int kRowTile = 4;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 weights of one int4 group as float32, in element order.
+inline void dequant_int4(const uint8_t* q, float scale, float zero, __m256 w[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);                     // elements 0..15
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // elements 16..31
+  const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero);
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, z);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, z);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, z);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, z);
+}
+
+// The 32 weights of one int8 group as float32, in element order.
+inline void dequant_int8(const int8_t* q, float scale, __m256 w[4]) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int j = 0; j < 4; ++j) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+    w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+  }
+}
+
+// y[m, n] for rows m0 .. m0 + MT of x and one weight row n.
+template <int MT, bool INT4>
+inline void row_dot(const float* x, int64_t ldx, const uint8_t* qrow, const float* srow,
+                    const float* zrow, int64_t groups, float* y, int64_t ldy) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (INT4) {
+      dequant_int4(qrow + g * (kGroup / 2), srow[g], zrow[g], w);
+    } else {
+      dequant_int8(reinterpret_cast<const int8_t*>(qrow) + g * kGroup, srow[g], w);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float* xg = x + m * ldx + g * kGroup;
+      for (int j = 0; j < 4; ++j) acc[m] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(acc[m]);
+}
+
+// Activations as int16 per group of 32: x[m, 32 g + i] ~ xq[m, 32 g + i] * xs[m, g], with
+// xsum[m, g] = sum_i x[m, 32 g + i] in float32 (the zero points multiply the exact sum).
+// The rounding error is at most half a step, 1 / 65534 of the group's largest |x|.
+inline void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs, float* xsum) {
+  const int64_t groups = K / kGroup;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t mg = 0; mg < M * groups; ++mg) {
+    const float* xg = x + mg * kGroup;
+    __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xg + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      sum = _mm256_add_ps(sum, v[j]);
+    }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    const float m = _mm_cvtss_f32(a);
+    xs[mg] = m / 32767.f;
+    xsum[mg] = hsum(sum);
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int j = 0; j < 4; j += 2) {
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
+      // packs interleaves 128-bit lanes: restore element order with a 64-bit permute.
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + mg * kGroup + 8 * j), packed);
+    }
+  }
+}
+
+// y[m, n] for rows m0 .. m0 + MT of the int16 activations and one weight row n: per group,
+// integer dot products (madd_epi16: int16 x int16 pairs summed into int32), then scaled.
+template <int MT, bool INT4>
+inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, int64_t K,
+                        const uint8_t* qrow, const float* srow, const float* zrow, int64_t groups,
+                        float* y, int64_t ldy) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i w0, w1;  // elements 0..15 and 16..31 of the group as int16
+    if constexpr (INT4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + g * (kGroup / 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qrow) + g * kGroup;
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    }
+    const float sw = srow[g];
+    for (int m = 0; m < MT; ++m) {
+      const int16_t* xg = xq + m * K + g * kGroup;
+      const __m256i p = _mm256_add_epi32(
+          _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
+          _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sw * xs[m * groups + g]), acc[m]);
+    }
+  }
+  if constexpr (INT4) {
+    // The zero points times the groups' exact sums, eight groups per multiply-add.
+    for (int m = 0; m < MT; ++m) {
+      const float* xsm = xsum + m * groups;
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8)
+        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(zrow + g), _mm256_loadu_ps(xsm + g), acc[m]);
+      float tail = 0.f;
+      for (; g < groups; ++g) tail += zrow[g] * xsm[g];
+      y[m * ldy] = hsum(acc[m]) + tail;
+    }
+  } else {
+    for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(acc[m]);
+  }
+}
+
+// y = x @ dequant(w).T for raw row-major buffers: the weight's rows are split across
+// threads; each thread walks its rows once per tile of up to 4 activation rows (a weight row
+// is read ceil(M / 4) times), `tile(std::integral_constant<int, MT>, m, qrow, srow, zrow,
+// y + m * N + n)` computing rows m .. m + MT of column n.
+template <bool INT4, typename Tile>
+void tiled_rows(int64_t M, int64_t N, int64_t K, const uint8_t* qp, const float* sp, const float* zp, float* yp,
+                Tile tile) {
+  const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* qrow = qp + n * qstride;
+    const float* srow = sp + n * groups;
+    const float* zrow = INT4 ? zp + n * groups : nullptr;
+    int64_t m = 0;
+    for (; m + kRowTile <= M; m += kRowTile)
+      tile(std::integral_constant<int, kRowTile>{}, m, qrow, srow, zrow, yp + m * N + n);
+    switch (M - m) {
+      case 3: tile(std::integral_constant<int, 3>{}, m, qrow, srow, zrow, yp + m * N + n); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m, qrow, srow, zrow, yp + m * N + n); break;
+      case 1: tile(std::integral_constant<int, 1>{}, m, qrow, srow, zrow, yp + m * N + n); break;
+      default: break;
+    }
+  }
+}
+
+// float32 activations x [M, K]: each weight group dequantized in registers; y [M, N].
+template <bool INT4>
+void quant_matmul_f32(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
+                      const float* zp, float* y) {
+  const int64_t groups = K / kGroup;
+  tiled_rows<INT4>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const float* srow,
+                                                const float* zrow, float* yp) {
+    row_dot<decltype(mt)::value, INT4>(x + m * K, K, qrow, srow, zrow, groups, yp, N);
+  });
+}
+
+// int16 activations (quantize_activations): integer dot products per group; y [M, N].
+template <bool INT4>
+void quant_matmul_q16(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
+                      const float* zp, float* y) {
+  const int64_t groups = K / kGroup;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * groups), xsum(M * groups);
+  quantize_activations(x, M, K, xq.data(), xs.data(), xsum.data());
+  tiled_rows<INT4>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const float* srow,
+                                                const float* zrow, float* yp) {
+    row_dot_q16<decltype(mt)::value, INT4>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K,
+                                           qrow, srow, zrow, groups, yp, N);
+  });
+}
+
+}  // namespace pagedllm
