@@ -35,12 +35,15 @@ _MODULE_PARTS = {
     "Gelu": "activation",
     "VocabEmbedding": "embedding",
     "LearnedPositionEmbedding": "embedding",
+    # Decode steps of Llama-shaped models run every layer in one compiled call
+    # (models/fused_decode.py; PAGEDLLM_FUSED_DECODE=0 shows the per-module parts instead).
+    "FusedDecoderLayers": "decoder layers (fused)",
 }
 # Parts in print order; "model glue" is the forward minus its timed modules (Python between
 # layers, splits, residual adds), "other" the step minus every timed part.
 PART_ORDER = (
     "schedule", "prepare inputs", "embedding", "norms", "linear projections", "rotary",
-    "attention (+ KV write)", "activation", "model glue", "LM head", "sampling",
+    "attention (+ KV write)", "activation", "decoder layers (fused)", "model glue", "LM head", "sampling",
     "scheduler update", "output processing", "other",
 )
 

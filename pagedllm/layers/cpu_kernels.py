@@ -1,7 +1,9 @@
 """Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use:
 paged attention (csrc/paged_attention.cpp), weight-only quantized linears
-(csrc/quant_linear.cpp, AVX2) and fused elementwise layer ops (csrc/layer_ops.cpp: RMSNorm,
-rotary, silu-and-mul), each its own extension in its own build directory.
+(csrc/quant_linear.cpp, AVX2), fused elementwise layer ops (csrc/layer_ops.cpp: RMSNorm,
+rotary, silu-and-mul) and the decode forward of Llama-shaped decoder layers
+(csrc/decode_layers.cpp, built from the others' kernel headers), each its own extension in
+its own build directory.
 
 The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions/<source hash> (default ~/.cache/pagedllm),
 so only the first start on a machine compiles. If the build fails (no compiler), callers
@@ -25,6 +27,9 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "paged_attention.h"]
 _QUANT_SOURCES = [_CSRC / "quant_linear.cpp", _CSRC / "quant_linear.h"]
 _LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp", _CSRC / "layer_ops.h"]
+_DECODE_LAYERS_SOURCES = [
+    _CSRC / "decode_layers.cpp", _CSRC / "layer_ops.h", _CSRC / "paged_attention.h", _CSRC / "quant_linear.h",
+]
 # Extension name -> the loaded module, or None once it failed to build (or kernels are off).
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -111,6 +116,11 @@ def quant_linear_ops() -> ModuleType | None:
 def layer_ops() -> ModuleType | None:
     """The compiled fused layer ops (RMSNorm, rotary, silu-and-mul), or None (torch ops run)."""
     return _extension("pagedllm_layer_ops", _LAYER_OPS_SOURCES, "using torch ops")
+
+
+def decode_layers_ops() -> ModuleType | None:
+    """The compiled decode forward over every decoder layer (models/fused_decode.py), or None."""
+    return _extension("pagedllm_decode_layers", _DECODE_LAYERS_SOURCES, "running the layers one module at a time")
 
 
 _layer_ops_dtypes: tuple | None = None  # (torch.float32, torch.bfloat16), set on first use

@@ -21,6 +21,7 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.layers.utils import default_dtype
 from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_window_of
+from pagedllm.models.fused_decode import FusedDecoderLayers
 from pagedllm.models.utils import load_named_weights
 
 
@@ -111,10 +112,16 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, rotary_emb) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Decode steps of a few rows: every layer in one compiled call (models/fused_decode.py).
+        self.fused_layers = FusedDecoderLayers()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] int64 -> [T, hidden]
         hidden_states = self.embed_tokens(input_ids)
+        if self.fused_layers.applies(self.layers, hidden_states):
+            hidden_states, residual = self.fused_layers(positions, hidden_states)
+            hidden_states, _ = self.norm(hidden_states, residual)
+            return hidden_states
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)

@@ -83,6 +83,17 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   auto out = torch::empty({rows, inter}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  if (x.scalar_type() == torch::kFloat32) {  // vectorised exp (float32 only: bf16 rounds like torch)
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+      silu_mul_rows_avx2(xp + begin * stride, stride, op + begin * inter, end - begin, inter);
+    });
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
     silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, inter);
   });

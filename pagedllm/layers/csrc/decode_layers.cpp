@@ -1,0 +1,263 @@
+// Every decoder layer of a Llama-shaped model in one compiled call, for decode steps.
+//
+// At decode a layer's arithmetic on a few rows is small next to what surrounds it in Python:
+// a dozen module calls, tensor views and allocations, the KV write's index_copy_, each a few
+// to tens of microseconds, thirty layers over. Here a step's rows run through all layers in
+// C++ over buffers reused from step to step, calling the same kernels as the per-module path
+// (layer_ops.h, quant_linear.h, paged_attention.h); only silu's exp is vectorised here (a
+// polynomial within ~2 ulp of std::exp). Float32 weights go through an AVX2 matrix-vector
+// kernel (below) that reads each weight row once per tile of four activation rows.
+//
+// Per layer, over M rows (one decode token per request):
+//   residual += h (the first layer: residual = h); x = rms_norm(residual)
+//   qkv = x W_qkv^T (+ b); q, k = rotary(q, k); K/V rows written to the cache at slot_mapping
+//   a = decode attention over each request's cached context (block table or vattention slot)
+//   residual += a W_o^T (+ b); x = rms_norm(residual)
+//   h = silu(x W_gate^T) * (x W_up^T), then h W_down^T (+ b)
+// The caller applies the final norm to (h, residual), as the per-module model does.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <vector>
+
+#include "layer_ops.h"
+#include "paged_attention.h"
+#include "quant_linear.h"
+
+namespace pagedllm {
+namespace {
+
+// y[m, n] for activation rows m .. m + MT and one float32 weight row: two accumulators per
+// row over alternate 8-wide blocks keep two FMA chains in flight.
+template <int MT>
+inline void row_dot_f32(const float* x, int64_t K, const float* wrow, float* y, int64_t ldy) {
+  __m256 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(wrow + k), w1 = _mm256_loadu_ps(wrow + k + 8);
+    for (int m = 0; m < MT; ++m) {
+      acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), acc1[m]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w0 = _mm256_loadu_ps(wrow + k);
+    for (int m = 0; m < MT; ++m) acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc0[m]);
+  }
+  for (int m = 0; m < MT; ++m) {
+    float sum = hsum(_mm256_add_ps(acc0[m], acc1[m]));
+    for (int64_t kk = k; kk < K; ++kk) sum += wrow[kk] * x[m * K + kk];
+    y[m * ldy] = sum;
+  }
+}
+
+// A linear layer's weight as this forward reads it (tensors held so the pointers stay valid).
+struct DecodeLinear {
+  int64_t bits = 32;  // 32: float32 weight [N, K]; 8 or 4: quant_linear.h's layouts
+  torch::Tensor weight, scales, zeros, bias;
+  int64_t N = 0, K = 0;
+
+  DecodeLinear(int64_t bits_, torch::Tensor weight_, torch::Tensor scales_, torch::Tensor zeros_,
+               torch::Tensor bias_)
+      : bits(bits_), weight(weight_), scales(scales_), zeros(zeros_), bias(bias_) {
+    TORCH_CHECK(bits == 32 || bits == 8 || bits == 4, "bits must be 32, 8 or 4, got ", bits);
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous 2-D tensor");
+    N = weight.size(0);
+    if (bits == 32) {
+      TORCH_CHECK(weight.scalar_type() == torch::kFloat32, "a float weight must be float32");
+      K = weight.size(1);
+    } else {
+      TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N,
+                  "scales must be float32 [N, K / 32]");
+      K = scales.size(1) * kGroup;
+      TORCH_CHECK(weight.size(1) == (bits == 4 ? K / 2 : K), "quantized weight shape does not match its scales");
+      TORCH_CHECK(bits == 8 || (zeros.sizes() == scales.sizes() && zeros.scalar_type() == torch::kFloat32 &&
+                                zeros.is_contiguous()), "4-bit zeros must be float32 [N, K / 32]");
+    }
+    TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat32 &&
+                                      bias.is_contiguous()), "bias must be float32 [N] or empty");
+  }
+
+  // y [M, N] = x [M, K] @ W^T (+ bias); quantized weights take int16 activations at
+  // M <= int16_max_rows, as quantization.quantized_linear does.
+  void operator()(const float* x, int64_t M, float* y, int64_t int16_max_rows) const {
+    if (bits == 32) {
+      const float* wp = weight.data_ptr<float>();
+      const int64_t n_ = N, k_ = K;
+#pragma omp parallel for schedule(static)
+      for (int64_t n = 0; n < n_; ++n) {
+        const float* wrow = wp + n * k_;
+        int64_t m = 0;
+        for (; m + kRowTile <= M; m += kRowTile) row_dot_f32<kRowTile>(x + m * k_, k_, wrow, y + m * n_ + n, n_);
+        switch (M - m) {
+          case 3: row_dot_f32<3>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
+          case 2: row_dot_f32<2>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
+          case 1: row_dot_f32<1>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
+          default: break;
+        }
+      }
+    } else {
+      const uint8_t* qp = reinterpret_cast<const uint8_t*>(weight.data_ptr());
+      const float* sp = scales.data_ptr<float>();
+      const bool q16 = M <= int16_max_rows;
+      if (bits == 4) {
+        const float* zp = zeros.data_ptr<float>();
+        (q16 ? quant_matmul_q16<true> : quant_matmul_f32<true>)(x, M, K, N, qp, sp, zp, y);
+      } else {
+        (q16 ? quant_matmul_q16<false> : quant_matmul_f32<false>)(x, M, K, N, qp, sp, nullptr, y);
+      }
+    }
+    if (bias.numel()) {
+      const float* b = bias.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
+    }
+  }
+};
+
+struct DecodeLayer {
+  torch::Tensor input_norm, post_norm;  // float32 [hidden]
+  DecodeLinear qkv, o, gate_up, down;
+  torch::Tensor kv_cache;  // float32 [2, blocks, block_size, Hkv, D] or vattention's [2, slots, capacity, Hkv, D]
+  int64_t window;          // sliding window, 0 = full attention
+};
+
+}  // namespace
+
+class LlamaDecodeLayers {
+ public:
+  LlamaDecodeLayers(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t intermediate, double eps, double scale, torch::Tensor cos_sin_cache,
+                    int64_t int16_max_rows)
+      : hidden_(hidden), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), inter_(intermediate),
+        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), cos_sin_(cos_sin_cache),
+        int16_max_rows_(int16_max_rows) {
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+    TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.is_contiguous() &&
+                    cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == head_dim,
+                "cos_sin_cache must be float32 [max_position, head_dim]");
+  }
+
+  // Linears in order qkv, o, gate_up, down: bits (32, 8 or 4), weight (float32 or quantized
+  // qweight), scales and zeros (empty where the format has none), bias (empty for none).
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor kv_cache, int64_t window,
+                 std::vector<int64_t> bits, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
+                 std::vector<torch::Tensor> zeros, std::vector<torch::Tensor> biases) {
+    TORCH_CHECK(bits.size() == 4 && weights.size() == 4 && scales.size() == 4 && zeros.size() == 4 &&
+                    biases.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
+    for (const auto& w : {input_norm, post_norm})
+      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == hidden_,
+                  "norm weights must be float32 [hidden]");
+    TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
+                    kv_cache.size(0) == 2 && kv_cache.size(3) == hkv_ && kv_cache.size(4) == d_,
+                "kv_cache must be float32 [2, blocks, block_size, num_kv_heads, head_dim]");
+    std::vector<DecodeLinear> lin;
+    for (int i = 0; i < 4; ++i) lin.emplace_back(bits[i], weights[i], scales[i], zeros[i], biases[i]);
+    const int64_t qkv_width = (hq_ + 2 * hkv_) * d_;
+    TORCH_CHECK(lin[0].N == qkv_width && lin[0].K == hidden_, "qkv_proj must be [", qkv_width, ", ", hidden_, "]");
+    TORCH_CHECK(lin[1].N == hidden_ && lin[1].K == hq_ * d_, "o_proj shape");
+    TORCH_CHECK(lin[2].N == 2 * inter_ && lin[2].K == hidden_, "gate_up_proj shape");
+    TORCH_CHECK(lin[3].N == hidden_ && lin[3].K == inter_, "down_proj shape");
+    layers_.push_back(DecodeLayer{input_norm, post_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, window});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden: float32 [M, hidden] (the embeddings); residual: [M, hidden] or empty (the first
+  // layer starts the residual stream); positions, slot_mapping, seq_lens: int64 [M]; paged
+  // caches read through block_tables (int64 [M, max_blocks]), vattention ones through slots
+  // (int64 [M], block_tables then ignored). Returns (h, residual) after the last layer.
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor residual, torch::Tensor positions,
+                                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     torch::Tensor slots) {
+    TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 2 && hidden.size(1) == hidden_,
+                "hidden must be float32 [rows, hidden]");
+    const int64_t M = hidden.size(0);
+    for (const auto* t : {&positions, &slot_mapping, &seq_lens})
+      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == M,
+                  "positions, slot_mapping and seq_lens must be int64 [rows]");
+    const bool paged = slots.numel() == 0;
+    TORCH_CHECK(paged ? block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 &&
+                            block_tables.size(0) >= M && block_tables.stride(1) == 1
+                      : slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == M,
+                "block_tables must be int64 [rows, max_blocks] (or slots int64 [rows])");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot_map = slot_mapping.data_ptr<int64_t>();
+    const int64_t max_position = cos_sin_.size(0);
+    for (int64_t t = 0; t < M; ++t)
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " outside the rotary cache (",
+                  max_position, " positions)");
+
+    auto h_out = hidden.contiguous().clone();
+    auto res_out = residual.numel() ? residual.contiguous().clone() : torch::empty_like(h_out);
+    float* h = h_out.data_ptr<float>();
+    float* res = res_out.data_ptr<float>();
+    const int64_t H = hidden_, QKV = (hq_ + 2 * hkv_) * d_, QD = hq_ * d_, KD = hkv_ * d_;
+    xn_.resize(M * H);
+    qkv_.resize(M * QKV);
+    q_.resize(M * QD);
+    k_.resize(M * KD);
+    attn_.resize(M * QD);
+    gu_.resize(M * 2 * inter_);
+    act_.resize(M * inter_);
+    const float* cos_sin = cos_sin_.data_ptr<float>();
+    bool first = residual.numel() == 0;
+    for (const DecodeLayer& layer : layers_) {
+      if (first) {
+        std::memcpy(res, h, sizeof(float) * M * H);
+        first = false;
+      } else {
+        add_rows<float>(h, H, res, H, res, M, H);
+      }
+      rms_norm_rows<float>(res, H, layer.input_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
+      layer.qkv(xn_.data(), M, qkv_.data(), int16_max_rows_);
+      rotate_rows<float>(qkv_.data(), QKV, q_.data(), hq_, d_, pos, cos_sin, M);
+      rotate_rows<float>(qkv_.data() + QD, QKV, k_.data(), hkv_, d_, pos, cos_sin, M);
+      // K/V rows into the cache (the same rows the per-module path's index_copy_ writes).
+      float* k_cache = layer.kv_cache.data_ptr<float>();
+      const int64_t plane_rows = layer.kv_cache.numel() / 2 / KD;
+      float* v_cache = k_cache + plane_rows * KD;
+      for (int64_t t = 0; t < M; ++t) {
+        TORCH_CHECK(slot_map[t] >= 0 && slot_map[t] < plane_rows, "slot ", slot_map[t], " outside the KV cache");
+        std::memcpy(k_cache + slot_map[t] * KD, k_.data() + t * KD, sizeof(float) * KD);
+        std::memcpy(v_cache + slot_map[t] * KD, qkv_.data() + t * QKV + QD + KD, sizeof(float) * KD);
+      }
+      if (paged) {
+        decode_kernel<float>(q_.data(), k_cache, v_cache,
+                             PagedRows{block_tables.data_ptr<int64_t>(), block_tables.stride(0),
+                                       layer.kv_cache.size(2)},
+                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window);
+      } else {
+        decode_kernel<float>(q_.data(), k_cache, v_cache, SlotRows{slots.data_ptr<int64_t>(), layer.kv_cache.size(2)},
+                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window);
+      }
+      layer.o(attn_.data(), M, h, int16_max_rows_);
+      add_rows<float>(h, H, res, H, res, M, H);
+      rms_norm_rows<float>(res, H, layer.post_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
+      layer.gate_up(xn_.data(), M, gu_.data(), int16_max_rows_);
+      silu_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
+      layer.down(act_.data(), M, h, int16_max_rows_);
+    }
+    return {h_out, res_out};
+  }
+
+ private:
+  int64_t hidden_, hq_, hkv_, d_, inter_;
+  float eps_, scale_;
+  torch::Tensor cos_sin_;
+  int64_t int16_max_rows_;
+  std::vector<DecodeLayer> layers_;
+  // Buffers reused from step to step (one forward at a time per object).
+  std::vector<float> xn_, qkv_, q_, k_, attn_, gu_, act_;
+};
+
+}  // namespace pagedllm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, int64_t>())
+      .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
+      .def("num_layers", &pagedllm::LlamaDecodeLayers::num_layers)
+      .def("forward", &pagedllm::LlamaDecodeLayers::forward, "every decoder layer over a decode step's rows");
+}

@@ -1,0 +1,143 @@
+"""Decode steps of Llama-shaped models through one compiled call over every decoder layer.
+
+At decode a step carries a few rows, and a layer's arithmetic on them costs less than the
+Python around it (a dozen module calls, views, allocations and the KV write per layer). When
+a step is all decodes (one query token per request) and at most `FUSED_MAX_ROWS` of them,
+`FusedDecoderLayers` runs the layers in C++ (`layers/csrc/decode_layers.cpp`) with the
+kernels of the per-module path (norms, rotary, attention, the quantized projections), a
+vectorised silu (its exp within ~2 ulp) and, for float32 weights, an AVX2 matrix-vector
+kernel in place of torch's GEMM: the results agree with the module path to float32
+rounding (tests/models/test_fused_decode.py).
+
+Anything else runs the modules: prefill and mixed steps, more rows, bfloat16, tensor
+parallelism, the reference attention backend, several KV cache groups, or
+`PAGEDLLM_FUSED_DECODE=0` (e.g. to see the per-module breakdown in `bench latency --profile`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers import attention as attention_module
+from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
+from pagedllm.layers.cpu_kernels import decode_layers_ops
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantization import INT16_MAX_ROWS
+
+logger = logging.getLogger(__name__)
+
+# Up to this many decode rows (the quantized kernels' range: more rows dequantize and GEMM).
+FUSED_MAX_ROWS = 16
+
+_ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
+_EMPTY = torch.empty(0)
+
+
+def _linear_args(linear: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bits, weight, scales, zeros, bias) of a layer as the compiled forward takes them."""
+    bias = _EMPTY if linear.bias is None else linear.bias.detach()
+    q = linear.quant
+    if q is None:
+        return 32, linear.weight.detach(), _EMPTY, _EMPTY, bias
+    zeros = _EMPTY if q.zeros is None else q.zeros
+    return q.bits, q.qweight, q.scales, zeros, bias
+
+
+class FusedDecoderLayers(nn.Module):
+    """Every decoder layer of a `LlamaModel` as one compiled call at decode (see the module
+    docstring). Holds no parameters: it reads the layers' own tensors, built on first use and
+    rebuilt when the runner binds other KV caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = _ENABLED
+        """False runs every step module by module (PAGEDLLM_FUSED_DECODE=0 at start-up)."""
+        self._decoder: Any = None
+        self._bound_cache: torch.Tensor | None = None  # layer 0's KV cache when built
+        self._unsupported: str | None = None  # why this model cannot run fused, once found
+
+    def applies(self, layers: nn.ModuleList, hidden_states: torch.Tensor) -> bool:
+        """Whether this step (its rows in hidden_states) can run fused; called every step."""
+        rows = hidden_states.shape[0]
+        if not self.enabled or self._unsupported is not None or not 0 < rows <= FUSED_MAX_ROWS:
+            return False
+        if hidden_states.dtype != torch.float32 or attention_module._BACKEND != "torch":
+            return False
+        md = get_attention_metadata(0)
+        if not isinstance(md, AttentionMetadata) or md.num_decodes != rows or md.num_reqs != rows:
+            return False
+        if self._decoder is None or layers[0].self_attn.attn.kv_cache is not self._bound_cache:
+            self._build(layers)
+        return self._decoder is not None
+
+    def _build(self, layers: nn.ModuleList) -> None:
+        self._decoder = None
+        reason = self._why_unsupported(layers)
+        ops = decode_layers_ops() if reason is None else None
+        if reason is None and ops is None:
+            reason = "the compiled extension is unavailable"
+        if reason is not None:
+            self._unsupported = reason
+            logger.info("decode steps run module by module: %s", reason)
+            return
+        first = layers[0]
+        attn = first.self_attn.attn
+        decoder = ops.LlamaDecodeLayers(
+            first.input_layernorm.weight.shape[0],
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            first.mlp.down_proj.in_features,
+            float(first.input_layernorm.eps),
+            float(attn.scale),
+            first.self_attn.rotary_emb.cos_sin_cache,
+            INT16_MAX_ROWS,
+        )
+        for layer in layers:
+            a = layer.self_attn
+            linears = [_linear_args(m) for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            bits, weights, scales, zeros, biases = (list(column) for column in zip(*linears))
+            decoder.add_layer(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                a.attn.kv_cache,
+                a.attn.sliding_window or 0,
+                bits, weights, scales, zeros, biases,
+            )
+        self._decoder = decoder
+        self._bound_cache = first.self_attn.attn.kv_cache
+
+    @staticmethod
+    def _why_unsupported(layers: nn.ModuleList) -> str | None:
+        for layer in layers:
+            a = layer.self_attn
+            attn = a.attn
+            if attn.kv_cache is None or attn.kv_cache.dtype != torch.float32:
+                return "the KV cache is not float32"
+            if attn.kv_cache_group != 0:
+                return "the layers keep their KV in several cache groups"
+            if a.o_proj.tp.size != 1:
+                return "tensor parallelism"
+            if layer.input_layernorm.weight.dtype != torch.float32:
+                return "the model is not float32"
+            for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if m.quant is None and m.weight.dtype != torch.float32:
+                    return "the weights are neither float32 nor quantized"
+        return None
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden_states: [M, hidden] embeddings -> (h, residual) after the last layer
+        md = get_attention_metadata(0)
+        rows = hidden_states.shape[0]
+        slots = _EMPTY if md.slots is None else md.slots[:rows]
+        h, residual = self._decoder.forward(
+            hidden_states, _EMPTY, positions, md.slot_mapping, md.block_tables, md.seq_lens[:rows], slots,
+        )
+        return h, residual

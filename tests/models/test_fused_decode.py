@@ -1,0 +1,122 @@
+"""The compiled decode forward (models/fused_decode.py) against the module-by-module path.
+
+Both run the same decode steps over the same KV cache (a step writes the same K/V rows either
+way), so each step's hidden states can be compared directly; the fused path must also have
+run (a forward hook counts its calls) and fall back where it does not apply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagedllm.layers.attention import forward_context
+from pagedllm.models.loader import LoadedModel, load_model
+from tests.models.test_llama import tiny_config
+from tests.models.utils import RequestState, allocate_blocks, bind_kv_caches, make_metadata, save_tiny_model
+
+BLOCK_SIZE = 4
+PROMPTS = [[5, 17, 200, 33, 90, 90, 12, 250, 7, 1, 64, 128, 3], [9, 8, 7, 6, 5, 4, 3], [300, 2, 2, 41]]
+
+
+def _fused(loaded: LoadedModel) -> Any:
+    return loaded.model.model.fused_layers
+
+
+@torch.inference_mode()
+def _compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float) -> int:
+    """Prefill num_reqs prompts, then decode `steps` steps of all of them; at each step run
+    the fused forward and the module path on the same inputs and compare. Returns the number
+    of fused calls."""
+    model, fused = loaded.model, _fused(loaded)
+    calls = []
+    handle = fused.register_forward_hook(lambda *_: calls.append(1))
+    reqs = []
+    for i in range(num_reqs):
+        prompt = PROMPTS[i % len(PROMPTS)] + [i + 20]
+        blocks = allocate_blocks(len(prompt) + steps + 1, BLOCK_SIZE, first_block=1 + 8 * i)
+        reqs.append(RequestState(list(prompt), blocks))
+    try:
+        md, input_ids, positions = make_metadata([(r, len(r.token_ids)) for r in reqs], BLOCK_SIZE)
+        with forward_context(md):
+            hidden = model(input_ids, positions)
+        last = torch.tensor(md.query_start_loc[1:]) - 1
+        next_ids = model.compute_logits(hidden[last]).argmax(-1).tolist()
+        for r in reqs:
+            r.num_computed_tokens = len(r.token_ids)
+        for _ in range(steps):
+            for r, t in zip(reqs, next_ids):
+                r.token_ids.append(int(t))
+            md, input_ids, positions = make_metadata([(r, 1) for r in reqs], BLOCK_SIZE)
+            with forward_context(md):
+                fused.enabled = False
+                want = model(input_ids, positions)
+                fused.enabled = True
+                got = model(input_ids, positions)
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            next_ids = model.compute_logits(got).argmax(-1).tolist()
+            for r in reqs:
+                r.num_computed_tokens += 1
+    finally:
+        handle.remove()
+        fused.enabled = True
+    return len(calls)
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-tied-bias", "mistral-window", "qwen2"])
+def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny_model(path, tiny_config(request.param))
+    return path
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("num_reqs", [1, 2, 3, 6])
+def test_fused_decode_matches_module_path(tiny_dir: Path, quantization: str, num_reqs: int) -> None:
+    # Quantized weights: the same kernels in both paths, the same floats (exact: rows <= 2 take
+    # int16 activations, where one float32 ulp of difference upstream can move a rounding
+    # step and the output by ~1e-4). Float32 weights: another summation order than torch's GEMM.
+    loaded = load_model(str(tiny_dir), quantization=quantization)
+    bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
+    atol = 2e-5 if quantization == "none" else 0.0
+    assert _compare_decode_steps(loaded, num_reqs, steps=5, atol=atol) == 5
+
+
+def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None:
+    loaded = load_model(str(tiny_dir))
+    fused = _fused(loaded)
+    bind_kv_caches(loaded.model, num_blocks=160, block_size=BLOCK_SIZE)
+    # More rows than the fused range: every step runs module by module, and still agrees.
+    assert _compare_decode_steps(loaded, 17, steps=2, atol=0) == 0
+    # A new KV cache binding is picked up (the fused forward would otherwise write the old one).
+    caches = bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
+    assert _compare_decode_steps(loaded, 2, steps=2, atol=2e-5) == 2
+    assert fused._bound_cache is caches[0]
+    # bfloat16 runs module by module.
+    loaded = load_model(str(tiny_dir), dtype="bfloat16")
+    bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
+    assert _compare_decode_steps(loaded, 2, steps=1, atol=0) == 0
+
+
+def test_fused_decode_on_vattention_slots(tiny_llama_dir: Path) -> None:
+    # The engine end to end: the vattention layout (per-request slots, no block tables)
+    # decodes through the fused forward and gives the paged engine's greedy tokens.
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
+    outputs = {}
+    for backend in ("paged", "vattention"):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, kv_cache_backend=backend,
+                  kv_cache_memory_bytes="64MiB", max_num_seqs=4)
+        fused = llm.llm_engine.engine_core.runner.model.model.fused_layers
+        calls = []
+        handle = fused.register_forward_hook(lambda *_: calls.append(1))
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        handle.remove()
+        assert len(calls) >= 11, backend  # every decode step after the prefill
+        del llm
+    assert outputs["vattention"] == outputs["paged"]
