@@ -23,10 +23,23 @@ def test_measure_decode_counts_and_frees(tiny_llama_dir):
     parts = profile.per_step_ms()
     # Every profiled step decoded the whole batch (the requests outlive the profiled steps).
     assert profile.request_outputs == 3 * 4
-    for part in ("schedule", "prepare inputs", "linear projections", "attention (+ KV write)", "norms",
-                 "LM head", "sampling", "scheduler update", "output processing"):
+    common = ("schedule", "prepare inputs", "norms", "LM head", "sampling", "scheduler update", "output processing")
+    # Decode steps run every layer in one compiled call (models/fused_decode.py)...
+    for part in (*common, "decoder layers (fused)"):
         assert parts[part] > 0, part
+    assert parts["linear projections"] == parts["attention (+ KV write)"] == 0
     assert abs(sum(parts.values()) - profile.step_seconds / 4 * 1e3) < 1e-6 * profile.step_seconds * 1e3 + 1e-9
+    # ...and module by module with it off, each module type its own part.
+    model.model.fused_layers.enabled = False
+    try:
+        _, profile = measure_decode(llm, batch_size=3, context_len=40, num_steps=2, seed=0, profile_steps=2)
+    finally:
+        model.model.fused_layers.enabled = True
+    assert profile is not None and profile.request_outputs == 3 * 2
+    parts = profile.per_step_ms()
+    for part in (*common, "linear projections", "attention (+ KV write)"):
+        assert parts[part] > 0, part
+    assert parts["decoder layers (fused)"] == 0
     assert "forward" not in vars(model) and "schedule" not in vars(engine.scheduler)
     assert all(not m._forward_hooks for m in model.modules())
     assert not engine.has_unfinished_requests()
