@@ -112,9 +112,11 @@ template <int MT, bool INT4>
 inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, int64_t K,
                         const uint8_t* qrow, const float* srow, const float* zrow, int64_t groups,
                         float* y, int64_t ldy) {
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
+  // Two accumulators per row (even and odd groups): two multiply-add chains in flight
+  // (measured 0.272 -> 0.259 ms per layer's four projections at M = 1, one thread: ~5%).
+  __m256 acc[MT], acc_odd[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = acc_odd[m] = _mm256_setzero_ps();
+  auto group = [&](int64_t g, __m256* into) {
     __m256i w0, w1;  // elements 0..15 and 16..31 of the group as int16
     if constexpr (INT4) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + g * (kGroup / 2)));
@@ -132,9 +134,16 @@ inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, i
       const __m256i p = _mm256_add_epi32(
           _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
           _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sw * xs[m * groups + g]), acc[m]);
+      into[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sw * xs[m * groups + g]), into[m]);
     }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    group(g, acc);
+    group(g + 1, acc_odd);
   }
+  if (g < groups) group(g, acc);
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_add_ps(acc[m], acc_odd[m]);
   if constexpr (INT4) {
     // The zero points times the groups' exact sums, eight groups per multiply-add.
     for (int m = 0; m < MT; ++m) {
