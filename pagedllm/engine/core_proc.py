@@ -114,6 +114,7 @@ def run_engine_core(
         # `pagedllm serve` spawns the core before binding its sockets: wait for it to bind (the
         # core dies with its parent, so this never outlives a front end that is gone).
         out_sock.close(linger=60_000)
+        in_sock.close(linger=0)  # ctx.term() waits for every socket to close
         ctx.term()
         raise SystemExit(1) from e
     signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
