@@ -108,7 +108,8 @@ def run_once(checkout: str, model: str, serve_args: list[str], timeout_s: float)
                 while True:
                     if proc.poll() is not None:
                         log.seek(0)
-                        raise RuntimeError(f"the server exited with code {proc.returncode}:\n{log.read()[-3000:]}")
+                        tail = log.read()[-3000:]
+                        raise RuntimeError(f"the server exited with code {proc.returncode}:\n{tail}")
                     if time.perf_counter() - start > timeout_s:
                         raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s")
                     try:

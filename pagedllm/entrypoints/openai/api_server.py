@@ -273,7 +273,9 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-async def serve(engine_args: EngineArgs, config: ServerConfig, started_core: StartedCore | None = None) -> None:
+async def serve(
+    engine_args: EngineArgs, config: ServerConfig, started_core: StartedCore | None = None
+) -> None:
     model_name = config.served_model_name or engine_args.model
     engine = AsyncLLM(
         engine_args, model_name, config.max_waiting_requests, config.request_timeout_s, started_core
