@@ -26,7 +26,7 @@ from pagedllm.core.kv_snapshot import KVSnapshot
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.engine.core_client import CoreClient, EngineDeadError
+from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore
 from pagedllm.engine.core_proc import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.llm_engine import make_requests
@@ -109,7 +109,7 @@ class RequestStream:
 class AsyncLLM:
     def __init__(
         self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
-        request_timeout_s: float | None = None,
+        request_timeout_s: float | None = None, started_core: StartedCore | None = None,
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
@@ -134,6 +134,7 @@ class AsyncLLM:
         """Beam searches in flight: (prompt text, prompt token ids, arrival time)."""
         self._last_token_time: dict[str, float] = {}
         self._client: CoreClient | None = None
+        self._started_core = started_core  # spawned before the front end's imports, if any
         self._task: asyncio.Task | None = None
         self._expiry_task: asyncio.Task | None = None
         self._ready_event = asyncio.Event()
@@ -145,7 +146,7 @@ class AsyncLLM:
     def start(self) -> None:
         """Spawn the engine core and begin handling its outputs (returns at once)."""
         _limit_front_end_threads()
-        self._client = CoreClient(self.args)
+        self._client = CoreClient(self.args, self._started_core)
         self._task = asyncio.get_running_loop().create_task(self._run_output_handler())
         if self.request_timeout_s is not None:
             self._expiry_task = asyncio.get_running_loop().create_task(self._expire_requests())

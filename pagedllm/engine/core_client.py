@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -29,30 +30,52 @@ class EngineDeadError(RuntimeError):
     """The engine-core process exited or failed to start."""
 
 
+@dataclass
+class StartedCore:
+    """An engine-core process already loading, and the IPC addresses it connects to."""
+
+    proc: Any
+    """The multiprocessing.Process."""
+    tmpdir: str
+    input_addr: str
+    output_addr: str
+
+
+def start_engine_core(args: EngineArgs) -> StartedCore:
+    """Spawn the engine-core process. `pagedllm serve` calls this first thing, so the core
+    loads the model while the front end imports its own modules (the core connects to
+    addresses the front end binds later: ZMQ queues its messages until then)."""
+    tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
+    input_addr = f"ipc://{tmpdir}/input"
+    output_addr = f"ipc://{tmpdir}/output"
+    mp = multiprocessing.get_context("spawn")
+    proc = mp.Process(
+        target=run_engine_core,
+        args=(args, input_addr, output_addr, os.getpid(), logging.getLogger().getEffectiveLevel()),
+        name="pagedllm-engine-core",
+        daemon=True,
+    )
+    proc.start()
+    logger.info("started engine core process pid %d", proc.pid)
+    return StartedCore(proc, tmpdir, input_addr, output_addr)
+
+
 class CoreClient:
     """Owns the engine-core process and the two sockets to it."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
-        input_addr = f"ipc://{self._tmpdir}/input"
-        output_addr = f"ipc://{self._tmpdir}/output"
+    def __init__(self, args: EngineArgs, started: StartedCore | None = None) -> None:
+        if started is None:
+            started = start_engine_core(args)
+        self._tmpdir = started.tmpdir
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._in = self._sync_ctx.socket(zmq.PUSH)  # to the core
-        self._in.bind(input_addr)
+        self._in.bind(started.input_addr)
         self._out = self._async_ctx.socket(zmq.PULL)  # from the core
-        self._out.bind(output_addr)
-        mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(
-            target=run_engine_core,
-            args=(args, input_addr, output_addr, os.getpid(), logging.getLogger().getEffectiveLevel()),
-            name="pagedllm-engine-core",
-            daemon=True,
-        )
-        self.proc.start()
+        self._out.bind(started.output_addr)
+        self.proc = started.proc
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}
         self._closed = False
-        logger.info("started engine core process pid %d", self.proc.pid)
 
     # ---- front end -> core ------------------------------------------------------------
 

@@ -111,7 +111,10 @@ def run_engine_core(
     except Exception as e:  # start-up failed: say why, then exit
         logger.exception("engine core failed to start")
         out_sock.send(dumps("failed", f"{type(e).__name__}: {e}"))
-        out_sock.close(linger=2000)
+        # `pagedllm serve` spawns the core before binding its sockets: wait for it to bind (the
+        # core dies with its parent, so this never outlives a front end that is gone).
+        out_sock.close(linger=60_000)
+        in_sock.close(linger=0)  # ctx.term() waits for every socket to close
         ctx.term()
         raise SystemExit(1) from e
     signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())

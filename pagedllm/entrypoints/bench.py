@@ -143,7 +143,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from pagedllm.entrypoints.bench_latency import add_latency_bench_parser
     from pagedllm.entrypoints.bench_prefix import add_prefix_bench_parser
     from pagedllm.entrypoints.bench_serve import add_serve_bench_parser
+    from pagedllm.entrypoints.bench_startup import add_startup_bench_parser
 
     add_latency_bench_parser(bench_sub)
     add_prefix_bench_parser(bench_sub)
     add_serve_bench_parser(bench_sub)
+    add_startup_bench_parser(bench_sub)

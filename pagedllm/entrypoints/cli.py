@@ -72,12 +72,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
     import os
 
-    from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template, run_server
-
+    engine_args = EngineArgs.from_cli_args(args)
     try:
-        EngineArgs.from_cli_args(args).parse_kv_transfer_config()  # fail before loading anything
+        engine_args.parse_kv_transfer_config()  # fail before loading anything
     except ValueError as e:
         raise SystemExit(f"pagedllm serve: {e}") from None
+    # Start-up: the core loads the model on one CPU while this process imports the server
+    # and the tokenizer classes (which unpickling the core's tokenizer needs) on the other.
+    from pagedllm.engine.core_client import start_engine_core
+
+    started_core = start_engine_core(engine_args)
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
+
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template, run_server
+
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -89,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         request_timeout_s=args.request_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
     )
-    run_server(EngineArgs.from_cli_args(args), config)
+    run_server(engine_args, config, started_core)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -5,7 +5,10 @@ the tokenizer, and every tensor is dequantized) writes into
 `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`, under `<sha256 of path, size, mtime>/`:
 config.json, the tokenizer files (with the GGUF's chat template), and model.safetensors with
 the float32 weights under HF names and in HF layout (llama.cpp's Q/K row permutation undone,
-so HF's rotate_half rotary embedding applies).
+so HF's rotate_half rotary embedding applies), and gguf_index.json: the file's tensor table
+(name, type, shape, byte offset) and architecture. With that index a warm start reads the
+quantized blocks straight from a memory map of the GGUF file and never parses its metadata
+(gguf-py reads the tokenizer's vocabulary field by field: seconds for a 49k vocabulary).
 """
 
 from __future__ import annotations
@@ -17,13 +20,21 @@ import os
 import re
 import shutil
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 import torch
 
+from pagedllm.models.gguf_index import (
+    GGUFIndex,
+    GGUFTensorInfo,
+    index_from_reader,
+    load_index,
+    save_index,
+    tensor_data,
+)
+
 if TYPE_CHECKING:
-    from gguf import GGUFReader
     from transformers import PretrainedConfig
 
     from pagedllm.layers.quantization import QuantizedWeight
@@ -113,20 +124,19 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
 
 
 def _convert(gguf_path: str, out_dir: str) -> None:
-    import gguf
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     from pagedllm.models.config_utils import architecture_of
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch = str(reader.fields["general.architecture"].contents())
+    index = gguf_index(gguf_path)  # parsed once per process, shared with resolve_quantization
+    arch = index.architecture
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} of {gguf_path} is not supported; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    check_tensor_types(reader, gguf_path)
+    check_tensor_types(index.type_names(), gguf_path)
     # transformers reads the GGUF from a directory of its own: tokenizer or config files lying
     # beside the GGUF would otherwise be mixed into what it builds.
     src_dir = os.path.join(out_dir, "gguf-src")
@@ -135,17 +145,18 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
     hf_config.architectures = [architecture_of(hf_config)]
-    tensors = dict(read_gguf_tensors(reader, hf_config, arch))
+    tensors = dict(read_gguf_tensors(index, hf_config))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del tensors
     hf_config.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(src_dir, gguf_file=basename).save_pretrained(out_dir)
     shutil.rmtree(src_dir)
+    save_index(index, out_dir)
 
 
-def check_tensor_types(reader: GGUFReader, gguf_path: str) -> None:
+def check_tensor_types(type_names: Iterable[str], gguf_path: str) -> None:
     """ValueError naming the supported types if any tensor's type cannot be dequantized."""
-    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
+    bad = sorted(set(type_names) - set(SUPPORTED_TENSOR_TYPES))
     if bad:
         raise ValueError(
             f"{gguf_path} has tensors of unsupported type {', '.join(bad)}; "
@@ -178,41 +189,41 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def read_gguf_tensors(
-    reader: GGUFReader, hf_config: PretrainedConfig, arch: str, keep_quantized: bool = False
+    index: GGUFIndex, hf_config: PretrainedConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(HF name, float32 tensor in HF layout) for every loadable tensor of the file.
+    """(HF name, float32 tensor in HF layout) for every loadable tensor of the file, read by
+    offset from a memory map of it.
 
     keep_quantized: 2-D tensors of a type in GGUF_QUANT_TYPES come as QuantizedWeight (rows
     in HF order) instead; any other non-float type is a ValueError naming the supported ones.
     """
-    from gguf.quants import dequantize
-
     from pagedllm.models.gguf_quant import gguf_quantized_weight
 
+    arch = index.architecture
     permute_qk = arch in _PERMUTED_QK_ARCHITECTURES
     norm_plus_one = arch in _NORM_PLUS_ONE_ARCHITECTURES
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    for t in reader.tensors:
+    file_map = index.open_data()
+    for t in index.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
-        # GGUF lists dims fastest-first; HF shapes are the reverse.
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = t.shape
         heads = None
         if permute_qk and ".q_proj." in name:
             heads = num_heads
         elif permute_qk and ".k_proj." in name:
             heads = num_kv_heads
-        type_name = t.tensor_type.name
-        if keep_quantized and type_name not in GGUF_FLOAT_TYPES and len(shape) == 2:
-            qw = gguf_quantized_weight(t.data, type_name, shape)  # type: ignore[arg-type]
+        data = tensor_data(file_map, t)
+        if keep_quantized and t.type_name not in GGUF_FLOAT_TYPES and len(shape) == 2:
+            qw = gguf_quantized_weight(data, t.type_name, shape)  # type: ignore[arg-type]
             if heads is not None:
                 # Row permutations commute with per-row group quantization.
                 qw = qw.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
             yield name, qw
             continue
-        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = _dequantize(data, t).reshape(shape)
         if heads is not None:
             w = unpermute_qk(w, heads)
         elif norm_plus_one and name.endswith("norm.weight"):
@@ -220,29 +231,42 @@ def read_gguf_tensors(
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 
-@functools.lru_cache(maxsize=2)
-def _open_gguf(gguf_path: str, mtime_ns: int, size: int) -> GGUFReader:
+def _dequantize(data: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:
+    if tensor.type_name in ("F32", "F16"):
+        return data  # gguf-py would only convert it
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(data, GGMLQuantizationType[tensor.type_name])
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
+    cache_dir = cache_dir_for(path)
+    index = load_index(cache_dir, path)
+    if index is not None:
+        return index
     import gguf
 
-    return gguf.GGUFReader(gguf_path)
+    start = time.perf_counter()
+    index = index_from_reader(gguf.GGUFReader(path), path)
+    logger.info("parsed the metadata of %s in %.1f s", path, time.perf_counter() - start)
+    if os.path.isdir(cache_dir):  # else the conversion writes it
+        save_index(index, cache_dir)
+    return index
 
 
-def open_gguf(gguf_path: str) -> GGUFReader:
-    """A reader of the file, parsed once per load: parsing the metadata (the tokenizer's
-    vocabulary field by field) takes seconds, and a load reads the file three times (type
-    check, quantization choice, weights). `release_gguf_readers()` drops them after the load."""
-    st = os.stat(gguf_path)
-    return _open_gguf(os.path.abspath(gguf_path), st.st_mtime_ns, st.st_size)
-
-
-def release_gguf_readers() -> None:
-    _open_gguf.cache_clear()
+def gguf_index(gguf_path: str) -> GGUFIndex:
+    """The file's tensor table: from the conversion cache while the file is unchanged (path,
+    size, mtime), else parsed (once per process) and saved there."""
+    path = os.path.realpath(gguf_path)
+    st = os.stat(path)
+    return _gguf_index(path, st.st_size, st.st_mtime_ns)
 
 
 def gguf_quant_types(gguf_path: str) -> set[str]:
     """The tensor types of a GGUF file's 2-D weights."""
-    reader = open_gguf(gguf_path)
-    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    return gguf_index(gguf_path).type_names(ndim=2)
 
 
 def check_gguf_quant_types(gguf_path: str) -> None:
@@ -264,6 +288,4 @@ def read_gguf_quantized(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The file's weights with its quantized projections kept quantized (--quantization gguf)."""
     check_gguf_quant_types(gguf_path)
-    reader = open_gguf(gguf_path)
-    arch = str(reader.fields["general.architecture"].contents())
-    yield from read_gguf_tensors(reader, hf_config, arch, keep_quantized=True)
+    yield from read_gguf_tensors(gguf_index(gguf_path), hf_config, keep_quantized=True)

@@ -38,7 +38,6 @@ from pagedllm.models.gguf_loader import (
     gguf_quant_types,
     gguf_to_hf_dir,
     read_gguf_quantized,
-    release_gguf_readers,
 )
 from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
 from pagedllm.models.registry import resolve_model_class
@@ -126,10 +125,7 @@ def load_model(
         weights: Iterable[tuple[str, Any]] = read_gguf_quantized(gguf_path, hf_config)
     else:
         weights = iter_safetensors(weight_files)
-    try:
-        cast(Any, net).load_weights(weights)
-    finally:
-        release_gguf_readers()
+    cast(Any, net).load_weights(weights)
     for module in net.modules():
         finish = getattr(module, "finish_loading", None)
         if finish is not None:

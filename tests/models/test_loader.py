@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -148,8 +147,69 @@ def test_resolve_checkpoint(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_tensor_type() -> None:
-    fake = SimpleNamespace(
-        tensors=[SimpleNamespace(tensor_type=SimpleNamespace(name=n)) for n in ("Q4_1", "IQ2_XXS")]
-    )
     with pytest.raises(ValueError, match="type IQ2_XXS; supported: F32, F16, BF16, Q4_0"):
-        check_tensor_types(fake, "x.gguf")  # type: ignore[arg-type]
+        check_tensor_types(["Q4_1", "IQ2_XXS"], "x.gguf")
+    check_tensor_types(["Q4_1", "F32"], "x.gguf")
+
+
+def test_gguf_index_matches_gguf_reader(tiny_hf: tuple[Any, Path], cache_dir: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from pagedllm.models.gguf_index import tensor_data
+
+    path = write_gguf(tiny_hf, "Q4_1")
+    index = gguf_loader.gguf_index(str(path))
+    reader = gguf.GGUFReader(str(path))
+    assert index.architecture == "llama"
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    file_map = index.open_data()
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert ours.type_name == theirs.tensor_type.name
+        assert ours.dims == tuple(theirs.shape.tolist())
+        data = tensor_data(file_map, ours)
+        assert data.dtype == theirs.data.dtype and np.array_equal(data, theirs.data), ours.name
+    assert index.type_names(ndim=2) == {"Q4_1", "Q8_0"}  # projections, and the embedding
+
+
+def test_gguf_index_is_reused_and_dropped_when_the_file_changes(
+    tiny_hf: tuple[Any, Path], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gguf
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.gguf_index import INDEX_FILE, load_index
+
+    path = write_gguf(tiny_hf, "Q4_1")
+    gguf_loader._gguf_index.cache_clear()
+    first = load_model(str(path))
+    assert first.quantization == "gguf"
+    assert os.path.isfile(os.path.join(first.model_dir, INDEX_FILE))
+
+    def no_parse(*args: object) -> None:
+        raise AssertionError("parsed the GGUF metadata again despite the cached index")
+
+    # A new process (no in-memory cache) loads the same weights without parsing the file.
+    gguf_loader._gguf_index.cache_clear()
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    second = load_model(str(path))
+    ours, theirs = first.model.state_dict(), second.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+    # The file changes in place (another quantization, same path): the old index is stale,
+    # even read from the old cache entry, and a load parses the new file.
+    save_tiny_gguf(path, tiny_hf[0], AutoTokenizer.from_pretrained(tiny_hf[1]), "Q8_0")
+    assert load_index(first.model_dir, str(path)) is None
+    with pytest.raises(AssertionError, match="parsed the GGUF metadata again"):
+        load_model(str(path))
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache_dir))
+    third = load_model(str(path))
+    assert third.model_dir != first.model_dir
+    assert gguf_loader.gguf_quant_types(str(path)) == {"Q8_0"}
+    assert load_index(third.model_dir, str(path)) is not None
+    # A touched file (same bytes, new mtime) is not trusted either.
+    os.utime(path, ns=(0, 12345))
+    assert load_index(third.model_dir, str(path)) is None

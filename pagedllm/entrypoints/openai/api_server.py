@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.engine.core_client import StartedCore
 from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -272,9 +273,13 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-async def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
+async def serve(
+    engine_args: EngineArgs, config: ServerConfig, started_core: StartedCore | None = None
+) -> None:
     model_name = config.served_model_name or engine_args.model
-    engine = AsyncLLM(engine_args, model_name, config.max_waiting_requests, config.request_timeout_s)
+    engine = AsyncLLM(
+        engine_args, model_name, config.max_waiting_requests, config.request_timeout_s, started_core
+    )
     app = build_app(engine, config, model_name)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
@@ -306,5 +311,6 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
         raise SystemExit(1)
 
 
-def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
-    asyncio.run(serve(engine_args, config))
+def run_server(engine_args: EngineArgs, config: ServerConfig, started_core: StartedCore | None = None) -> None:
+    """started_core: an engine core spawned early (`pagedllm serve`); else one is spawned here."""
+    asyncio.run(serve(engine_args, config, started_core))

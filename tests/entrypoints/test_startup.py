@@ -1,0 +1,30 @@
+"""`pagedllm serve` start-up: the engine core is spawned before the front end's imports, so
+its failures must still reach the front end; `pagedllm bench startup` times a real start."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.entrypoints.bench_startup import PHASES, run_once
+from tests.entrypoints.utils import REPO_ROOT, RemoteServer
+
+pytestmark = pytest.mark.slow
+
+
+def test_engine_start_failure_reaches_the_front_end() -> None:
+    # The core fails at once, possibly before the front end has bound its sockets: the
+    # reason must still arrive, and the server exit with an error.
+    with pytest.raises(RuntimeError, match="server exited with 1") as info:
+        RemoteServer([], model="no-such-model", startup_timeout_s=120)
+    assert "the engine core failed to start: ValueError: model 'no-such-model'" in str(info.value)
+
+
+def test_bench_startup_times_a_real_server(tiny_llama_dir) -> None:
+    args = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB"]
+    result = run_once(str(REPO_ROOT), str(tiny_llama_dir), args, timeout_s=120)
+    assert 0 < result.healthy_s < result.first_token_s
+    assert result.cpu_s > 0
+    # Every phase was logged, in order, before the server answered healthy.
+    times = [result.phases[name] for name, _ in PHASES]
+    assert times == sorted(times)
+    assert times[-1] <= result.healthy_s + 0.01  # log stamps have millisecond resolution
