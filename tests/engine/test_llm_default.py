@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from tests.utils import assert_greedy_match, hf_greedy
 
 CHAT_PROMPTS = [
@@ -103,11 +103,6 @@ def test_prompt_longer_than_max_model_len_is_rejected(default_llm):
     assert not default_llm.llm_engine.has_unfinished_requests()
     out = default_llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
-
-
-def test_kv_pool_too_small_for_max_model_len_fails_at_startup():
-    with pytest.raises(ValueError, match="kv-cache-memory-bytes.*max-model-len"):
-        LLM("SmolLM2-135M-Instruct", dtype="float32", max_model_len=8192, kv_cache_memory_bytes="64MiB")
 
 
 def test_invalid_sampling_params_raise():

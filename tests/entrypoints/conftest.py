@@ -16,6 +16,34 @@ def server():
     srv.stop()
 
 
+# One server behind an API key (--api-key) under another model name, shared by the auth tests
+# (test_auth.py), the dashboard's (test_dashboard.py) and the SIGTERM test (test_shutdown.py,
+# which stops it: last in file order).
+API_KEY = "s3cret-key"
+SERVED_NAME = "my-model"
+KEYED_SERVER_ARGS = [*SMALL_SERVER_ARGS, "--served-model-name", SERVED_NAME, "--api-key", API_KEY]
+
+
+@pytest.fixture(scope="session")
+def _keyed_server_slot():
+    slot: dict[str, RemoteServer] = {}
+    yield slot
+    if "server" in slot:
+        slot["server"].stop()
+
+
+@pytest.fixture
+def keyed_server(_keyed_server_slot):
+    """The shared keyed server; started again if a test stopped it (tests run in another
+    order than the files', say)."""
+    srv = _keyed_server_slot.get("server")
+    if srv is None or srv.proc.poll() is not None:
+        if srv is not None:
+            srv.stop()
+        srv = _keyed_server_slot["server"] = RemoteServer(KEYED_SERVER_ARGS)
+    return srv
+
+
 @pytest.fixture(scope="session")
 def client(server):
     import openai
