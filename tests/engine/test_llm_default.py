@@ -33,8 +33,8 @@ def test_chat_token_ids_equal_hf_template(default_llm, default_tokenizer):
             assert ours.prompt_token_ids[:2] != [bos, bos], "double BOS"
 
 
-def test_greedy_chat_matches_hf(default_llm, hf_default_model, default_loaded):
-    eos = set(default_loaded.model_config.eos_token_ids)
+def test_greedy_chat_matches_hf(default_llm, hf_default_model):
+    eos = set(default_llm.llm_engine.model_config.eos_token_ids)
     params = SamplingParams(max_tokens=64, temperature=0.0)
     outs = default_llm.chat([_chat(q) for q in CHAT_PROMPTS], params, use_tqdm=False)
     for q, out in zip(CHAT_PROMPTS, outs):
@@ -68,8 +68,8 @@ def test_stop_string_spanning_tokens(default_llm, default_tokenizer):
     )
 
 
-def test_min_tokens_and_stop_token_ids(default_llm, default_loaded):
-    eos = set(default_loaded.model_config.eos_token_ids)
+def test_min_tokens_and_stop_token_ids(default_llm):
+    eos = set(default_llm.llm_engine.model_config.eos_token_ids)
     conv = _chat("Say just the word yes.")
     short = default_llm.chat(conv, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0]
     n = len(short.outputs[0].token_ids)

@@ -57,6 +57,8 @@ def test_second_request_computes_only_its_suffix(default_llm, hf_default_model, 
     salted = [{"prompt_token_ids": second, "cache_salt": s} for s in ("a", "b", "a")]
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in salted]
     assert [o.num_cached_tokens for o in outs] == [0, 0, 400 + 16]
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    assert manager.num_free_blocks == llm.llm_engine.config.num_blocks - 1
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
