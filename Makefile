@@ -39,7 +39,7 @@ run: $(STAMP)
 	$(PY) -m pagedllm.entrypoints.cli chat-demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 bench: $(STAMP)
 	$(PY) -m pagedllm.entrypoints.cli bench throughput --num-prompts 64 --baseline hf

@@ -14,24 +14,33 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="session")
 def default_loaded():
-    """Our loader's view of the real default model (GGUF), float32."""
+    """Our loader's view of the real default model (GGUF), float32. (A full load, 10-20 s:
+    the default engine, `default_llm`, or a module's own load may serve instead.)"""
     from pagedllm.models.loader import load_model
 
     return load_model(DEFAULT_MODEL, dtype="float32", max_model_len=2048)
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_loaded):
-    return default_loaded.tokenizer
+def default_tokenizer():
+    """The default model's tokenizer, as our loader builds it, without loading the weights."""
+    from pagedllm.models.gguf_loader import gguf_to_hf_dir
+    from pagedllm.models.loader import _load_tokenizer, resolve_checkpoint
+
+    gguf_path, model_dir = resolve_checkpoint(DEFAULT_MODEL)
+    return _load_tokenizer(gguf_to_hf_dir(gguf_path) if gguf_path else model_dir)
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(default_loaded):
+def hf_default_model():
     """HF transformers loading the same GGUF file: the reference."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = default_loaded.gguf_path
+    from pagedllm.models.loader import resolve_checkpoint
+
+    path, _ = resolve_checkpoint(DEFAULT_MODEL)
+    assert path is not None
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )

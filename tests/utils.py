@@ -29,7 +29,9 @@ def hf_greedy(
     tokens: list[int] = []
     gaps: list[float] = []
     with torch.inference_mode():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        # Only the last position's logits: a long prompt's full logits are len x vocab (700 x
+        # 262144 floats for Gemma 3's long prompt), most of the prefill's time.
+        out = model(torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
         for _ in range(max_new_tokens):
             logprobs = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
             top2 = logprobs.topk(2)

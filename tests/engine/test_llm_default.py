@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from tests.utils import assert_greedy_match, hf_greedy
 
 CHAT_PROMPTS = [
@@ -33,8 +33,8 @@ def test_chat_token_ids_equal_hf_template(default_llm, default_tokenizer):
             assert ours.prompt_token_ids[:2] != [bos, bos], "double BOS"
 
 
-def test_greedy_chat_matches_hf(default_llm, hf_default_model, default_loaded):
-    eos = set(default_loaded.model_config.eos_token_ids)
+def test_greedy_chat_matches_hf(default_llm, hf_default_model):
+    eos = set(default_llm.llm_engine.model_config.eos_token_ids)
     params = SamplingParams(max_tokens=64, temperature=0.0)
     outs = default_llm.chat([_chat(q) for q in CHAT_PROMPTS], params, use_tqdm=False)
     for q, out in zip(CHAT_PROMPTS, outs):
@@ -68,8 +68,8 @@ def test_stop_string_spanning_tokens(default_llm, default_tokenizer):
     )
 
 
-def test_min_tokens_and_stop_token_ids(default_llm, default_loaded):
-    eos = set(default_loaded.model_config.eos_token_ids)
+def test_min_tokens_and_stop_token_ids(default_llm):
+    eos = set(default_llm.llm_engine.model_config.eos_token_ids)
     conv = _chat("Say just the word yes.")
     short = default_llm.chat(conv, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0]
     n = len(short.outputs[0].token_ids)
@@ -103,11 +103,6 @@ def test_prompt_longer_than_max_model_len_is_rejected(default_llm):
     assert not default_llm.llm_engine.has_unfinished_requests()
     out = default_llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
-
-
-def test_kv_pool_too_small_for_max_model_len_fails_at_startup():
-    with pytest.raises(ValueError, match="kv-cache-memory-bytes.*max-model-len"):
-        LLM("SmolLM2-135M-Instruct", dtype="float32", max_model_len=8192, kv_cache_memory_bytes="64MiB")
 
 
 def test_invalid_sampling_params_raise():

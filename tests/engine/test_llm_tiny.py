@@ -114,3 +114,13 @@ def test_output_capped_at_max_model_len(tiny_llama_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([{"prompt_token_ids": [100] * 64}], use_tqdm=False)
     _assert_all_blocks_free(llm)
+
+
+def test_kv_pool_too_small_for_max_model_len_fails_at_startup(tiny_llama_dir):
+    # The tiny model: 2 layers x 2 KV heads x 16 dims in float32 is 8 KiB per 16-token block;
+    # one request of max_model_len=1024 needs 64 blocks, and block 0 is the null block.
+    # (The check is the same for every model; the default model took ~12 s to load for it.)
+    with pytest.raises(ValueError, match=r"holds 63 blocks.*kv-cache-memory-bytes.*max-model-len"):
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * 8192)
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=65 * 8192)
+    _assert_all_blocks_free(llm)

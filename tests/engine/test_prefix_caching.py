@@ -12,8 +12,9 @@ from tests.utils import assert_greedy_match, hf_greedy
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def _record_scheduled_tokens(llm: LLM) -> dict[str, int]:
-    """Count the tokens the model actually computes per request id (wraps the runner)."""
+def _record_scheduled_tokens(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the tokens the model actually computes per request id (wraps the runner until
+    the test ends: the engine may be the session's shared one)."""
     runner = llm.llm_engine.engine_core.runner
     counts: dict[str, int] = {}
     execute = runner.execute
@@ -23,7 +24,7 @@ def _record_scheduled_tokens(llm: LLM) -> dict[str, int]:
             counts[req_id] = counts.get(req_id, 0) + n
         return execute(scheduler_output)
 
-    runner.execute = counting_execute
+    monkeypatch.setattr(runner, "execute", counting_execute)
     return counts
 
 
@@ -31,15 +32,11 @@ def _random_ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(100, 40000, size=n).tolist()
 
 
-@pytest.fixture(scope="module")
-def cached_llm():
-    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", max_model_len=2048, kv_cache_memory_bytes="256MiB")
-    return llm
-
-
-def test_second_request_computes_only_its_suffix(cached_llm, hf_default_model):
-    llm = cached_llm
-    counts = _record_scheduled_tokens(llm)
+def test_second_request_computes_only_its_suffix(default_llm, hf_default_model, monkeypatch):
+    # The session's default engine (prefix caching on by default); its prompts are its own
+    # (random ids from this test's seeds), so nothing of another test's is cached for them.
+    llm = default_llm
+    counts = _record_scheduled_tokens(llm, monkeypatch)
     prefix = _random_ids(400, seed=7)  # 25 full blocks of 16
     first = prefix + _random_ids(20, seed=8)
     second = prefix + _random_ids(30, seed=9)
@@ -60,15 +57,17 @@ def test_second_request_computes_only_its_suffix(cached_llm, hf_default_model):
     salted = [{"prompt_token_ids": second, "cache_salt": s} for s in ("a", "b", "a")]
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in salted]
     assert [o.num_cached_tokens for o in outs] == [0, 0, 400 + 16]
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    assert manager.num_free_blocks == llm.llm_engine.config.num_blocks - 1
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_caching_on_and_off_agree_with_hf(tiny_llama_dir, hf_tiny_llama, enable_prefix_caching):
+def test_caching_on_and_off_agree_with_hf(tiny_llama_dir, hf_tiny_llama, enable_prefix_caching, monkeypatch):
     llm = LLM(
         tiny_llama_dir, dtype="float32", kv_cache_memory_bytes="8MiB",
         enable_prefix_caching=enable_prefix_caching,
     )
-    counts = _record_scheduled_tokens(llm)
+    counts = _record_scheduled_tokens(llm, monkeypatch)
     system_prompts = [_random_ids(100 + 13 * i, seed=100 + i) for i in range(8)]
     prompts = [system_prompts[i % 8] + _random_ids(5 + i, seed=200 + i) for i in range(32)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

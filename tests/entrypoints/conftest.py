@@ -16,6 +16,43 @@ def server():
     srv.stop()
 
 
+# One server behind an API key (--api-key) under another model name, shared by the auth tests
+# (test_auth.py), the dashboard's (test_dashboard.py) and the SIGTERM test (test_shutdown.py,
+# which stops it: last in file order).
+API_KEY = "s3cret-key"
+SERVED_NAME = "my-model"
+KEYED_SERVER_ARGS = [*SMALL_SERVER_ARGS, "--served-model-name", SERVED_NAME, "--api-key", API_KEY]
+
+
+@pytest.fixture(scope="session")
+def _keyed_server_slot():
+    slot: dict = {}
+    yield slot
+    if "server" in slot:
+        slot["server"].stop()
+
+
+@pytest.fixture
+def keyed_server(_keyed_server_slot):
+    """The shared keyed server; started again if a test stopped it (tests run in another
+    order than the files', say). A start that failed is not tried again (as a session
+    fixture's error, it fails every later test at once)."""
+    slot = _keyed_server_slot
+    if "error" in slot:
+        raise RuntimeError(f"the keyed server failed to start earlier: {slot['error']}")
+    srv = slot.get("server")
+    if srv is None or srv.proc.poll() is not None:
+        if srv is not None:
+            srv.stop()
+            del slot["server"]
+        try:
+            slot["server"] = RemoteServer(KEYED_SERVER_ARGS)
+        except Exception as e:
+            slot["error"] = str(e).splitlines()[0]
+            raise
+    return slot["server"]
+
+
 @pytest.fixture(scope="session")
 def client(server):
     import openai
@@ -31,10 +68,6 @@ def async_client(server):
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
+def tokenizer(default_tokenizer):
     """The default model's tokenizer alone (no weights): the reference for usage counts."""
-    from pagedllm.models.gguf_loader import gguf_to_hf_dir
-    from pagedllm.models.loader import _load_tokenizer, resolve_checkpoint
-
-    gguf_path, model_dir = resolve_checkpoint(MODEL)
-    return _load_tokenizer(gguf_to_hf_dir(gguf_path) if gguf_path else model_dir)
+    return default_tokenizer

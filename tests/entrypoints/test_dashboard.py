@@ -16,21 +16,20 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import MODEL
-from tests.entrypoints.utils import SMALL_SERVER_ARGS, RemoteServer
+from tests.entrypoints.conftest import API_KEY
+from tests.entrypoints.conftest import SERVED_NAME as MODEL
+from tests.entrypoints.utils import RemoteServer
 
-API_KEY = "dashboard-secret"
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 # About 200 tokens shared by several prompts: whole 16-token blocks the prefix cache can share.
 SHARED_PREFIX = "You are a careful assistant who answers in full sentences. " * 20
 
 
-@pytest.fixture(scope="module")
-def key_server():
-    srv = RemoteServer([*SMALL_SERVER_ARGS, "--api-key", API_KEY])
-    yield srv
-    srv.stop()
+@pytest.fixture
+def key_server(keyed_server):
+    """The shared server behind --api-key (conftest.py; the auth tests use it too)."""
+    return keyed_server
 
 
 def get_state(server: RemoteServer, key: str | None = API_KEY) -> httpx.Response:

@@ -2,7 +2,8 @@
 against HF transformers reading the same file (the session fixtures of tests/conftest.py).
 
 A first load into a fresh cache directory (~22 s: transformers parses the GGUF metadata for
-config and tokenizer, every tensor is dequantized) is shared by the cache and config tests;
+config and tokenizer, every tensor is dequantized) is shared by the cache, config, weight-size
+and HF-comparison tests (no other load of the default model here);
 HF's own load of the file takes another ~25 s.
 """
 
@@ -71,8 +72,8 @@ def test_no_double_bos(first_load: tuple[LoadedModel, float]) -> None:
 
 
 @pytest.mark.slow
-def test_matches_hf_on_the_same_gguf(default_loaded: LoadedModel, hf_default_model: Any) -> None:
-    loaded = default_loaded
+def test_matches_hf_on_the_same_gguf(first_load: tuple[LoadedModel, float], hf_default_model: Any) -> None:
+    loaded = first_load[0]
     prompt = loaded.tokenizer.apply_chat_template(
         MESSAGES, add_generation_prompt=True, return_dict=False
     )
@@ -91,6 +92,20 @@ def test_matches_hf_on_the_same_gguf(default_loaded: LoadedModel, hf_default_mod
     torch.testing.assert_close(torch.stack(req.logprobs), ref_steps, atol=2e-2, rtol=0)
     assert_greedy_match(req.token_ids[num_prompt:], ref_ids, ref_gaps, "SmolLM2 vs HF")
     assert "Paris" in loaded.tokenizer.decode(req.token_ids[len(prompt) :])
+
+
+@pytest.mark.slow
+def test_weights_stay_near_the_file_size(first_load: tuple[LoadedModel, float]) -> None:
+    # The default for the Q4_1 file: its own 4-bit blocks (plus the Q8_0 embedding, which is
+    # also the tied LM head), with scales and mins widened to float32: 108 MiB for 94 MiB.
+    import os
+
+    loaded = first_load[0]
+    assert loaded.quantization == "gguf"
+    file_size = os.path.getsize(loaded.gguf_path)
+    assert file_size < loaded.weight_bytes < 1.2 * file_size
+    params = dict(loaded.model.named_parameters())
+    assert sum(p.numel() for n, p in params.items() if n.endswith("proj.weight")) == 0  # no float copy
 
 
 @pytest.mark.slow
