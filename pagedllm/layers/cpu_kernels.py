@@ -5,8 +5,9 @@ rotary, silu-and-mul) and the decode forward of Llama-shaped decoder layers
 (csrc/decode_layers.cpp, built from the others' kernel headers), each its own extension in
 its own build directory.
 
-The build is cached under $PAGEDLLM_CACHE_DIR/torch_extensions/<source hash> (default ~/.cache/pagedllm),
-so only the first start on a machine compiles. If the build fails (no compiler), callers
+The build is cached under `kernel_cache_root()`/<source hash> ($PAGEDLLM_KERNEL_CACHE_DIR, else
+$PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions), so only the
+first start on a machine compiles. If the build fails (no compiler), callers
 fall back to the torch formulation and say so once in the log.
 """
 
@@ -34,14 +35,20 @@ _DECODE_LAYERS_SOURCES = [
 _loaded: dict[str, ModuleType | None] = {}
 
 
+def kernel_cache_root() -> str:
+    """Where builds live: $PAGEDLLM_KERNEL_CACHE_DIR, else $PAGEDLLM_CACHE_DIR/torch_extensions
+    (default ~/.cache/pagedllm/torch_extensions)."""
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
+    return os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR") or os.path.join(root, "torch_extensions")
+
+
 def _build_dir(sources: list[Path]) -> str:
     """One directory per content of the sources: an edited kernel (or another checkout's)
     builds beside the old one instead of rebuilding over it under a running process."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR", os.path.expanduser("~/.cache/pagedllm"))
     digest = hashlib.sha256()
     for src in sources:
         digest.update(src.read_bytes())
-    path = os.path.join(root, "torch_extensions", digest.hexdigest()[:16])
+    path = os.path.join(kernel_cache_root(), digest.hexdigest()[:16])
     os.makedirs(path, exist_ok=True)
     return path
 
