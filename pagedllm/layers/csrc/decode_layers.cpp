@@ -27,6 +27,9 @@
 namespace pagedllm {
 namespace {
 
+// Activation rows per float32 weight read (two accumulators per row: 4 rows fill 8 registers).
+constexpr int kF32RowTile = 4;
+
 // y[m, n] for activation rows m .. m + MT and one float32 weight row: two accumulators per
 // row over alternate 8-wide blocks keep two FMA chains in flight.
 template <int MT>
@@ -89,7 +92,7 @@ struct DecodeLinear {
       for (int64_t n = 0; n < n_; ++n) {
         const float* wrow = wp + n * k_;
         int64_t m = 0;
-        for (; m + kRowTile <= M; m += kRowTile) row_dot_f32<kRowTile>(x + m * k_, k_, wrow, y + m * n_ + n, n_);
+        for (; m + kF32RowTile <= M; m += kF32RowTile) row_dot_f32<kF32RowTile>(x + m * k_, k_, wrow, y + m * n_ + n, n_);
         switch (M - m) {
           case 3: row_dot_f32<3>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
           case 2: row_dot_f32<2>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
