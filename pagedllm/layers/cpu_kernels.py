@@ -1,9 +1,10 @@
 """Compiled CPU kernels (C++/OpenMP through torch.utils.cpp_extension), built on first use:
 paged attention (csrc/paged_attention.cpp), weight-only quantized linears
 (csrc/quant_linear.cpp, AVX2), fused elementwise layer ops (csrc/layer_ops.cpp: RMSNorm,
-rotary, silu-and-mul) and the decode forward of Llama-shaped decoder layers
-(csrc/decode_layers.cpp, built from the others' kernel headers), each its own extension in
-its own build directory.
+rotary, silu-and-mul), the decode forward of Llama-shaped decoder layers
+(csrc/decode_layers.cpp, built from the others' kernel headers) and bfloat16 linears for CPUs
+without native bf16 (csrc/bf16_linear.cpp, AVX2), each its own extension in its own build
+directory.
 
 The build is cached under `kernel_cache_root()`/<source hash> ($PAGEDLLM_KERNEL_CACHE_DIR, else
 $PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions), so only the
@@ -31,6 +32,7 @@ _LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp", _CSRC / "layer_ops.h"]
 _DECODE_LAYERS_SOURCES = [
     _CSRC / "decode_layers.cpp", _CSRC / "layer_ops.h", _CSRC / "paged_attention.h", _CSRC / "quant_linear.h",
 ]
+_BF16_LINEAR_SOURCES = [_CSRC / "bf16_linear.cpp"]
 # Extension name -> the loaded module, or None once it failed to build (or kernels are off).
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -118,6 +120,11 @@ def paged_attention_ops() -> ModuleType | None:
 def quant_linear_ops() -> ModuleType | None:
     """The compiled weight-only quantized linear kernels (AVX2), or None where unavailable."""
     return _extension("pagedllm_quant_linear", _QUANT_SOURCES, "dequantizing per layer")
+
+
+def bf16_linear_ops() -> ModuleType | None:
+    """The compiled bf16-weight linear kernel (AVX2, float32 arithmetic), or None."""
+    return _extension("pagedllm_bf16_linear", _BF16_LINEAR_SOURCES, "using torch's bf16 matmul")
 
 
 def layer_ops() -> ModuleType | None:

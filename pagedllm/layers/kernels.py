@@ -1,5 +1,8 @@
 """The one place that picks CPU kernels for the matmuls of linear layers.
 
+bf16 on a CPU without native bf16 goes to `bf16_linear` (bf16 weights, float32 arithmetic;
+torch's own bf16 matmul is 3-9x slower than float32 there).
+
 zentorch (AMD's torch extension) is used when it is importable and agrees with torch on a
 probe for the dtype (e.g. its bf16 path needs avx512bf16); otherwise plain torch.
 `PAGEDLLM_ZENTORCH=0` forces plain torch.
@@ -20,6 +23,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.layers.bf16_linear import bf16_linear, use_bf16_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,9 @@ def linear_op(
     persistent_weight: the weight is a module parameter written only through weight loaders,
     so kernels may cache a packed copy of it by address.
     """
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and use_bf16_kernels():
+        if weight.is_contiguous() and x.is_cpu:
+            return bf16_linear(x, weight, bias)
     if not persistent_weight:
         return F.linear(x, weight, bias)
     ok = _zentorch_ok.get(x.dtype)

@@ -11,8 +11,9 @@ The matmul (`quantized_linear`) switches by the number of activation rows M:
   (int4) and 2.7-3x (int8) faster than dequantizing to float at M = 1.
 - M <= DECODE_MAX_ROWS: the compiled AVX2 kernel (csrc/quant_linear.cpp) reads the weight once
   per 4 rows and dequantizes in registers to float32 (batch 3 to 16: decode).
-- larger M (prefill, big batches): dequantize up to `_CHUNK_ROWS` weight rows at a time into
-  one reused float32 buffer and multiply with torch's GEMM, which beats the kernel there.
+- larger M (prefill, big batches): dequantize a chunk of weight rows at a time into one reused
+  float32 buffer and multiply with torch's GEMM (`gemm.chunked_gemm`), which beats the kernel
+  there.
 Measured (2-core AVX2 EPYC, loaded by other agents, 1 thread, ms per [3072, 576] layer):
 M=1 f32 1.32 / int8 kernel 0.55 / int4 kernel 0.68; M=8 2.82 / 1.28 / 1.23;
 M=32 5.78 / 7.17 / 7.20 (dequant + GEMM 7.18); M=128 21.2 / 34.5 / 35.7 (dequant + GEMM 20.7).
@@ -26,18 +27,15 @@ from typing import Literal
 import torch
 
 from pagedllm.layers.cpu_kernels import quant_linear_ops
+from pagedllm.layers.gemm import chunked_gemm
 
 GROUP_SIZE = 32
 # Up to this many activation rows, the kernel with int16 activations (integer dot products).
 INT16_MAX_ROWS = 2
 # Above this many activation rows, dequantize-then-GEMM beats the quantized kernel.
 DECODE_MAX_ROWS = 16
-# Weight rows dequantized at a time on the GEMM path (a float32 buffer of at most 2048 x K).
-_CHUNK_ROWS = 2048
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "int4", "none")
-
-_scratch: torch.Tensor | None = None  # the reused float32 buffer of the GEMM path
 
 
 @dataclass(frozen=True)
@@ -165,30 +163,17 @@ def quantized_linear(
 
 def _dequantize_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x: [M, K] float32 -> [M, N], dequantizing a chunk of weight rows at a time."""
-    global _scratch
-    n, k = weight.shape
-    rows = min(n, _CHUNK_ROWS)
-    if _scratch is None or _scratch.numel() < rows * k:
-        _scratch = torch.empty(rows * k)
-    y = torch.empty(x.shape[0], n)
     ops = quant_linear_ops()
-    for start in range(0, n, rows):
-        size = min(rows, n - start)
-        buf = _scratch[: size * k].view(size, k)
+
+    def fill_rows(start: int, buf: torch.Tensor) -> None:
         if ops is None:
-            part = QuantizedWeight(
-                weight.bits,
-                weight.qweight[start : start + size],
-                weight.scales[start : start + size],
-                None if weight.zeros is None else weight.zeros[start : start + size],
-            )
-            buf.copy_(part.dequantize())
+            buf.copy_(weight.rows(torch.arange(start, start + buf.shape[0])).dequantize())
         elif weight.bits == 8:
             ops.int8_dequantize_rows(weight.qweight, weight.scales, start, buf)
         else:
             ops.int4_dequantize_rows(weight.qweight, weight.scales, weight.zeros, start, buf)
-        torch.mm(x, buf.t(), out=y[:, start : start + size])
-    return y
+
+    return chunked_gemm(x, weight.shape[0], fill_rows)
 
 
 def embedding_lookup(input_ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""bfloat16 linears on CPUs without native bf16 (AVX2 without AVX512-BF16 / AMX).
+
+There torch's bf16 matmul is 3-9x slower than float32 (measured at M = 8-128), so a bf16
+model would be far slower than the float32 one. Here the weight stays bf16 (half the bytes)
+and the arithmetic is float32 (bf16 inputs, float32 accumulation, one rounding of the output
+to bf16, as a native bf16 unit computes), switching by the number of activation rows M:
+- M <= DECODE_MAX_ROWS (decode): the compiled AVX2 kernel (csrc/bf16_linear.cpp) widens the
+  weight in registers, reading it from memory once;
+- larger M: `chunked_gemm` widens chunks of weight rows into a float32 buffer for torch's
+  float32 GEMM.
+Measured (2-core AVX2 EPYC, loaded by other agents, 1 thread, ms per [3072, 576] layer):
+M=1 float32 0.54 / torch bf16 0.53 / kernel 0.19; M=8 0.94 / 4.1 / 0.64;
+M=64 4.1 / 37.8 / chunked GEMM 4.1; M=128 7.3 / 66 / 8.2.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from pagedllm.layers.cpu_kernels import bf16_linear_ops
+from pagedllm.layers.gemm import chunked_gemm
+
+logger = logging.getLogger(__name__)
+
+# Up to this many activation rows the kernel; above, the chunked float32 GEMM.
+DECODE_MAX_ROWS = 32
+
+
+def native_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX), so torch's bf16 matmul
+    (oneDNN) is the fast one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@functools.cache
+def use_bf16_kernels() -> bool:
+    """bf16 x bf16 linears go through `bf16_linear`: the CPU lacks native bf16 and the kernel
+    builds (not on other architectures, nor with PAGEDLLM_CPU_KERNELS=0)."""
+    use = not native_bf16() and bf16_linear_ops() is not None
+    logger.info("bf16 linears: %s", "float32 arithmetic on bf16 weights" if use else "torch")
+    return use
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] bf16, weight: [N, K] bf16 (contiguous), bias: [N] -> [..., N] bf16."""
+    ops = bf16_linear_ops()
+    assert ops is not None, "bf16_linear needs the compiled kernel (see use_bf16_kernels)"
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()  # [M, K]
+    if x2.shape[0] <= DECODE_MAX_ROWS:
+        y = ops.bf16_linear(x2, weight, bias)
+    else:
+        y32 = chunked_gemm(x2.float(), n, lambda start, buf: ops.bf16_rows_to_float(weight, start, buf))
+        if bias is not None:
+            y32 += bias.float()
+        y = y32.to(torch.bfloat16)
+    return y.view(*lead, n)

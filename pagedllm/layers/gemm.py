@@ -1,0 +1,34 @@
+"""Matmuls whose weight is stored compactly (quantized, or bf16 on a CPU without native bf16)
+on torch's float32 GEMM: up to `_CHUNK_ROWS` weight rows at a time are expanded into one
+reused float32 buffer and multiplied. For larger M (prefill, big batches) this beats
+computing from the compact weight in registers, the expansion being paid once per M rows."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# Weight rows expanded at a time (a float32 buffer of at most 2048 x K).
+_CHUNK_ROWS = 2048
+
+_scratch: torch.Tensor | None = None  # the reused float32 buffer
+
+
+def chunked_gemm(
+    x: torch.Tensor, num_rows: int, fill_rows: Callable[[int, torch.Tensor], None]
+) -> torch.Tensor:
+    """x: [M, K] float32 -> x @ W.T: [M, num_rows] float32, where `fill_rows(start, buf)`
+    writes W's rows [start, start + buf.shape[0]) as float32 into buf ([rows, K])."""
+    global _scratch
+    k = x.shape[1]
+    rows = min(num_rows, _CHUNK_ROWS)
+    if _scratch is None or _scratch.numel() < rows * k:
+        _scratch = torch.empty(rows * k)
+    y = torch.empty(x.shape[0], num_rows)
+    for start in range(0, num_rows, rows):
+        size = min(rows, num_rows - start)
+        buf = _scratch[: size * k].view(size, k)
+        fill_rows(start, buf)
+        torch.mm(x, buf.t(), out=y[:, start : start + size])
+    return y
