@@ -55,6 +55,30 @@ inline void row_dot_f32(const float* x, int64_t K, const float* wrow, float* y, 
   }
 }
 
+// y[r] = x . w_r for four consecutive float32 weight rows (one activation row): four weight
+// streams in flight per thread, the activation block loaded once for all four.
+inline void rows4_dot_f32(const float* x, int64_t K, const float* w, float* y) {
+  __m256 a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    for (int r = 0; r < 4; ++r) {
+      a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k), x0, a[r]);
+      b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k + 8), x1, b[r]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 x0 = _mm256_loadu_ps(x + k);
+    for (int r = 0; r < 4; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k), x0, a[r]);
+  }
+  for (int r = 0; r < 4; ++r) {
+    float sum = hsum(_mm256_add_ps(a[r], b[r]));
+    for (int64_t kk = k; kk < K; ++kk) sum += w[r * K + kk] * x[kk];
+    y[r] = sum;
+  }
+}
+
 // A linear layer's weight as this forward reads it (tensors held so the pointers stay valid).
 struct DecodeLinear {
   int64_t bits = 32;  // 32: float32 weight [N, K]; 8 or 4: quant_linear.h's layouts
@@ -85,7 +109,13 @@ struct DecodeLinear {
   // y [M, N] = x [M, K] @ W^T (+ bias); quantized weights take int16 activations at
   // M <= int16_max_rows, as quantization.quantized_linear does.
   void operator()(const float* x, int64_t M, float* y, int64_t int16_max_rows) const {
-    if (bits == 32) {
+    if (bits == 32 && M == 1) {  // single stream: four weight rows at a time
+      const float* wp = weight.data_ptr<float>();
+      const int64_t n_ = N, k_ = K, blocks = N / 4;
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < blocks; ++i) rows4_dot_f32(x, k_, wp + 4 * i * k_, y + 4 * i);
+      for (int64_t n = 4 * blocks; n < n_; ++n) row_dot_f32<1>(x, k_, wp + n * k_, y + n, n_);
+    } else if (bits == 32) {
       const float* wp = weight.data_ptr<float>();
       const int64_t n_ = N, k_ = K;
 #pragma omp parallel for schedule(static)
