@@ -9,8 +9,8 @@ The matmul (`quantized_linear`) switches by the number of activation rows M:
   to int16 per group of 32 (error at most 1/65534 of the group's largest |x|, far below the
   weights' own 4- or 8-bit rounding) and takes integer dot products (madd_epi16): 1.8-2.4x
   (int4) and 2.7-3x (int8) faster than dequantizing to float at M = 1.
-- M <= DECODE_MAX_ROWS: the compiled AVX2 kernel (csrc/quant_linear.cpp) reads the weight once
-  per 4 rows and dequantizes in registers to float32 (batch 3 to 16: decode).
+- M <= DECODE_MAX_ROWS: the compiled AVX2 kernel (csrc/quant_linear.h) reads the weight once
+  per 8 rows and dequantizes in registers to float32 (batch 3 to 16: decode).
 - larger M (prefill, big batches): dequantize a chunk of weight rows at a time into one reused
   float32 buffer and multiply with torch's GEMM (`gemm.chunked_gemm`), which beats the kernel
   there.
