@@ -4,13 +4,16 @@ There torch's bf16 matmul is 3-9x slower than float32 (measured at M = 8-128), s
 model would be far slower than the float32 one. Here the weight stays bf16 (half the bytes)
 and the arithmetic is float32 (bf16 inputs, float32 accumulation, one rounding of the output
 to bf16, as a native bf16 unit computes), switching by the number of activation rows M:
-- M <= DECODE_MAX_ROWS (decode): the compiled AVX2 kernel (csrc/bf16_linear.cpp) widens the
-  weight in registers, reading it from memory once;
+- M <= KERNEL_MAX_ROWS (decode, short prefill chunks): the compiled AVX2 kernel
+  (csrc/bf16_linear.cpp) widens the weight in registers up to 32 rows, reading it from
+  memory once, and above that a panel of 8 weight rows at a time into a float32 buffer
+  (csrc/gemm_tiles.h);
 - larger M: `chunked_gemm` widens chunks of weight rows into a float32 buffer for torch's
   float32 GEMM.
 Measured (2-core AVX2 EPYC, loaded by other agents, 1 thread, ms per [3072, 576] layer):
 M=1 float32 0.54 / torch bf16 0.53 / kernel 0.19; M=8 0.94 / 4.1 / 0.64;
-M=64 4.1 / 37.8 / chunked GEMM 4.1; M=128 7.3 / 66 / 8.2.
+M=64 4.1 / 37.8 / chunked GEMM 4.1; M=128 7.3 / 66 / 8.2. With 2 threads: M=64 panels ~1.8,
+chunked GEMM 3.3.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pagedllm.layers.gemm import chunked_gemm
 logger = logging.getLogger(__name__)
 
 # Up to this many activation rows the kernel; above, the chunked float32 GEMM.
-DECODE_MAX_ROWS = 32
+KERNEL_MAX_ROWS = 128
 
 
 def native_bf16() -> bool:
@@ -56,7 +59,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()  # [M, K]
-    if x2.shape[0] <= DECODE_MAX_ROWS:
+    if x2.shape[0] <= KERNEL_MAX_ROWS:
         y = ops.bf16_linear(x2, weight, bias)
     else:
         y32 = chunked_gemm(x2.float(), n, lambda start, buf: ops.bf16_rows_to_float(weight, start, buf))

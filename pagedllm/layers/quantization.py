@@ -9,14 +9,17 @@ The matmul (`quantized_linear`) switches by the number of activation rows M:
   to int16 per group of 32 (error at most 1/65534 of the group's largest |x|, far below the
   weights' own 4- or 8-bit rounding) and takes integer dot products (madd_epi16): 1.8-2.4x
   (int4) and 2.7-3x (int8) faster than dequantizing to float at M = 1.
-- M <= DECODE_MAX_ROWS: the compiled AVX2 kernel (csrc/quant_linear.h) reads the weight once
+- M <= TILE_MAX_ROWS: the compiled AVX2 kernel (csrc/quant_linear.h) reads the weight once
   per 8 rows and dequantizes in registers to float32 (batch 3 to 16: decode).
-- larger M (prefill, big batches): dequantize a chunk of weight rows at a time into one reused
-  float32 buffer and multiply with torch's GEMM (`gemm.chunked_gemm`), which beats the kernel
-  there.
-Measured (2-core AVX2 EPYC, loaded by other agents, 1 thread, ms per [3072, 576] layer):
-M=1 f32 1.32 / int8 kernel 0.55 / int4 kernel 0.68; M=8 2.82 / 1.28 / 1.23;
-M=32 5.78 / 7.17 / 7.20 (dequant + GEMM 7.18); M=128 21.2 / 34.5 / 35.7 (dequant + GEMM 20.7).
+- M <= PANEL_MAX_ROWS: a panel of 8 weight rows is dequantized once into a small float32
+  buffer (L1) and multiplied with every activation row in register tiles of 6 x 2
+  (csrc/gemm_tiles.h): larger decode batches and short prefill chunks.
+- larger M (prefill): dequantize a chunk of weight rows at a time into one reused float32
+  buffer and multiply with torch's GEMM (`gemm.chunked_gemm`), which catches up there.
+Measured (2-core AVX2 EPYC, 2 threads, ms per [3072, 576] 4-bit layer; float32 weight with
+torch's GEMM / 8-row tiles / panels / dequantize + GEMM): M=16 0.68 / 0.50 / 0.56 / 1.02;
+M=32 1.75 / 1.38 / 0.97 / 2.79; M=64 2.67 / 2.65 / 1.77 / 3.64; M=128 4.36 / 6.14 / 3.52 /
+5.33; M=256 7.6 / 17.7 / 8.0-10.0 / 10.3; M=512 15.2 / 35.3 / 16.7 / 16.3.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from pagedllm.layers.gemm import chunked_gemm
 GROUP_SIZE = 32
 # Up to this many activation rows, the kernel with int16 activations (integer dot products).
 INT16_MAX_ROWS = 2
-# Above this many activation rows, dequantize-then-GEMM beats the quantized kernel.
-DECODE_MAX_ROWS = 16
+# Up to this many activation rows, the kernel with 8-row tiles; above, dequantized panels.
+TILE_MAX_ROWS = 16
+# Above this many activation rows, dequantize-then-GEMM.
+PANEL_MAX_ROWS = 128
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "int4", "none")
 
@@ -145,12 +150,16 @@ def quantized_linear(
         x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     ops = quant_linear_ops()
     rows = x2.shape[0]
-    if ops is not None and 0 < rows <= DECODE_MAX_ROWS:
-        int16 = rows <= INT16_MAX_ROWS  # integer dot products over int16 activations
-        if weight.bits == 8:
-            y = (ops.int8_linear_q16 if int16 else ops.int8_linear)(x2, weight.qweight, weight.scales)
+    if ops is not None and 0 < rows <= PANEL_MAX_ROWS:
+        if rows <= INT16_MAX_ROWS:  # integer dot products over int16 activations
+            kernel = ops.int8_linear_q16 if weight.bits == 8 else ops.int4_linear_q16
+        elif rows <= TILE_MAX_ROWS:
+            kernel = ops.int8_linear if weight.bits == 8 else ops.int4_linear
         else:
-            kernel = ops.int4_linear_q16 if int16 else ops.int4_linear
+            kernel = ops.int8_linear_panel if weight.bits == 8 else ops.int4_linear_panel
+        if weight.bits == 8:
+            y = kernel(x2, weight.qweight, weight.scales)
+        else:
             y = kernel(x2, weight.qweight, weight.scales, weight.zeros)
     else:
         y = _dequantize_gemm(x2, weight)

@@ -27,12 +27,12 @@ from pagedllm.layers import attention as attention_module
 from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
 from pagedllm.layers.cpu_kernels import decode_layers_ops
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization import INT16_MAX_ROWS
+from pagedllm.layers.quantization import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
 # Up to this many decode rows (the quantized kernels' range: more rows dequantize and GEMM).
-FUSED_MAX_ROWS = 16
+FUSED_MAX_ROWS = PANEL_MAX_ROWS
 
 _ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 _EMPTY = torch.empty(0)
@@ -97,6 +97,7 @@ class FusedDecoderLayers(nn.Module):
             float(attn.scale),
             first.self_attn.rotary_emb.cos_sin_cache,
             INT16_MAX_ROWS,
+            TILE_MAX_ROWS,
         )
         for layer in layers:
             a = layer.self_attn

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.layers.bf16_linear import DECODE_MAX_ROWS, bf16_linear, native_bf16, use_bf16_kernels
+from pagedllm.layers.bf16_linear import KERNEL_MAX_ROWS, bf16_linear, native_bf16, use_bf16_kernels
 from pagedllm.layers.cpu_kernels import bf16_linear_ops
 from pagedllm.layers.kernels import linear_op
 from tests.models.utils import bind_kv_caches, prompt_logprobs
@@ -20,7 +20,8 @@ from tests.models.utils import bind_kv_caches, prompt_logprobs
 SHAPES = [(960, 576), (576, 1536), (33, 64), (7, 13)]
 
 
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 16, 17, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 300])
+# Register tiles up to 32 rows, panels above, the chunked GEMM above KERNEL_MAX_ROWS.
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 16, 17, 32, 33, 47, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 300])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_linear_is_the_float32_matmul_rounded_once(num_rows: int, shape: tuple[int, int]) -> None:
     n, k = shape
@@ -65,12 +66,13 @@ def test_default_model_bfloat16_matches_torch_bf16_and_hf_bfloat16(
 
     loaded = load_model(DEFAULT_MODEL, dtype="bfloat16", max_model_len=2048)
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
-    bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
+    bind_kv_caches(loaded.model, num_blocks=12, block_size=16)
     hf16 = copy.deepcopy(hf_default_model).to(torch.bfloat16)  # the fixture stays float32
     vocab = loaded.model_config.vocab_size
-    # 12 tokens: every matmul on the kernel; 64: on the chunked GEMM (M > DECODE_MAX_ROWS).
-    for num_tokens in (12, 64):
-        assert (num_tokens <= DECODE_MAX_ROWS) == (num_tokens == 12)
+    # 12 tokens: every matmul on the kernel's register tiles; 64: its panels; 160: the
+    # chunked GEMM (M > KERNEL_MAX_ROWS).
+    for num_tokens in (12, 64, 160):
+        assert (num_tokens <= KERNEL_MAX_ROWS) == (num_tokens != 160)
         prompt = np.random.default_rng(num_tokens).integers(0, vocab, size=num_tokens).tolist()
         with torch.inference_mode():
             ours = prompt_logprobs(loaded.model, prompt)  # [T, vocab] float32
@@ -85,6 +87,12 @@ def test_default_model_bfloat16_matches_torch_bf16_and_hf_bfloat16(
         # (measured: equal).
         tol = 2**-6 * float(ref16.abs().max())
         torch.testing.assert_close(ours, ours_torch, atol=tol, rtol=0)
+        if num_tokens > KERNEL_MAX_ROWS:
+            # The chunked GEMM is torch's float32 GEMM: the check above is the one that matters.
+            # Against HF the bound below is a heuristic calibrated on the shorter prompts; on
+            # this one torch's own bf16 matmul lands 3.35 from HF bf16, which is 2.29 from
+            # float32 (measured), so it would not hold for torch either.
+            continue
         # Against HF: over 30 layers two bf16 runs drift apart by about as much as either is
         # from float32 (measured: ours 0.75 from HF bf16, 1.16 from float32; HF bf16 1.58 from
         # float32). So: within HF bf16's own error of it, and no further from float32.

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm.layers.attention import forward_context
+from pagedllm.models.fused_decode import FUSED_MAX_ROWS
 from pagedllm.models.loader import LoadedModel, load_model
 from tests.models.test_llama import tiny_config
 from tests.models.utils import RequestState, allocate_blocks, bind_kv_caches, make_metadata, save_tiny_model
@@ -74,13 +75,14 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-@pytest.mark.parametrize("num_reqs", [1, 2, 3, 6, 11])
+@pytest.mark.parametrize("num_reqs", [1, 2, 3, 6, 11, 23])
 def test_fused_decode_matches_module_path(tiny_dir: Path, quantization: str, num_reqs: int) -> None:
     # Quantized weights: the same kernels in both paths, the same floats (exact: rows <= 2 take
     # int16 activations, where one float32 ulp of difference upstream can move a rounding
-    # step and the output by ~1e-4). Float32 weights: another summation order than torch's GEMM.
+    # step and the output by ~1e-4; 23 rows take the dequantized panels). Float32 weights:
+    # another summation order than torch's GEMM.
     loaded = load_model(str(tiny_dir), quantization=quantization)
-    bind_kv_caches(loaded.model, num_blocks=128, block_size=BLOCK_SIZE)
+    bind_kv_caches(loaded.model, num_blocks=8 * num_reqs + 1, block_size=BLOCK_SIZE)
     atol = 2e-5 if quantization == "none" else 0.0
     assert _compare_decode_steps(loaded, num_reqs, steps=5, atol=atol) == 5
 
@@ -88,9 +90,9 @@ def test_fused_decode_matches_module_path(tiny_dir: Path, quantization: str, num
 def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None:
     loaded = load_model(str(tiny_dir))
     fused = _fused(loaded)
-    bind_kv_caches(loaded.model, num_blocks=160, block_size=BLOCK_SIZE)
+    bind_kv_caches(loaded.model, num_blocks=8 * FUSED_MAX_ROWS + 9, block_size=BLOCK_SIZE)
     # More rows than the fused range: every step runs module by module, and still agrees.
-    assert _compare_decode_steps(loaded, 17, steps=2, atol=0) == 0
+    assert _compare_decode_steps(loaded, FUSED_MAX_ROWS + 1, steps=2, atol=0) == 0
     # A new KV cache binding is picked up (the fused forward would otherwise write the old one).
     caches = bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
     assert _compare_decode_steps(loaded, 2, steps=2, atol=2e-5) == 2

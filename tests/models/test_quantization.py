@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pagedllm.layers.quantization import (
-    DECODE_MAX_ROWS,
     INT16_MAX_ROWS,
+    PANEL_MAX_ROWS,
+    TILE_MAX_ROWS,
     QuantizedWeight,
     quantize_int4,
     quantize_int8,
@@ -27,27 +28,30 @@ from tests.models.utils import bind_kv_caches, prompt_logprobs
 from tests.utils import assert_greedy_match
 
 
-def _weight(bits: int, n: int = 80, k: int = 96, seed: int = 0) -> QuantizedWeight:
+def _weight(bits: int, n: int = 83, k: int = 96, seed: int = 0) -> QuantizedWeight:
     gen = torch.Generator().manual_seed(seed)
     return (quantize_int8 if bits == 8 else quantize_int4)(torch.randn(n, k, generator=gen))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize(
+    "num_rows", [1, 3, 4, 5, 9, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, 40, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1]
+)
 def test_quantized_linear_matches_dequantized_matmul(bits: int, num_rows: int) -> None:
-    # Both paths (kernel at small M, dequantize + GEMM above DECODE_MAX_ROWS) and the tails
-    # of the kernel's 4-row tiles.
+    # Every kernel (int16 activations, 8-row tiles, dequantized panels, then dequantize + GEMM)
+    # and the tails of their tiles (83 weight rows: a last panel of 3, an odd row).
     weight = _weight(bits)
+    n = weight.shape[0]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(num_rows, 96, generator=gen)
-    bias = torch.randn(80, generator=gen)
+    bias = torch.randn(n, generator=gen)
     want = torch.nn.functional.linear(x, weight.dequantize(), bias)
     got = quantized_linear(x, weight, bias)
     if num_rows <= INT16_MAX_ROWS:
         # int16 activations: each x off by at most half a step (group max / 65534), so each
         # output by at most sum |w| * step / 2 over its row.
         step = x.view(num_rows, -1, 32).abs().amax(-1) / 32767  # [M, groups]
-        bound = (weight.dequantize().abs().view(80, -1, 32).sum(-1) @ step.T).T / 2  # [M, N]
+        bound = (weight.dequantize().abs().view(n, -1, 32).sum(-1) @ step.T).T / 2  # [M, N]
         assert bool(((got - want).abs() <= bound + 1e-5).all()), (got - want).abs().max()
     else:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)

@@ -6,7 +6,7 @@
 // C++ over buffers reused from step to step, calling the same kernels as the per-module path
 // (layer_ops.h, quant_linear.h, paged_attention.h); only silu's exp is vectorised here (a
 // polynomial within ~2 ulp of std::exp). Float32 weights go through an AVX2 matrix-vector
-// kernel (below) that reads each weight row once per tile of four activation rows.
+// kernel (below) at one row and gemm_tiles.h's register tiles at more.
 //
 // Per layer, over M rows (one decode token per request):
 //   residual += h (the first layer: residual = h); x = rms_norm(residual)
@@ -26,34 +26,6 @@
 
 namespace pagedllm {
 namespace {
-
-// Activation rows per float32 weight read (two accumulators per row: 4 rows fill 8 registers).
-constexpr int kF32RowTile = 4;
-
-// y[m, n] for activation rows m .. m + MT and one float32 weight row: two accumulators per
-// row over alternate 8-wide blocks keep two FMA chains in flight.
-template <int MT>
-inline void row_dot_f32(const float* x, int64_t K, const float* wrow, float* y, int64_t ldy) {
-  __m256 acc0[MT], acc1[MT];
-  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 w0 = _mm256_loadu_ps(wrow + k), w1 = _mm256_loadu_ps(wrow + k + 8);
-    for (int m = 0; m < MT; ++m) {
-      acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc0[m]);
-      acc1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), acc1[m]);
-    }
-  }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 w0 = _mm256_loadu_ps(wrow + k);
-    for (int m = 0; m < MT; ++m) acc0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc0[m]);
-  }
-  for (int m = 0; m < MT; ++m) {
-    float sum = hsum(_mm256_add_ps(acc0[m], acc1[m]));
-    for (int64_t kk = k; kk < K; ++kk) sum += wrow[kk] * x[m * K + kk];
-    y[m * ldy] = sum;
-  }
-}
 
 // y[r] = x . w_r for four consecutive float32 weight rows (one activation row): four weight
 // streams in flight per thread, the activation block loaded once for all four.
@@ -106,39 +78,33 @@ struct DecodeLinear {
                                       bias.is_contiguous()), "bias must be float32 [N] or empty");
   }
 
-  // y [M, N] = x [M, K] @ W^T (+ bias); quantized weights take int16 activations at
-  // M <= int16_max_rows, as quantization.quantized_linear does.
-  void operator()(const float* x, int64_t M, float* y, int64_t int16_max_rows) const {
+  // y [M, N] = x [M, K] @ W^T (+ bias), by quantization.quantized_linear's choice of kernel
+  // for quantized weights (int16 activations up to int16_max_rows, then 8-row tiles up to
+  // tile_max_rows, then dequantized panels).
+  void operator()(const float* x, int64_t M, float* y, int64_t int16_max_rows, int64_t tile_max_rows) const {
     if (bits == 32 && M == 1) {  // single stream: four weight rows at a time
       const float* wp = weight.data_ptr<float>();
       const int64_t n_ = N, k_ = K, blocks = N / 4;
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < blocks; ++i) rows4_dot_f32(x, k_, wp + 4 * i * k_, y + 4 * i);
-      for (int64_t n = 4 * blocks; n < n_; ++n) row_dot_f32<1>(x, k_, wp + n * k_, y + n, n_);
-    } else if (bits == 32) {
+      for (int64_t n = 4 * blocks; n < n_; ++n) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < k_; ++k) sum += wp[n * k_ + k] * x[k];
+        y[n] = sum;
+      }
+    } else if (bits == 32) {  // register tiles straight from the weight (no copy)
       const float* wp = weight.data_ptr<float>();
       const int64_t n_ = N, k_ = K;
-#pragma omp parallel for schedule(static)
-      for (int64_t n = 0; n < n_; ++n) {
-        const float* wrow = wp + n * k_;
-        int64_t m = 0;
-        for (; m + kF32RowTile <= M; m += kF32RowTile) row_dot_f32<kF32RowTile>(x + m * k_, k_, wrow, y + m * n_ + n, n_);
-        switch (M - m) {
-          case 3: row_dot_f32<3>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
-          case 2: row_dot_f32<2>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
-          case 1: row_dot_f32<1>(x + m * k_, k_, wrow, y + m * n_ + n, n_); break;
-          default: break;
-        }
-      }
+      panel_matmul(
+          x, M, K, N, [&](int64_t n0, int64_t, float*) { return wp + n0 * k_; },
+          [&](int64_t m, int64_t n, float v) { y[m * n_ + n] = v; });
     } else {
       const uint8_t* qp = reinterpret_cast<const uint8_t*>(weight.data_ptr());
       const float* sp = scales.data_ptr<float>();
-      const bool q16 = M <= int16_max_rows;
       if (bits == 4) {
-        const float* zp = zeros.data_ptr<float>();
-        (q16 ? quant_matmul_q16<true> : quant_matmul_f32<true>)(x, M, K, N, qp, sp, zp, y);
+        quant_matmul<true>(x, M, K, N, qp, sp, zeros.data_ptr<float>(), y, int16_max_rows, tile_max_rows);
       } else {
-        (q16 ? quant_matmul_q16<false> : quant_matmul_f32<false>)(x, M, K, N, qp, sp, nullptr, y);
+        quant_matmul<false>(x, M, K, N, qp, sp, nullptr, y, int16_max_rows, tile_max_rows);
       }
     }
     if (bias.numel()) {
@@ -162,10 +128,10 @@ class LlamaDecodeLayers {
  public:
   LlamaDecodeLayers(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t intermediate, double eps, double scale, torch::Tensor cos_sin_cache,
-                    int64_t int16_max_rows)
+                    int64_t int16_max_rows, int64_t tile_max_rows)
       : hidden_(hidden), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), inter_(intermediate),
         eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), cos_sin_(cos_sin_cache),
-        int16_max_rows_(int16_max_rows) {
+        int16_max_rows_(int16_max_rows), tile_max_rows_(tile_max_rows) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
     TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.is_contiguous() &&
                     cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == head_dim,
@@ -244,7 +210,7 @@ class LlamaDecodeLayers {
         add_rows<float>(h, H, res, H, res, M, H);
       }
       rms_norm_rows<float>(res, H, layer.input_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
-      layer.qkv(xn_.data(), M, qkv_.data(), int16_max_rows_);
+      layer.qkv(xn_.data(), M, qkv_.data(), int16_max_rows_, tile_max_rows_);
       rotate_rows<float>(qkv_.data(), QKV, q_.data(), hq_, d_, pos, cos_sin, M);
       rotate_rows<float>(qkv_.data() + QD, QKV, k_.data(), hkv_, d_, pos, cos_sin, M);
       // K/V rows into the cache (the same rows the per-module path's index_copy_ writes).
@@ -265,12 +231,12 @@ class LlamaDecodeLayers {
         decode_kernel<float>(q_.data(), k_cache, v_cache, SlotRows{slots.data_ptr<int64_t>(), layer.kv_cache.size(2)},
                              seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window);
       }
-      layer.o(attn_.data(), M, h, int16_max_rows_);
+      layer.o(attn_.data(), M, h, int16_max_rows_, tile_max_rows_);
       add_rows<float>(h, H, res, H, res, M, H);
       rms_norm_rows<float>(res, H, layer.post_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
-      layer.gate_up(xn_.data(), M, gu_.data(), int16_max_rows_);
+      layer.gate_up(xn_.data(), M, gu_.data(), int16_max_rows_, tile_max_rows_);
       silu_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
-      layer.down(act_.data(), M, h, int16_max_rows_);
+      layer.down(act_.data(), M, h, int16_max_rows_, tile_max_rows_);
     }
     return {h_out, res_out};
   }
@@ -279,7 +245,7 @@ class LlamaDecodeLayers {
   int64_t hidden_, hq_, hkv_, d_, inter_;
   float eps_, scale_;
   torch::Tensor cos_sin_;
-  int64_t int16_max_rows_;
+  int64_t int16_max_rows_, tile_max_rows_;
   std::vector<DecodeLayer> layers_;
   // Buffers reused from step to step (one forward at a time per object).
   std::vector<float> xn_, qkv_, q_, k_, attn_, gu_, act_;
@@ -289,7 +255,7 @@ class LlamaDecodeLayers {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, int64_t, int64_t>())
       .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
       .def("num_layers", &pagedllm::LlamaDecodeLayers::num_layers)
       .def("forward", &pagedllm::LlamaDecodeLayers::forward, "every decoder layer over a decode step's rows");

@@ -24,7 +24,7 @@ void check_quant_linear_args(const torch::Tensor& x, const torch::Tensor& qweigh
   }
 }
 
-// x [M, K] float32 -> [M, N] through `matmul` (quant_matmul_f32 or quant_matmul_q16).
+// x [M, K] float32 -> [M, N] through `matmul` (quant_matmul_q16, _f32 or _panel).
 template <bool INT4, typename Matmul>
 torch::Tensor quant_linear_with(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
                                 const torch::Tensor& zeros, Matmul matmul) {
@@ -41,26 +41,14 @@ template <bool INT4>
 void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
                      const torch::Tensor& zeros, int64_t row0, torch::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: contiguous float32");
-  const int64_t R = out.size(0), K = out.size(1), groups = K / kGroup;
+  const int64_t R = out.size(0), K = out.size(1);
   TORCH_CHECK(row0 >= 0 && row0 + R <= qweight.size(0), "rows out of range");
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t qstride = INT4 ? K / 2 : K;
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = row0 + r;
-    __m256 w[4];
-    for (int64_t g = 0; g < groups; ++g) {
-      if constexpr (INT4) {
-        dequant_int4(qp + n * qstride + g * (kGroup / 2), sp[n * groups + g], zp[n * groups + g], w);
-      } else {
-        dequant_int8(reinterpret_cast<const int8_t*>(qp) + n * qstride + g * kGroup, sp[n * groups + g], w);
-      }
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(op + r * K + g * kGroup + 8 * j, w[j]);
-    }
-  }
+  for (int64_t r = 0; r < R; ++r) dequant_rows<INT4>(qp, sp, zp, K, row0 + r, 1, op + r * K);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
@@ -74,6 +62,12 @@ torch::Tensor int4_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s,
 }
 torch::Tensor int8_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
   return quant_linear_with<false>(x, q, s, s, quant_matmul_q16<false>);
+}
+torch::Tensor int4_linear_panel(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
+  return quant_linear_with<true>(x, q, s, z, quant_matmul_panel<true>);
+}
+torch::Tensor int8_linear_panel(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
+  return quant_linear_with<false>(x, q, s, s, quant_matmul_panel<false>);
 }
 void int4_dequantize_rows(torch::Tensor q, torch::Tensor s, torch::Tensor z, int64_t row0, torch::Tensor out) {
   dequantize_rows<true>(q, s, z, row0, out);
@@ -89,6 +83,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x [M, K] @ dequant(int8 weight [N, K]).T -> [M, N]");
   m.def("int4_linear_q16", &int4_linear_q16, "int4_linear with int16 activations");
   m.def("int8_linear_q16", &int8_linear_q16, "int8_linear with int16 activations");
+  m.def("int4_linear_panel", &int4_linear_panel, "int4_linear through 8-row dequantized panels (more rows)");
+  m.def("int8_linear_panel", &int8_linear_panel, "int8_linear through 8-row dequantized panels (more rows)");
   m.def("int4_dequantize_rows", &int4_dequantize_rows, "rows of the int4 weight as float32");
   m.def("int8_dequantize_rows", &int8_dequantize_rows, "rows of the int8 weight as float32");
 }

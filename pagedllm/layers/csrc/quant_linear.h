@@ -10,8 +10,12 @@
 //         element i in its low nibble and element i + 16 in its high nibble (GGUF Q4_0/Q4_1's
 //         own order). w = q * scale + zero, q in [0, 15]; scale, zero float32 [N, G].
 //   int8: qweight int8 [N, K]; w = q * scale; scale float32 [N, G].
-// A tile of up to 8 activation rows shares each dequantized group, so small batches read
-// the weights once.
+// Three kernels, by the number of activation rows M (quantization.py picks):
+//   quant_matmul_q16  (M <= 2): activations rounded to int16, integer dot products per group;
+//   quant_matmul_f32  (M <= 16): a tile of up to 8 activation rows shares each dequantized
+//                     group, so small batches read the weights once;
+//   quant_matmul_panel (M <= 128): gemm_tiles.h's panel_matmul, a panel of 8 weight rows
+//                     dequantized once into a float32 buffer, then register tiles of 6 x 2.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -20,17 +24,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemm_tiles.h"
+
 namespace pagedllm {
 
 constexpr int kGroup = 32;
 constexpr int kRowTile = 8;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The 32 weights of one int4 group as float32, in element order.
 inline void dequant_int4(const uint8_t* q, float scale, float zero, __m256 w[4]) {
@@ -174,19 +173,7 @@ void tiled_rows(int64_t M, int64_t N, int64_t K, const uint8_t* qp, const float*
     const uint8_t* qrow = qp + n * qstride;
     const float* srow = sp + n * groups;
     const float* zrow = INT4 ? zp + n * groups : nullptr;
-    int64_t m = 0;
-    for (; m + kRowTile <= M; m += kRowTile)
-      tile(std::integral_constant<int, kRowTile>{}, m, qrow, srow, zrow, yp + m * N + n);
-    switch (M - m) {
-      case 7: tile(std::integral_constant<int, 7>{}, m, qrow, srow, zrow, yp + m * N + n); break;
-      case 6: tile(std::integral_constant<int, 6>{}, m, qrow, srow, zrow, yp + m * N + n); break;
-      case 5: tile(std::integral_constant<int, 5>{}, m, qrow, srow, zrow, yp + m * N + n); break;
-      case 4: tile(std::integral_constant<int, 4>{}, m, qrow, srow, zrow, yp + m * N + n); break;
-      case 3: tile(std::integral_constant<int, 3>{}, m, qrow, srow, zrow, yp + m * N + n); break;
-      case 2: tile(std::integral_constant<int, 2>{}, m, qrow, srow, zrow, yp + m * N + n); break;
-      case 1: tile(std::integral_constant<int, 1>{}, m, qrow, srow, zrow, yp + m * N + n); break;
-      default: break;
-    }
+    for_row_tiles<kRowTile>(M, [&](auto mt, int64_t m) { tile(mt, m, qrow, srow, zrow, yp + m * N + n); });
   }
 }
 
@@ -214,6 +201,51 @@ void quant_matmul_q16(const float* x, int64_t M, int64_t K, int64_t N, const uin
     row_dot_q16<decltype(mt)::value, INT4>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K,
                                            qrow, srow, zrow, groups, yp, N);
   });
+}
+
+// Rows [n0, n0 + R) of the dequantized weight, float32, into out [R, K].
+template <bool INT4>
+inline void dequant_rows(const uint8_t* qp, const float* sp, const float* zp, int64_t K, int64_t n0, int64_t R,
+                         float* out) {
+  const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K;
+  __m256 w[4];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    for (int64_t g = 0; g < groups; ++g) {
+      if constexpr (INT4) {
+        dequant_int4(qp + n * qstride + g * (kGroup / 2), sp[n * groups + g], zp[n * groups + g], w);
+      } else {
+        dequant_int8(reinterpret_cast<const int8_t*>(qp) + n * qstride + g * kGroup, sp[n * groups + g], w);
+      }
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + r * K + g * kGroup + 8 * j, w[j]);
+    }
+  }
+}
+
+// float32 activations x [M, K], a panel of 8 weight rows dequantized at a time; y [M, N].
+template <bool INT4>
+void quant_matmul_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
+                        const float* zp, float* y) {
+  panel_matmul(
+      x, M, K, N,
+      [&](int64_t n0, int64_t R, float* buf) {
+        dequant_rows<INT4>(qp, sp, zp, K, n0, R, buf);
+        return static_cast<const float*>(buf);
+      },
+      [&](int64_t m, int64_t n, float v) { y[m * N + n] = v; });
+}
+
+// The kernel quantization.quantized_linear picks for M rows (M <= panel_max_rows).
+template <bool INT4>
+void quant_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
+                  const float* zp, float* y, int64_t int16_max_rows, int64_t tile_max_rows) {
+  if (M <= int16_max_rows) {
+    quant_matmul_q16<INT4>(x, M, K, N, qp, sp, zp, y);
+  } else if (M <= tile_max_rows) {
+    quant_matmul_f32<INT4>(x, M, K, N, qp, sp, zp, y);
+  } else {
+    quant_matmul_panel<INT4>(x, M, K, N, qp, sp, zp, y);
+  }
 }
 
 }  // namespace pagedllm
