@@ -26,14 +26,14 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 # Each extension's files: its .cpp (compiled) and the kernel headers it includes (hashed into
 # the build directory's key and copied beside it).
-_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "paged_attention.h"]
-_QUANT_SOURCES = [_CSRC / "quant_linear.cpp", _CSRC / "quant_linear.h", _CSRC / "gemm_tiles.h"]
-_LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp", _CSRC / "layer_ops.h"]
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "paged_attention.h", _CSRC / "vec_avx2.h"]
+_QUANT_SOURCES = [_CSRC / "quant_linear.cpp", _CSRC / "quant_linear.h", _CSRC / "gemm_tiles.h", _CSRC / "vec_avx2.h"]
+_LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp", _CSRC / "layer_ops.h", _CSRC / "vec_avx2.h"]
 _DECODE_LAYERS_SOURCES = [
     _CSRC / "decode_layers.cpp", _CSRC / "layer_ops.h", _CSRC / "paged_attention.h", _CSRC / "quant_linear.h",
-    _CSRC / "gemm_tiles.h",
+    _CSRC / "gemm_tiles.h", _CSRC / "vec_avx2.h",
 ]
-_BF16_LINEAR_SOURCES = [_CSRC / "bf16_linear.cpp", _CSRC / "gemm_tiles.h"]
+_BF16_LINEAR_SOURCES = [_CSRC / "bf16_linear.cpp", _CSRC / "gemm_tiles.h", _CSRC / "vec_avx2.h"]
 # Extension name -> the loaded module, or None once it failed to build (or kernels are off).
 _loaded: dict[str, ModuleType | None] = {}
 

@@ -15,14 +15,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace pagedllm {
+#include "vec_avx2.h"
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+namespace pagedllm {
 
 // out(m, n, sum over k < K8 of x[m * ldx + k] * w_n[k]) for m < MT, n < NT, where
 // load_w(n, k) gives w_n[k .. k + 8) as float32 and K8 is a multiple of 8 (callers add any

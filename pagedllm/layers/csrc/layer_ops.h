@@ -12,9 +12,7 @@
 
 #include <cmath>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec_avx2.h"
 
 namespace pagedllm {
 
@@ -105,27 +103,6 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp of eight floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two
-// parts for precision) and p a degree-7 polynomial (Taylor/Cephes-style coefficients);
-// relative error about 2 ulp over the clamped range [-87.3, 88] (2^n stays a normal float).
-inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  // 2^n into the exponent bits (n in [-126, 127] after the clamp).
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // float32 silu(gate) * up, eight lanes at a time, on the calling thread: for the few rows of
 // a decode step, where the scalar exp of silu_mul_rows dominates (1,536 exps per row).
 inline void silu_mul_rows_avx2(const float* in, int64_t in_stride, float* out, int64_t rows, int64_t inter) {

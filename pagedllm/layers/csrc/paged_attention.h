@@ -12,6 +12,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_avx2.h"
+
 namespace pagedllm {
 
 template <typename T>
@@ -74,9 +76,7 @@ inline void scores_avx2(const float* qf, const float* const* kps, int64_t n, int
       __m256 a = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8)
         a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), _mm256_loadu_ps(kps[i] + d), a);
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      scores[g * n + i] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+      scores[g * n + i] = hsum(a);
     }
 }
 
@@ -91,6 +91,32 @@ inline void weighted_sum_avx2(const float* p, const float* const* vps, int64_t n
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
   }
   for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+// s[0, n) = softmax(s), exp eight lanes at a time (vec_avx2.h's exp_avx2, ~2 ulp).
+inline void softmax_avx2(float* s, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + i), mb));
+    _mm256_storeu_ps(s + i, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum(sv);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+  for (; i < n; ++i) s[i] *= 1.f / sum;
 }
 
 inline bool weighted_sum_avx2_any(const float* p, const float* const* vps, int64_t n, int64_t D, float* out) {
@@ -163,12 +189,16 @@ void decode_kernel(const T* q,            // [B, Hq, D]
       // Softmax per query head.
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
+#ifdef PAGEDLLM_AVX2
+        softmax_avx2(sg, n);
+#else
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
         float sum = 0.f;
         for (int64_t i = 0; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
         const float inv = 1.f / sum;
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+#endif
       }
       // Pass 2: out_g = sum_i p[g, i] * v_i
       done = false;
