@@ -41,7 +41,7 @@ inline void dot_tile(const float* x, int64_t ldx, int64_t K8, LoadW load_w, Out 
 
 // tile(std::integral_constant<int, R>{}, m) for the tail of R = rest rows (0 < rest < MAX).
 template <int MAX, typename Tile>
-inline void tail_tile(int64_t rest, int64_t m, Tile& tile) {
+__attribute__((always_inline)) inline void tail_tile(int64_t rest, int64_t m, Tile& tile) {
   if constexpr (MAX > 1) {
     if (rest == MAX - 1) {
       tile(std::integral_constant<int, MAX - 1>{}, m);
@@ -54,7 +54,7 @@ inline void tail_tile(int64_t rest, int64_t m, Tile& tile) {
 // tile(std::integral_constant<int, MT>{}, m) over rows [0, M) in tiles of MT rows, then one
 // tile of the M % MT rows left (each tile size its own instantiation: fixed register counts).
 template <int MT, typename Tile>
-inline void for_row_tiles(int64_t M, Tile tile) {
+__attribute__((always_inline)) inline void for_row_tiles(int64_t M, Tile tile) {
   int64_t m = 0;
   for (; m + MT <= M; m += MT) tile(std::integral_constant<int, MT>{}, m);
   if (m < M) tail_tile<MT>(M - m, m, tile);
