@@ -6,8 +6,9 @@ a step is all decodes (one query token per request) and at most `FUSED_MAX_ROWS`
 `FusedDecoderLayers` runs the layers in C++ (`layers/csrc/decode_layers.cpp`) with the
 kernels of the per-module path (norms, rotary, attention, the quantized projections), a
 vectorised silu (its exp within ~2 ulp) and, for float32 weights, an AVX2 matrix-vector
-kernel in place of torch's GEMM: the results agree with the module path to float32
-rounding (tests/models/test_fused_decode.py).
+kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of torch's GEMM:
+the results agree with the module path to float32 rounding, exactly for quantized weights
+(tests/models/test_fused_decode.py).
 
 Anything else runs the modules: prefill and mixed steps, more rows, bfloat16, tensor
 parallelism, the reference attention backend, several KV cache groups, or
