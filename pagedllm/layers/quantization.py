@@ -151,16 +151,11 @@ def quantized_linear(
     ops = quant_linear_ops()
     rows = x2.shape[0]
     if ops is not None and 0 < rows <= PANEL_MAX_ROWS:
-        if rows <= INT16_MAX_ROWS:  # integer dot products over int16 activations
-            kernel = ops.int8_linear_q16 if weight.bits == 8 else ops.int4_linear_q16
-        elif rows <= TILE_MAX_ROWS:
-            kernel = ops.int8_linear if weight.bits == 8 else ops.int4_linear
-        else:
-            kernel = ops.int8_linear_panel if weight.bits == 8 else ops.int4_linear_panel
+        # The compiled side picks the kernel by rows, as the fused decode does.
         if weight.bits == 8:
-            y = kernel(x2, weight.qweight, weight.scales)
+            y = ops.int8_linear(x2, weight.qweight, weight.scales, INT16_MAX_ROWS, TILE_MAX_ROWS)
         else:
-            y = kernel(x2, weight.qweight, weight.scales, weight.zeros)
+            y = ops.int4_linear(x2, weight.qweight, weight.scales, weight.zeros, INT16_MAX_ROWS, TILE_MAX_ROWS)
     else:
         y = _dequantize_gemm(x2, weight)
     if bias is not None:

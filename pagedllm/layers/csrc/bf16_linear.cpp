@@ -9,8 +9,8 @@
 // Up to 32 rows, register tiles (gemm_tiles.h's dot_tile) of MT activation rows x NT weight
 // rows widen the weight in registers; a weight row (2 K bytes) stays in L1 while all
 // activation tiles pass over it: the weight is read from memory once whatever M. For more
-// rows (bf16_linear_panel, up to 128) a panel of 8 weight rows is widened once into a float32
-// buffer and multiplied from there (gemm_tiles.h's panel_matmul).
+// rows (up to bf16_linear.KERNEL_MAX_ROWS, 128) a panel of 8 weight rows is widened once into
+// a float32 buffer and multiplied from there (gemm_tiles.h's panel_matmul).
 
 #include <immintrin.h>
 #include <omp.h>

@@ -114,9 +114,10 @@ inline void softmax_avx2(float* s, int64_t n) {
     s[i] = std::exp(s[i] - m);
     sum += s[i];
   }
-  const __m256 inv = _mm256_set1_ps(1.f / sum);
-  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
-  for (; i < n; ++i) s[i] *= 1.f / sum;
+  const float inv = 1.f / sum;
+  const __m256 invv = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), invv));
+  for (; i < n; ++i) s[i] *= inv;
 }
 
 inline bool weighted_sum_avx2_any(const float* p, const float* const* vps, int64_t n, int64_t D, float* out) {

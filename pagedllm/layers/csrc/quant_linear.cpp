@@ -24,15 +24,17 @@ void check_quant_linear_args(const torch::Tensor& x, const torch::Tensor& qweigh
   }
 }
 
-// x [M, K] float32 -> [M, N] through `matmul` (quant_matmul_q16, _f32 or _panel).
-template <bool INT4, typename Matmul>
-torch::Tensor quant_linear_with(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                                const torch::Tensor& zeros, Matmul matmul) {
+// x [M, K] float32 -> [M, N] through quant_matmul's choice of kernel by M (thresholds from
+// quantization.py, the same ones the fused decode passes).
+template <bool INT4>
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                           const torch::Tensor& zeros, int64_t int16_max_rows, int64_t tile_max_rows) {
   check_quant_linear_args<INT4>(x, qweight, scales, zeros);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   auto y = torch::empty({M, N}, x.options());
-  matmul(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-         scales.data_ptr<float>(), INT4 ? zeros.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  quant_matmul<INT4>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                     scales.data_ptr<float>(), INT4 ? zeros.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                     int16_max_rows, tile_max_rows);
   return y;
 }
 
@@ -51,23 +53,13 @@ void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
   for (int64_t r = 0; r < R; ++r) dequant_rows<INT4>(qp, sp, zp, K, row0 + r, 1, op + r * K);
 }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
-  return quant_linear_with<true>(x, q, s, z, quant_matmul_f32<true>);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z, int64_t int16_max_rows,
+                          int64_t tile_max_rows) {
+  return quant_linear<true>(x, q, s, z, int16_max_rows, tile_max_rows);
 }
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
-  return quant_linear_with<false>(x, q, s, s, quant_matmul_f32<false>);
-}
-torch::Tensor int4_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
-  return quant_linear_with<true>(x, q, s, z, quant_matmul_q16<true>);
-}
-torch::Tensor int8_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
-  return quant_linear_with<false>(x, q, s, s, quant_matmul_q16<false>);
-}
-torch::Tensor int4_linear_panel(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
-  return quant_linear_with<true>(x, q, s, z, quant_matmul_panel<true>);
-}
-torch::Tensor int8_linear_panel(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
-  return quant_linear_with<false>(x, q, s, s, quant_matmul_panel<false>);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t int16_max_rows,
+                          int64_t tile_max_rows) {
+  return quant_linear<false>(x, q, s, s, int16_max_rows, tile_max_rows);
 }
 void int4_dequantize_rows(torch::Tensor q, torch::Tensor s, torch::Tensor z, int64_t row0, torch::Tensor out) {
   dequantize_rows<true>(q, s, z, row0, out);
@@ -79,12 +71,10 @@ void int8_dequantize_rows(torch::Tensor q, torch::Tensor s, int64_t row0, torch:
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "x [M, K] @ dequant(int4 weight [N, K]).T -> [M, N]");
-  m.def("int8_linear", &int8_linear, "x [M, K] @ dequant(int8 weight [N, K]).T -> [M, N]");
-  m.def("int4_linear_q16", &int4_linear_q16, "int4_linear with int16 activations");
-  m.def("int8_linear_q16", &int8_linear_q16, "int8_linear with int16 activations");
-  m.def("int4_linear_panel", &int4_linear_panel, "int4_linear through 8-row dequantized panels (more rows)");
-  m.def("int8_linear_panel", &int8_linear_panel, "int8_linear through 8-row dequantized panels (more rows)");
+  m.def("int4_linear", &int4_linear,
+        "x [M, K] @ dequant(int4 weight [N, K]).T -> [M, N], the kernel picked by M (int16_max_rows, tile_max_rows)");
+  m.def("int8_linear", &int8_linear,
+        "x [M, K] @ dequant(int8 weight [N, K]).T -> [M, N], the kernel picked by M (int16_max_rows, tile_max_rows)");
   m.def("int4_dequantize_rows", &int4_dequantize_rows, "rows of the int4 weight as float32");
   m.def("int8_dequantize_rows", &int8_dequantize_rows, "rows of the int8 weight as float32");
 }

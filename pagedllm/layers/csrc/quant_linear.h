@@ -10,7 +10,8 @@
 //         element i in its low nibble and element i + 16 in its high nibble (GGUF Q4_0/Q4_1's
 //         own order). w = q * scale + zero, q in [0, 15]; scale, zero float32 [N, G].
 //   int8: qweight int8 [N, K]; w = q * scale; scale float32 [N, G].
-// Three kernels, by the number of activation rows M (quantization.py picks):
+// Three kernels, by the number of activation rows M (quant_matmul picks, with the thresholds
+// of quantization.py, for the module path and the fused decode alike):
 //   quant_matmul_q16  (M <= 2): activations rounded to int16, integer dot products per group;
 //   quant_matmul_f32  (M <= 16): a tile of up to 8 activation rows shares each dequantized
 //                     group, so small batches read the weights once;
@@ -235,7 +236,7 @@ void quant_matmul_panel(const float* x, int64_t M, int64_t K, int64_t N, const u
       [&](int64_t m, int64_t n, float v) { y[m * N + n] = v; });
 }
 
-// The kernel quantization.quantized_linear picks for M rows (M <= panel_max_rows).
+// The kernel for M rows (M <= quantization.PANEL_MAX_ROWS; more rows dequantize and GEMM).
 template <bool INT4>
 void quant_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
                   const float* zp, float* y, int64_t int16_max_rows, int64_t tile_max_rows) {
