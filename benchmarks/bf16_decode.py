@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers import kernels
-from pagedllm.layers.bf16_linear import use_bf16_kernels
+from pagedllm.kernels import linear as kernels
+from pagedllm.kernels import use_bf16_kernels
 
 
 def _decode_steps(llm: LLM, batch: int, input_len: int, steps: int, modes: list[bool]) -> dict[bool, float]:

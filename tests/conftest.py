@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests that point PAGEDLLM_CACHE_DIR at a temporary directory (GGUF conversions) must not
 # send the compiled kernels there too: one build per session, not one per such test.
-from pagedllm.layers.cpu_kernels import kernel_cache_root  # noqa: E402
+from pagedllm.kernels import kernel_cache_root  # noqa: E402
 
 os.environ.setdefault("PAGEDLLM_KERNEL_CACHE_DIR", kernel_cache_root())
 

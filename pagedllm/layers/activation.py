@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import layer_ops, use_layer_ops
+from pagedllm.kernels import layer_ops, use_layer_ops
 
 
 # The fused kernel's float32 path vectorises exp and beats torch's silu-then-multiply at every

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import paged_attention_ops
+from pagedllm.kernels import paged_attention_ops
 
 
 @dataclass
@@ -80,7 +80,7 @@ def get_attention_metadata(kv_cache_group: int = 0) -> AttentionMetadata:
 
 
 _BACKEND = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "torch")
-# Decode attention from the compiled kernel (layers/cpu_kernels.py) when it builds.
+# Decode attention from the compiled kernel (kernels/build.py) when it builds.
 _USE_COMPILED = os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0"
 
 

@@ -15,13 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import current_tp, shard_range
-from pagedllm.layers.kernels import linear_op
-from pagedllm.layers.quantization import (
-    QuantizedWeight,
-    embedding_lookup,
-    quantize,
-    quantized_linear,
-)
+from pagedllm.kernels import QuantizedWeight, embedding_lookup, linear_op, quantize, quantized_linear
 from pagedllm.layers.utils import default_weight_loader, set_weight_loader
 
 

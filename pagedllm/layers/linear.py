@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TPGroup, check_heads, current_tp, divide
-from pagedllm.layers.kernels import clear_weight_caches, linear_op
-from pagedllm.layers.quantization import QuantizedWeight, quantize, quantized_linear
+from pagedllm.kernels import QuantizedWeight, clear_weight_caches, linear_op, quantize, quantized_linear
 from pagedllm.layers.utils import set_weight_loader
 
 __all__ = [

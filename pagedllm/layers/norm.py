@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import layer_ops, use_layer_ops
+from pagedllm.kernels import layer_ops, use_layer_ops
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import layer_ops, use_layer_ops
+from pagedllm.kernels import layer_ops, use_layer_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

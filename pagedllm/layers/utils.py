@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from pagedllm.layers.kernels import clear_weight_caches
+from pagedllm.kernels import clear_weight_caches
 
 WeightLoader = Callable[..., None]
 

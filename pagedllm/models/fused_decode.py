@@ -3,7 +3,7 @@
 At decode a step carries a few rows, and a layer's arithmetic on them costs less than the
 Python around it (a dozen module calls, views, allocations and the KV write per layer). When
 a step is all decodes (one query token per request) and at most `FUSED_MAX_ROWS` of them,
-`FusedDecoderLayers` runs the layers in C++ (`layers/csrc/decode_layers.cpp`) with the
+`FusedDecoderLayers` runs the layers in C++ (`kernels/csrc/decode_layers.cpp`) with the
 kernels of the per-module path (norms, rotary, attention, the quantized projections), a
 vectorised silu (its exp within ~2 ulp) and, for float32 weights, an AVX2 matrix-vector
 kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of torch's GEMM:
@@ -26,9 +26,9 @@ from torch import nn
 
 from pagedllm.layers import attention as attention_module
 from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
-from pagedllm.layers.cpu_kernels import decode_layers_ops
+from pagedllm.kernels import decode_layers_ops
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
+from pagedllm.kernels import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 

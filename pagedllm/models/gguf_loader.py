@@ -37,7 +37,7 @@ from pagedllm.models.gguf_index import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from pagedllm.layers.quantization import QuantizedWeight
+    from pagedllm.kernels import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

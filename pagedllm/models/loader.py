@@ -30,7 +30,7 @@ from pagedllm.models.config_utils import (
 )
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization import GROUP_SIZE, QUANTIZATION_METHODS, module_weight_bytes
+from pagedllm.kernels import GROUP_SIZE, QUANTIZATION_METHODS, module_weight_bytes
 from pagedllm.models.gguf_loader import (
     GGUF_FLOAT_TYPES,
     cache_root,

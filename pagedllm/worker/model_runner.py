@@ -17,7 +17,7 @@ from torch import nn
 from pagedllm.config import ModelConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata, forward_context
-from pagedllm.layers.cpu_kernels import paged_attention_ops
+from pagedllm.kernels import paged_attention_ops
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler

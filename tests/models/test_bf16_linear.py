@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.layers.bf16_linear import KERNEL_MAX_ROWS, bf16_linear, native_bf16, use_bf16_kernels
-from pagedllm.layers.cpu_kernels import bf16_linear_ops
-from pagedllm.layers.kernels import linear_op
+from pagedllm.kernels import KERNEL_MAX_ROWS, bf16_linear, bf16_linear_ops, linear_op, native_bf16, use_bf16_kernels
 from tests.models.utils import bind_kv_caches, prompt_logprobs
 
 # (N, K): the default model's K (576, 1536), a tiny model's, and tails of every tile (N not a
@@ -60,7 +58,7 @@ def test_linear_op_takes_the_bf16_path_exactly_where_the_cpu_lacks_native_bf16()
 def test_default_model_bfloat16_matches_torch_bf16_and_hf_bfloat16(
     hf_default_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pagedllm.layers import kernels
+    from pagedllm.kernels import linear as kernels
     from pagedllm.models.loader import load_model
     from tests.conftest import DEFAULT_MODEL
 

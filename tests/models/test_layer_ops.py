@@ -1,4 +1,4 @@
-"""The compiled fused layer ops (layers/csrc/layer_ops.cpp) against the torch formulations
+"""The compiled fused layer ops (kernels/csrc/layer_ops.cpp) against the torch formulations
 they replace: RMSNorm with and without the residual add, rotary embedding on strided q/k
 views, silu-and-mul. float32 agrees to rounding. bfloat16 rounds at the same points: the
 elementwise ops agree exactly; the norm within one bfloat16 step, since its mean of squares
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pagedllm.layers.cpu_kernels as cpu_kernels
+from pagedllm.kernels import build as cpu_kernels
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.layers.quantization import (
+from pagedllm.kernels import (
     INT16_MAX_ROWS,
     PANEL_MAX_ROWS,
     TILE_MAX_ROWS,

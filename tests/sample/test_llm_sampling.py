@@ -11,7 +11,7 @@ from pagedllm import LLM, SamplingParams
 
 LOGPROB_TOL = 1e-3
 # The default model's 4-bit linears take int16 activations at batch <= 2 (single-stream
-# decode; layers/quantization.py): its decode-step logprobs drift from the float reference by
+# decode; kernels/quantization.py): its decode-step logprobs drift from the float reference by
 # up to ~7e-3 (measured), prompt logprobs (the float32 prefill path) stay within LOGPROB_TOL.
 QUANTIZED_DECODE_TOL = 2e-2
 

@@ -23,8 +23,8 @@ import logging
 
 import torch
 
-from pagedllm.layers.cpu_kernels import bf16_linear_ops
-from pagedllm.layers.gemm import chunked_gemm
+from pagedllm.kernels.build import bf16_linear_ops
+from pagedllm.kernels.gemm import chunked_gemm
 
 logger = logging.getLogger(__name__)
 

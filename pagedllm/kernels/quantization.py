@@ -29,8 +29,8 @@ from typing import Literal
 
 import torch
 
-from pagedllm.layers.cpu_kernels import quant_linear_ops
-from pagedllm.layers.gemm import chunked_gemm
+from pagedllm.kernels.build import quant_linear_ops
+from pagedllm.kernels.gemm import chunked_gemm
 
 GROUP_SIZE = 32
 # Up to this many activation rows, the kernel with int16 activations (integer dot products).

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.bf16_linear import bf16_linear, use_bf16_kernels
+from pagedllm.kernels.bf16 import bf16_linear, use_bf16_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,64 @@
+"""The compiled CPU kernels and the one Python facade every caller imports.
+
+Each accessor (`layer_ops()`, `paged_attention_ops()`, ...) returns the built extension or
+None, in which case the caller's torch formulation runs; the linears (`linear_op`,
+`quantized_linear`, `bf16_linear`) pick kernel or torch themselves.
+"""
+
+from pagedllm.kernels.bf16 import KERNEL_MAX_ROWS, bf16_linear, native_bf16, use_bf16_kernels
+from pagedllm.kernels.build import (
+    bf16_linear_ops,
+    decode_layers_ops,
+    kernel_cache_root,
+    layer_ops,
+    paged_attention_ops,
+    quant_linear_ops,
+    use_layer_ops,
+)
+from pagedllm.kernels.gemm import chunked_gemm
+from pagedllm.kernels.linear import clear_weight_caches, linear_op
+from pagedllm.kernels.quantization import (
+    GROUP_SIZE,
+    INT16_MAX_ROWS,
+    PANEL_MAX_ROWS,
+    QUANTIZATION_METHODS,
+    TILE_MAX_ROWS,
+    QuantizedWeight,
+    embedding_lookup,
+    module_weight_bytes,
+    pack_int4,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear,
+)
+
+__all__ = [
+    "GROUP_SIZE",
+    "INT16_MAX_ROWS",
+    "KERNEL_MAX_ROWS",
+    "PANEL_MAX_ROWS",
+    "QUANTIZATION_METHODS",
+    "TILE_MAX_ROWS",
+    "QuantizedWeight",
+    "bf16_linear",
+    "bf16_linear_ops",
+    "chunked_gemm",
+    "clear_weight_caches",
+    "decode_layers_ops",
+    "embedding_lookup",
+    "kernel_cache_root",
+    "layer_ops",
+    "linear_op",
+    "module_weight_bytes",
+    "native_bf16",
+    "pack_int4",
+    "paged_attention_ops",
+    "quant_linear_ops",
+    "quantize",
+    "quantize_int4",
+    "quantize_int8",
+    "quantized_linear",
+    "use_bf16_kernels",
+    "use_layer_ops",
+]
