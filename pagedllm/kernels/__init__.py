@@ -7,15 +7,19 @@ None, in which case the caller's torch formulation runs; the linears (`linear_op
 
 from pagedllm.kernels.bf16 import KERNEL_MAX_ROWS, bf16_linear, native_bf16, use_bf16_kernels
 from pagedllm.kernels.build import (
+    EXTENSIONS,
     bf16_linear_ops,
     decode_layers_ops,
+    extension,
     kernel_cache_root,
     layer_ops,
     paged_attention_ops,
     quant_linear_ops,
     use_layer_ops,
 )
+from pagedllm.kernels.elementwise import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from pagedllm.kernels.gemm import chunked_gemm
+from pagedllm.kernels.isa import ISAS, Isa, cpu_isa, detect_cpu_isa, set_cpu_isa
 from pagedllm.kernels.linear import clear_weight_caches, linear_op
 from pagedllm.kernels.quantization import (
     GROUP_SIZE,
@@ -34,6 +38,9 @@ from pagedllm.kernels.quantization import (
 )
 
 __all__ = [
+    "EXTENSIONS",
+    "ISAS",
+    "Isa",
     "GROUP_SIZE",
     "INT16_MAX_ROWS",
     "KERNEL_MAX_ROWS",
@@ -41,12 +48,16 @@ __all__ = [
     "QUANTIZATION_METHODS",
     "TILE_MAX_ROWS",
     "QuantizedWeight",
+    "add_rms_norm",
     "bf16_linear",
     "bf16_linear_ops",
     "chunked_gemm",
     "clear_weight_caches",
+    "cpu_isa",
     "decode_layers_ops",
+    "detect_cpu_isa",
     "embedding_lookup",
+    "extension",
     "kernel_cache_root",
     "layer_ops",
     "linear_op",
@@ -59,6 +70,10 @@ __all__ = [
     "quantize_int4",
     "quantize_int8",
     "quantized_linear",
+    "rms_norm",
+    "rotary_embedding",
+    "set_cpu_isa",
+    "silu_and_mul",
     "use_bf16_kernels",
     "use_layer_ops",
 ]

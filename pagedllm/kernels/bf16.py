@@ -25,6 +25,7 @@ import torch
 
 from pagedllm.kernels.build import bf16_linear_ops
 from pagedllm.kernels.gemm import chunked_gemm
+from pagedllm.kernels.isa import Isa, cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 128
 
 
+@functools.cache
 def native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX), so torch's bf16 matmul
     (oneDNN) is the fast one."""
@@ -43,12 +45,17 @@ def native_bf16() -> bool:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@functools.cache
+_use_kernels: dict[Isa, bool] = {}  # per ISA (cpu_isa() may be switched): the answer below
+
+
 def use_bf16_kernels() -> bool:
     """bf16 x bf16 linears go through `bf16_linear`: the CPU lacks native bf16 and the kernel
-    builds (not on other architectures, nor with PAGEDLLM_CPU_KERNELS=0)."""
-    use = not native_bf16() and bf16_linear_ops() is not None
-    logger.info("bf16 linears: %s", "float32 arithmetic on bf16 weights" if use else "torch")
+    builds (not on other architectures, under the generic ISA, nor with PAGEDLLM_CPU_KERNELS=0)."""
+    isa = cpu_isa()
+    use = _use_kernels.get(isa)
+    if use is None:
+        use = _use_kernels[isa] = not native_bf16() and bf16_linear_ops() is not None
+        logger.info("bf16 linears: %s", "float32 arithmetic on bf16 weights" if use else "torch")
     return use
 
 

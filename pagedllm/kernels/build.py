@@ -6,36 +6,70 @@ rotary, silu-and-mul), the decode forward of Llama-shaped decoder layers
 without native bf16 (csrc/bf16_linear.cpp, AVX2), each its own extension in its own build
 directory.
 
-The build is cached under `kernel_cache_root()`/<source hash> ($PAGEDLLM_KERNEL_CACHE_DIR, else
-$PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions), so only the
-first start on a machine compiles. If the build fails (no compiler), callers
-fall back to the torch formulation and say so once in the log.
+Instruction sets (`isa.py`): under "avx2" every extension builds with -march=native; under
+"generic" (no AVX2+FMA, or PAGEDLLM_CPU_ISA=generic) paged attention and the layer ops build
+their scalar code for baseline x86-64, and the three AVX2-only extensions (quantized linears,
+bf16 linears, the fused decode) are not built: their callers' torch paths run.
+
+The build is cached under `kernel_cache_root()`/<isa>-<key> ($PAGEDLLM_KERNEL_CACHE_DIR, else
+$PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions). The key
+hashes the sources, the ISA with its compile flags and the instruction-set macros the compiler
+defines under them, the compiler (path and version), torch's version and the Python ABI: a
+cache shared between machines never loads a binary built for another CPU or toolchain. If the
+build fails (no compiler), callers fall back to the torch formulation and say so once in the log.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from pagedllm.kernels.isa import Isa, compiler_info, cpu_isa, isa_cflags
+
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-# Each extension's files: its .cpp (compiled) and the kernel headers it includes (hashed into
-# the build directory's key and copied beside it).
-_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "paged_attention.h", _CSRC / "vec_avx2.h"]
-_QUANT_SOURCES = [_CSRC / "quant_linear.cpp", _CSRC / "quant_linear.h", _CSRC / "gemm_tiles.h", _CSRC / "vec_avx2.h"]
-_LAYER_OPS_SOURCES = [_CSRC / "layer_ops.cpp", _CSRC / "layer_ops.h", _CSRC / "vec_avx2.h"]
-_DECODE_LAYERS_SOURCES = [
-    _CSRC / "decode_layers.cpp", _CSRC / "layer_ops.h", _CSRC / "paged_attention.h", _CSRC / "quant_linear.h",
-    _CSRC / "gemm_tiles.h", _CSRC / "vec_avx2.h",
-]
-_BF16_LINEAR_SOURCES = [_CSRC / "bf16_linear.cpp", _CSRC / "gemm_tiles.h", _CSRC / "vec_avx2.h"]
-# Extension name -> the loaded module, or None once it failed to build (or kernels are off).
-_loaded: dict[str, ModuleType | None] = {}
+CSRC = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One compiled extension: its .cpp (compiled) and the headers it includes (hashed into
+    the key and copied beside the build)."""
+
+    name: str
+    sources: tuple[str, ...]
+    fallback: str
+    """what runs where the extension is unavailable (for the log)"""
+    needs_avx2: bool
+    """no scalar code path: not built under the generic ISA"""
+
+
+# Short name -> extension; the accessors below are the only readers.
+EXTENSIONS: dict[str, Extension] = {
+    e.name: e
+    for e in (
+        Extension("paged_attention", ("paged_attention.cpp", "paged_attention.h", "vec_avx2.h"),
+                  "using torch ops", needs_avx2=False),
+        Extension("layer_ops", ("layer_ops.cpp", "layer_ops.h", "vec_avx2.h"), "using torch ops", needs_avx2=False),
+        Extension("quant_linear", ("quant_linear.cpp", "quant_linear.h", "gemm_tiles.h", "vec_avx2.h"),
+                  "dequantizing per layer", needs_avx2=True),
+        Extension("bf16_linear", ("bf16_linear.cpp", "gemm_tiles.h", "vec_avx2.h"),
+                  "using torch's bf16 matmul", needs_avx2=True),
+        Extension("decode_layers", ("decode_layers.cpp", "layer_ops.h", "paged_attention.h", "quant_linear.h",
+                                    "gemm_tiles.h", "vec_avx2.h"),
+                  "running the layers one module at a time", needs_avx2=True),
+    )
+}
+
+# (extension name, ISA) -> the loaded module, or None once it failed to build (or is off).
+_loaded: dict[tuple[str, Isa], ModuleType | None] = {}
 
 
 def kernel_cache_root() -> str:
@@ -45,33 +79,58 @@ def kernel_cache_root() -> str:
     return os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR") or os.path.join(root, "torch_extensions")
 
 
-def _build_dir(sources: list[Path]) -> str:
-    """One directory per content of the sources: an edited kernel (or another checkout's)
-    builds beside the old one instead of rebuilding over it under a running process."""
-    digest = hashlib.sha256()
-    for src in sources:
-        digest.update(src.read_bytes())
-    path = os.path.join(kernel_cache_root(), digest.hexdigest()[:16])
+def module_name(ext: Extension, isa: Isa) -> str:
+    """The Python module name of a build: one per ISA, so both can load in one process."""
+    return f"pagedllm_{ext.name}_{isa}"
+
+
+def build_key(ext: Extension, isa: Isa) -> dict[str, object]:
+    """Everything a build's binary depends on; its hash names the build directory."""
+    import torch
+
+    cc = compiler_info(isa)
+    return {
+        "module": module_name(ext, isa),
+        "sources": {name: hashlib.sha256((CSRC / name).read_bytes()).hexdigest() for name in ext.sources},
+        "isa": isa,
+        "cflags": isa_cflags(isa),
+        "isa_macros": cc.isa_macros,
+        "compiler": cc.path,
+        "compiler_version": cc.version,
+        "torch": torch.__version__,
+        "python": sys.implementation.cache_tag,
+    }
+
+
+def build_dir(ext: Extension, isa: Isa) -> str:
+    """One directory per build key: an edited kernel (or another checkout's, CPU's, compiler's)
+    builds beside the old one instead of over it under a running process."""
+    key = build_key(ext, isa)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(kernel_cache_root(), f"{isa}-{digest}")
     os.makedirs(path, exist_ok=True)
+    record = os.path.join(path, "build_key.json")
+    if not os.path.exists(record):
+        with open(record + ".tmp", "w") as f:
+            json.dump(key, f, indent=1, sort_keys=True)
+        os.replace(record + ".tmp", record)
     return path
 
 
-def _local_copies(build_dir: str, sources: list[Path]) -> list[str]:
+def _local_copies(path: str, ext: Extension) -> list[str]:
     """Build from copies inside the (content-keyed) build directory: checkouts at other paths
     with the same sources then share one build instead of rebuilding each other's."""
     copies = []
-    for src in sources:
-        dst = os.path.join(build_dir, src.name)
+    for name in ext.sources:
+        dst = os.path.join(path, name)
         if not os.path.exists(dst):
-            shutil.copyfile(src, dst + ".tmp")
+            shutil.copyfile(CSRC / name, dst + ".tmp")
             os.replace(dst + ".tmp", dst)
         copies.append(dst)
     return copies
 
 
-def _load_locked(
-    build_dir: str, name: str = "pagedllm_paged_attention", sources: list[Path] = _SOURCES
-) -> ModuleType:
+def _load_locked(path: str, ext: Extension, isa: Isa) -> ModuleType:
     """Build or load the extension under an flock, which the kernel releases if we die.
 
     torch's own build lock is a plain file: a build killed midway leaves it behind and every
@@ -82,60 +141,68 @@ def _load_locked(
 
     from torch.utils.cpp_extension import load
 
-    with open(os.path.join(build_dir, "pagedllm.flock"), "w") as lock_file:
+    with open(os.path.join(path, "pagedllm.flock"), "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
-        stale = os.path.join(build_dir, "lock")
+        stale = os.path.join(path, "lock")
         if os.path.exists(stale):
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
             os.remove(stale)
         return load(
-            name=name,
-            sources=[c for c in _local_copies(build_dir, sources) if c.endswith(".cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name=module_name(ext, isa),
+            sources=[c for c in _local_copies(path, ext) if c.endswith(".cpp")],
+            extra_cflags=isa_cflags(isa),
             extra_ldflags=["-fopenmp"],
-            build_directory=build_dir,
+            build_directory=path,
             verbose=False,
         )
 
 
-def _extension(name: str, sources: list[Path], fallback: str) -> ModuleType | None:
-    """Build or load an extension once per process; None where it cannot be built (or
-    PAGEDLLM_CPU_KERNELS=0), saying once in the log what runs instead."""
-    if name in _loaded:
-        return _loaded[name]
+def extension(name: str, isa: Isa | None = None) -> ModuleType | None:
+    """Build or load an extension once per process and ISA (default: `cpu_isa()`); None
+    where it cannot be built, is AVX2-only under the generic ISA, or PAGEDLLM_CPU_KERNELS=0,
+    saying once in the log what runs instead."""
+    isa = isa or cpu_isa()
+    key = (name, isa)
+    if key in _loaded:
+        return _loaded[key]
+    ext = EXTENSIONS[name]
     module = None
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        pass
+    elif ext.needs_avx2 and isa != "avx2":
+        logger.info("%s has no %s build (AVX2 only), %s", name, isa, ext.fallback)
+    else:
         try:
-            module = _load_locked(_build_dir(sources), name, sources)
+            module = _load_locked(build_dir(ext, isa), ext, isa)
         except Exception as e:  # no compiler, headers, or ninja
-            logger.warning("compiled %s unavailable, %s: %s", name, fallback, str(e).splitlines()[0])
-    _loaded[name] = module
+            logger.warning("compiled %s unavailable, %s: %s", name, ext.fallback, str(e).splitlines()[0])
+    _loaded[key] = module
     return module
 
 
 def paged_attention_ops() -> ModuleType | None:
     """The compiled paged attention module, or None (the torch path runs instead)."""
-    return _extension("pagedllm_paged_attention", _SOURCES, "using torch ops")
+    return extension("paged_attention")
 
 
 def quant_linear_ops() -> ModuleType | None:
     """The compiled weight-only quantized linear kernels (AVX2), or None where unavailable."""
-    return _extension("pagedllm_quant_linear", _QUANT_SOURCES, "dequantizing per layer")
+    return extension("quant_linear")
 
 
 def bf16_linear_ops() -> ModuleType | None:
     """The compiled bf16-weight linear kernel (AVX2, float32 arithmetic), or None."""
-    return _extension("pagedllm_bf16_linear", _BF16_LINEAR_SOURCES, "using torch's bf16 matmul")
+    return extension("bf16_linear")
 
 
 def layer_ops() -> ModuleType | None:
     """The compiled fused layer ops (RMSNorm, rotary, silu-and-mul), or None (torch ops run)."""
-    return _extension("pagedllm_layer_ops", _LAYER_OPS_SOURCES, "using torch ops")
+    return extension("layer_ops")
 
 
 def decode_layers_ops() -> ModuleType | None:
     """The compiled decode forward over every decoder layer (models/fused_decode.py), or None."""
-    return _extension("pagedllm_decode_layers", _DECODE_LAYERS_SOURCES, "running the layers one module at a time")
+    return extension("decode_layers")
 
 
 _layer_ops_dtypes: tuple | None = None  # (torch.float32, torch.bfloat16), set on first use

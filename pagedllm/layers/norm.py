@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import layer_ops, use_layer_ops
+from pagedllm.kernels import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -25,12 +25,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
 
@@ -42,16 +36,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_layer_ops(x):
-            ops = layer_ops()
-            if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            normed, x = ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return normed, x
+        # x, residual: [num_tokens, hidden]
         if residual is None:
-            return self._norm(x)
-        x = residual + x
-        return self._norm(x), x
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

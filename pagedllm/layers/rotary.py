@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels import layer_ops, use_layer_ops
+from pagedllm.kernels import rotary_embedding
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -77,19 +77,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int64; q: [T, num_heads * head_dim]; k: [T, num_kv_heads * head_dim]
-        if use_layer_ops(q) and k.stride(-1) == 1 and positions.is_contiguous():
-            q, k = layer_ops().rotary_embedding(positions, q, k, self.cos_sin_cache)
-            return q, k
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
-        cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_dim)  # [T, H, D]
-        x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.view(num_tokens, -1)
+        return rotary_embedding(positions, q, k, self.cos_sin_cache)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

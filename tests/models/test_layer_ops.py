@@ -25,7 +25,7 @@ def torch_only(monkeypatch):
 
     def run(fn):
         with monkeypatch.context() as m:
-            m.setitem(cpu_kernels._loaded, "pagedllm_layer_ops", None)
+            m.setitem(cpu_kernels._loaded, ("layer_ops", cpu_kernels.cpu_isa()), None)
             return fn()
 
     return run

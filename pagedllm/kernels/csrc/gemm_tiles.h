@@ -7,6 +7,11 @@
 // eight-lane float32 accumulators, so each weight load serves MT activation rows and each
 // activation load NT weight rows, and the FMAs rather than the loads bound the loop.
 
+// AVX2-only: no scalar path here; build.py builds its extensions only for the avx2 ISA
+// (elsewhere the callers' torch paths run).
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "gemm_tiles.h needs AVX2 and FMA (compile with -march=native on such a CPU)"
+#endif
 #include <immintrin.h>
 #include <omp.h>
 

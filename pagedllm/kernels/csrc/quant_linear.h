@@ -18,6 +18,11 @@
 //   quant_matmul_panel (M <= 128): gemm_tiles.h's panel_matmul, a panel of 8 weight rows
 //                     dequantized once into a float32 buffer, then register tiles of 6 x 2.
 
+// AVX2-only: no scalar path here; build.py builds its extensions only for the avx2 ISA
+// (elsewhere the callers' torch paths run).
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "quant_linear.h needs AVX2 and FMA (compile with -march=native on such a CPU)"
+#endif
 #include <immintrin.h>
 #include <omp.h>
 #include <cstdint>
