@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve run test setup bench clean
+.PHONY: serve run test setup system-deps bench clean
 
 setup: $(STAMP)
 
@@ -38,8 +38,17 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(PY) -m pagedllm.entrypoints.cli chat-demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra --durations=25
+
+# System packages the tests need: Debian's headless Chromium and its driver for the dashboard's
+# browser test (tests/entrypoints/test_dashboard.py). Installed with apt where missing.
+system-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		SUDO=""; if [ "$$(id -u)" -ne 0 ]; then SUDO="sudo"; fi; \
+		echo "installing chromium and chromium-driver (apt) for the dashboard's browser test"; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; fi
 
 bench: $(STAMP)
 	$(PY) -m pagedllm.entrypoints.cli bench throughput --num-prompts 64 --baseline hf

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_proxy_parser(sub)
 
-    from pagedllm.entrypoints.bench import add_bench_parser
+    from pagedllm.benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
     return parser

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedllm.entrypoints.bench_serve import RequestResult, format_summary, run_benchmark, summarize
+from pagedllm.benchmarks.serve import RequestResult, format_summary, run_benchmark, summarize
 
 
 def test_summary_maths():

@@ -84,7 +84,7 @@ def make_driver(user_data_dir: str):
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
     if missing:
         pytest.fail(f"{', '.join(missing)} not found: install Debian's browser with "
-                    "`apt-get install -y chromium chromium-driver` (.ci/run does)")
+                    "`apt-get install -y chromium chromium-driver` (`make test` does)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

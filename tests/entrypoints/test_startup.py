@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.entrypoints.bench_startup import PHASES, run_once
+from pagedllm.benchmarks.startup import PHASES, run_once
 from tests.entrypoints.utils import REPO_ROOT, RemoteServer
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedllm import LLM
-from pagedllm.entrypoints.bench_latency import _linear_weights, measure_decode
+from pagedllm.benchmarks.latency import _linear_weights, measure_decode
 
 
 def test_measure_decode_counts_and_frees(tiny_llama_dir):

@@ -7,6 +7,9 @@ and engine core) had used by then (a steadier figure than wall time on a shared 
 the phases read from the server's log (seconds since the spawn). With several `--checkout`
 directories the runs alternate between them (PYTHONPATH set to each), so a before/after
 comparison is measured side by side in one run.
+
+Extra arguments after the options go to `pagedllm serve`, e.g.
+`pagedllm bench startup -- --max-model-len 2048`.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ def run_once(checkout: str, model: str, serve_args: list[str], timeout_s: float)
     return StartupResult(checkout, healthy_s, first_token_s, cpu_s, phases)
 
 
-def run_startup_bench(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health poll otherwise
@@ -164,12 +167,7 @@ def run_startup_bench(args: argparse.Namespace) -> None:
             json.dump([asdict(r) for r in results], f, indent=2)
 
 
-def add_startup_bench_parser(bench_sub: argparse._SubParsersAction) -> None:
-    p = bench_sub.add_parser(
-        "startup", help="seconds from `pagedllm serve` to healthy and to the first token",
-        description="Extra arguments after the options go to `pagedllm serve`, e.g. "
-        "`pagedllm bench startup -- --max-model-len 2048`.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--checkout", action="append", default=None,
                    help="a pagedllm checkout to run (repeatable; runs alternate); default: this one")
@@ -177,4 +175,3 @@ def add_startup_bench_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /health")
     p.add_argument("--save-json", default=None)
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments for `pagedllm serve`")
-    p.set_defaults(func=run_startup_bench)

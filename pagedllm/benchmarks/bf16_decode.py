@@ -1,7 +1,7 @@
 """bf16 decode step time with the bf16 linears (bf16 weights, float32 arithmetic) against
 torch's bf16 matmul, alternating step by step in one engine, and the float32 model.
 
-    OMP_NUM_THREADS=1 python benchmarks/bf16_decode.py [--batch-sizes 1,8,32] [--steps 8]
+    OMP_NUM_THREADS=1 pagedllm bench bf16-decode [--batch-sizes 1,8,32] [--steps 8]
 
 For each batch size, B random prompts of --input-len tokens are prefilled (with the bf16
 linears), then decode steps alternate between the two matmul paths (the context grows by one
@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import linear as kernels
-from pagedllm.kernels import use_bf16_kernels
+from pagedllm import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
 
 
 def _decode_steps(llm: LLM, batch: int, input_len: int, steps: int, modes: list[bool]) -> dict[bool, float]:
     """Median step ms per mode (True: the bf16 linears) over `steps` rounds of all modes."""
+    from pagedllm.kernels import linear as kernels
+    from pagedllm.kernels import use_bf16_kernels
+
     engine = llm.llm_engine
     rng = np.random.default_rng(batch)
     params = SamplingParams(max_tokens=steps * len(modes) + 4, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -47,12 +52,15 @@ def _decode_steps(llm: LLM, batch: int, input_len: int, steps: int, modes: list[
     return {m: float(np.median(t[1:])) * 1e3 for m, t in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.llm import LLM
+
     batches = [int(b) for b in args.batch_sizes.split(",")]
     for dtype in ("bfloat16", "float32"):
         llm = LLM(dtype=dtype, quantization="none", kv_cache_memory_bytes="2GiB", enable_prefix_caching=False)
@@ -62,7 +70,3 @@ def main() -> None:
                 name = dtype if dtype == "float32" else f"bf16 {'float32 arithmetic' if mode else 'torch bf16 matmul'}"
                 print(f"{name:30s} batch {batch:3d}: {ms:7.1f} ms/step, {batch / ms * 1e3:6.1f} tok/s", flush=True)
         del llm
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ so by default this measures a random-weight Llama of the default model's shape (
 30 layers, MLP 1536, vocabulary 49152) with 8 query / 4 KV heads of 72: the same weights in
 bytes and FLOPs; decode speed depends on shapes, not on the weights' values.
 
-    python benchmarks/tensor_parallel.py --dtype float32 --batch-sizes 1 32 --max-tokens 32
+    pagedllm bench tensor-parallel --dtype float32 --batch-sizes 1 32 --max-tokens 32
 
 Decode time is (time of prompt + N tokens) - (time of prompt + 1 token), over N - 1 steps.
 TP 1 runs with one torch thread per available core (--tp1-threads), TP N with each rank
@@ -23,10 +23,14 @@ import argparse
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
 
 
 def default_shaped_llama(path: str) -> str:
@@ -47,7 +51,7 @@ def default_shaped_llama(path: str) -> str:
     return path
 
 
-def run(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> tuple[float, float]:
+def run_decode(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> tuple[float, float]:
     """(decode tokens/s, rank 0's collective seconds per decode step)."""
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, prompt_len).tolist()} for _ in range(batch)]
@@ -101,8 +105,7 @@ def bare_allreduce_seconds(batch: int, iters: int = 500) -> float:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a float checkpoint whose heads divide by 2")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
@@ -111,7 +114,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--tp1-threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch threads of the TP 1 run (default: every available core)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.llm import LLM
+
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or default_shaped_llama(os.path.join(tmp, "llama-576"))
         for batch in args.batch_sizes:
@@ -126,14 +133,10 @@ def main() -> None:
                 kv_cache_memory_bytes="1GiB", max_num_seqs=max(args.batch_sizes), quantization="none",
             )
             for batch in args.batch_sizes:
-                tok_s, coll = run(llm, batch, args.prompt_len, args.max_tokens)
+                tok_s, coll = run_decode(llm, batch, args.prompt_len, args.max_tokens)
                 print(
                     f"tp={tp} batch={batch:3d}: decode {tok_s:8.1f} tok/s, {1000 * batch / tok_s:7.2f} ms/step"
                     + (f", collectives {1000 * coll:6.2f} ms/step" if tp > 1 else ""),
                     flush=True,
                 )
             llm.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -6,8 +6,7 @@ prefixes, some with n > 1 -- and after every step takes a snapshot the way the c
 does for `GET /dashboard/state` (build, then pickle for the ZMQ socket), timing both. A
 viewer asks for at most 5 snapshots a second, so the per-step comparison is the worst case.
 
-    python benchmarks/dashboard_snapshot.py --num-requests 64 --max-num-seqs 64
-
+    pagedllm bench dashboard-snapshot --num-requests 64 --max-num-seqs 64
 """
 
 from __future__ import annotations
@@ -18,16 +17,8 @@ import random
 import statistics
 import time
 
-from pagedllm.core.kv_snapshot import take_kv_snapshot
-from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_builder import build_engine_core
-from pagedllm.engine.llm_engine import child_params
-from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-memory-bytes", default="4GiB")
@@ -36,7 +27,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--max-steps", type=int, default=200)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm.core.kv_snapshot import take_kv_snapshot
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.core_builder import build_engine_core
+    from pagedllm.engine.llm_engine import child_params
+    from pagedllm.request import Request
+    from pagedllm.sampling_params import SamplingParams
 
     built = build_engine_core(EngineArgs(
         model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -81,7 +80,3 @@ def main() -> None:
           f"pickle mean {1e6 * statistics.mean(pickle_s[i] for i in full):.0f} us, "
           f"max {1e6 * max(take_s[i] + pickle_s[i] for i in full):.0f} us")
     print(f"snapshot / step: {100 * cost / step:.3f}%")
-
-
-if __name__ == "__main__":
-    main()

@@ -6,23 +6,20 @@ same naive loop with prefix caching on (vLLM's current approach).
 Throughput counts beam tokens: each step, every live beam extends by one token; the three
 runs do the same search (the same beams), so the counts are equal.
 
-    python benchmarks/beam_search.py --model SmolLM2-135M-Instruct --beam-width 4 \
+    pagedllm bench beam-search --model SmolLM2-135M-Instruct --beam-width 4 \
         --num-prompts 4 --prompt-len 128 --max-tokens 32
-
-Measured 2026-11-29 on a quiet 2-core machine (float32 activations, the default model's GGUF
-weights), width 4, 2 prompts x 128 tokens, max_tokens 16 (122 beam tokens, the same beams in all
-three runs): engine 1.53 s (79.9 beam tok/s); naive without sharing 36.91 s (3.3); naive with
-prefix caching 6.33 s (19.3).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
+from pagedllm import BeamSearchParams, SamplingParams
 
-from pagedllm import LLM, BeamSearchParams, SamplingParams
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
 
 
 def naive_beam_search(llm: LLM, prompt: list[int], k: int, max_tokens: int, length_penalty: float):
@@ -56,16 +53,20 @@ def naive_beam_search(llm: LLM, prompt: list[int], k: int, max_tokens: int, leng
     return finished, num_beam_tokens
 
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from pagedllm.entrypoints.llm import LLM
+
     k = args.beam_width
     rng = np.random.default_rng(0)
     common = dict(dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes="512MiB")
@@ -101,7 +102,3 @@ def main() -> None:
     for caching, label in ((False, "naive, no sharing (no prefix cache)"), (True, "naive + prefix caching (vLLM-style)")):
         t, n, _ = results[caching]
         print(f"{label:40s}: {t:7.2f} s  {n / t:8.1f} beam tok/s")
-
-
-if __name__ == "__main__":
-    main()

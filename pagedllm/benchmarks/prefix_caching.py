@@ -48,7 +48,7 @@ def _run(args: argparse.Namespace, enable: bool) -> dict:
     }
 
 
-def run_prefix_bench(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     results = [_run(args, True), _run(args, False)]
     for r in results:
         print(
@@ -70,8 +70,7 @@ def run_prefix_bench(args: argparse.Namespace) -> None:
 _WORKLOAD_KEYS = ("num_prompts", "num_prefixes", "prefix_len", "question_len", "output_len", "seed", "model")
 
 
-def add_prefix_bench_parser(bench_sub: argparse._SubParsersAction) -> None:
-    p = bench_sub.add_parser("prefix-caching", help="shared-prefix workload, prefix caching on vs off")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=EngineArgs.model)
     EngineArgs.add_cli_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -80,4 +79,3 @@ def add_prefix_bench_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--question-len", type=int, default=24)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--save-json", default=None)
-    p.set_defaults(func=run_prefix_bench)

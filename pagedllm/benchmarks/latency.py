@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.step_profile import StepProfile, profiling
+from pagedllm.benchmarks.step_profile import StepProfile, profiling
 
 
 @dataclass
@@ -111,7 +111,7 @@ def measure_decode(
     return result, profile
 
 
-def run_latency(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     import os
 
     from pagedllm.entrypoints.llm import LLM
@@ -143,8 +143,7 @@ def run_latency(args: argparse.Namespace) -> None:
             )
 
 
-def add_latency_bench_parser(sub: argparse._SubParsersAction) -> None:
-    lat = sub.add_parser("latency", help="decode step time and tokens/s at fixed batch sizes")
+def add_arguments(lat: argparse.ArgumentParser) -> None:
     lat.add_argument("model", nargs="?", default=EngineArgs.model)
     EngineArgs.add_cli_args(lat)
     lat.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated, e.g. 1,32")
@@ -154,4 +153,3 @@ def add_latency_bench_parser(sub: argparse._SubParsersAction) -> None:
                      help="after timing, profile as many steps again and print where a step's time goes "
                           "(schedule, input preparation, each layer type, attention, sampling, detokenization)")
     lat.add_argument("--save-json", default=None)
-    lat.set_defaults(func=lambda args: run_latency(args))

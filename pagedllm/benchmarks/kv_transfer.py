@@ -5,7 +5,7 @@ The producer process holds `--num-blocks` blocks of the default model's KV layou
 pulls them `--repeat` times into its own pool through the same code the engine uses, and
 reports MB/s per pull (request to blocks in place).
 
-    python benchmarks/kv_transfer_throughput.py [--num-blocks 94] [--repeat 5]
+    pagedllm bench kv-transfer [--num-blocks 94] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def producer(port: int, num_blocks: int, repeat: int, ready, done) -> None:
     worker.shutdown()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=94, help="94 blocks = a 1,500-token prompt")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--port", type=int, default=14599)
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=producer, args=(args.port, args.num_blocks, args.repeat, ready, done))
@@ -79,7 +80,3 @@ def main() -> None:
     done.set()
     worker.shutdown()
     proc.join(30)
-
-
-if __name__ == "__main__":
-    main()

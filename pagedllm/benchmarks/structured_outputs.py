@@ -9,15 +9,7 @@
    it measures the per-step cost (bitmask fill + masking + matcher advance), not compiling.
    Prefix caching is off so that both runs compute the same prompts.
 
-    python benchmarks/structured_outputs.py --num-requests 32
-
-Measured 2026-11-29 on the shared 2-core machine under a load average of 12-18 from other
-sessions (noisy; the runs go one after another), fp32: 2,117 output tokens per run,
-constrained 196.4 s (10.8 tok/s) vs unconstrained 162.6 s (13.0 tok/s); an earlier run with
-prefix caching on: 188.3 s vs 155.9 s. Timing the grammar calls inside the steps (16
-requests) put mask fill + masking + matcher advance at 1.7-2.9 s of 58-76 s (3-4%), with
-run-to-run spread of the same workload larger than the gap. Typical schema: vocabulary set-up
-2.4-3.4 s once, cold compile 3.1-3.4 s, cached 0.15-0.18 ms.
+    pagedllm bench structured-outputs --num-requests 32
 """
 
 from __future__ import annotations
@@ -25,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
-from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
 
 TYPICAL = {
     "type": "object",
@@ -46,6 +41,8 @@ TYPICAL = {
 
 
 def compile_times(llm: LLM) -> None:
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
     engine = llm.llm_engine
     mc = engine.model_config
     manager = StructuredOutputManager(engine.tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -62,12 +59,15 @@ def compile_times(llm: LLM) -> None:
     print(f"compile typical schema, cold: {(t2 - t1) * 1e3:.1f} ms; cached: {(t3 - t2) * 1e3:.3f} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.llm import LLM
+
     # Prefix caching off: the second run must not find the first run's prompts cached.
     llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, kv_cache_memory_bytes="1GiB",
               enable_prefix_caching=False)
@@ -98,7 +98,3 @@ def main() -> None:
     print(f"constrained:   {t_con:.2f} s, {total / t_con:.1f} output tok/s")
     print(f"unconstrained: {t_free:.2f} s, {total / t_free:.1f} output tok/s")
     print(f"overhead: {(t_con / t_free - 1) * 100:.1f}% time")
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ instance, and compare: 8 streams decode while 16 prompts of 1,500 random tokens 
 once; the figure is the p99 gap between tokens of the 8 streams. With --decode-url (the decode
 instance behind a proxy) it also reports the KV transfer throughput from its /metrics.
 
-    python benchmarks/disagg_itl.py --base-url http://127.0.0.1:8000 [--decode-url URL]
+    pagedllm bench disagg-itl --base-url http://127.0.0.1:8000 [--decode-url URL]
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import time
 import httpx
 import numpy as np
 
-from pagedllm.entrypoints.bench_serve import random_token_prompts, send_one
+from pagedllm.benchmarks.serve import send_one
+from pagedllm.benchmarks.workloads import random_token_prompts
 
 
 def metric(text: str, name: str) -> float:
@@ -27,7 +28,7 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
-async def run(args: argparse.Namespace) -> None:
+async def _run(args: argparse.Namespace) -> None:
     url = args.base_url.rstrip("/") + "/v1/completions"
     streams = random_token_prompts(args.num_streams, args.stream_input_len, 0.0, args.vocab_size, 1)
     burst = random_token_prompts(args.num_burst, args.burst_input_len, 0.0, args.vocab_size, 2)
@@ -66,8 +67,7 @@ async def run(args: argparse.Namespace) -> None:
                   f"= {num_bytes / 1e6 / seconds:.0f} MB/s")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True)
     p.add_argument("--decode-url", default=None, help="the decode instance behind the proxy (for MB/s)")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -79,8 +79,7 @@ def main() -> None:
     p.add_argument("--burst-input-len", type=int, default=1500)
     p.add_argument("--burst-output-len", type=int, default=4)
     p.add_argument("--burst-delay-s", type=float, default=2.0)
-    asyncio.run(run(p.parse_args()))
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace) -> None:
+    asyncio.run(_run(args))

@@ -1,6 +1,6 @@
 """Single-stream decode ms/token and batched throughput per weight format, side by side.
 
-    python benchmarks/quant_decode.py [--configs float32:none bfloat16:none float32:int8 \
+    pagedllm bench quant-decode [--configs float32:none bfloat16:none float32:int8 \
         float32:gguf float32:int4] [--batch 32] [--output-len 64]
 
 Each config is dtype:quantization on the default model. Single stream: one 32-token prompt,
@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.bench import random_prompts
+from pagedllm import SamplingParams
+from pagedllm.benchmarks.workloads import random_prompts
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
 
 
 def single_stream_ms(llm: LLM, prompt: list[int], num_tokens: int) -> float:
@@ -32,15 +36,18 @@ def single_stream_ms(llm: LLM, prompt: list[int], num_tokens: int) -> float:
     return min(runs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="+",
                         default=["float32:none", "bfloat16:none", "float32:int8", "float32:gguf"])  # fmt: skip
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--input-len-max", type=int, default=480)
     parser.add_argument("--single-stream-tokens", type=int, default=64)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.llm import LLM
+
     rows = []
     for config in args.configs:
         dtype, quantization = config.split(":")
@@ -60,7 +67,3 @@ def main() -> None:
         print(f"{config:16s} single stream {ms:6.1f} ms/token   batch {args.batch}: {tok_s:6.1f} output tok/s",
               flush=True)  # fmt: skip
         del llm
-
-
-if __name__ == "__main__":
-    main()

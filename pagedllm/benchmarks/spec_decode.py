@@ -2,7 +2,7 @@
 side in one run, on a repetitive workload (repeat or lightly edit a given paragraph) and on
 random-token prompts, at concurrency 1 and 8, with acceptance rates.
 
-    python benchmarks/spec_decode.py [--dtype float32] [--max-tokens 128] [--draft-layers 8]
+    pagedllm bench spec-decode [--dtype float32] [--max-tokens 128] [--draft-layers 8]
 """
 
 from __future__ import annotations
@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
 
 PARAGRAPH = (
     "Paged attention stores the key and value cache of every request in fixed-size blocks, "
@@ -45,7 +49,7 @@ def workloads(tokenizer, n: int, seed: int = 0) -> dict[str, list]:
     return {"repetitive": repetitive, "random": random_prompts}
 
 
-def run(llm: LLM, prompts: list, concurrency: int, max_tokens: int) -> dict:
+def run_workload(llm: LLM, prompts: list, concurrency: int, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     scheduler = llm.llm_engine.scheduler
     scheduler.get_stats()  # reset the interval counters
@@ -63,8 +67,7 @@ def run(llm: LLM, prompts: list, concurrency: int, max_tokens: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -73,7 +76,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--configs", default="none,ngram,self_draft", help="comma-separated subset")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.llm import LLM
+
     configs = {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
@@ -88,7 +95,7 @@ def main() -> None:
         llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
         for concurrency, n in ((1, args.num_prompts_c1), (8, args.num_prompts_c8)):
             for wname, prompts in workloads(tok, n).items():
-                r = run(llm, prompts, concurrency, args.max_tokens)
+                r = run_workload(llm, prompts, concurrency, args.max_tokens)
                 results.setdefault(f"{wname} c={concurrency}", {})[name] = r
                 print(name, wname, concurrency, json.dumps(r), flush=True)
         del llm
@@ -104,7 +111,3 @@ def main() -> None:
                 cell += f" ({r['tok_s'] / base:.2f}x, accept {100 * r['acceptance']:.0f}%)"
             cells.append(cell)
         print(f"| {key} | " + " | ".join(cells) + " |")
-
-
-if __name__ == "__main__":
-    main()

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from pagedllm.benchmarks.workloads import random_token_prompts
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,14 +32,6 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
-
-
-def random_token_prompts(num: int, input_len: int, range_ratio: float, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    low, high = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
-    lengths = rng.integers(max(low, 1), max(high, 1) + 1, size=num)
-    # Stay clear of the low ids, where tokenizers keep their special tokens.
-    return [rng.integers(100, vocab_size, size=int(n)).tolist() for n in lengths]
 
 
 async def send_one(client, url: str, body: dict, prompt_len: int, headers: dict) -> RequestResult:
@@ -193,7 +187,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     return summary
 
 
-def run_serve_bench(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
     summary = asyncio.run(run_benchmark(args))
     print(format_summary(summary), flush=True)
@@ -205,8 +199,7 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         print(f"saved {filename}")
 
 
-def add_serve_bench_parser(bench_sub: argparse._SubParsersAction) -> None:
-    p = bench_sub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
@@ -223,4 +216,3 @@ def add_serve_bench_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-result", action="store_true")
     p.add_argument("--save-detailed", action="store_true", help="include per-request results in the JSON")
     p.add_argument("--result-filename", default=None)
-    p.set_defaults(func=run_serve_bench)

@@ -1,6 +1,6 @@
 """Side by side in one run: the paged KV backend (two block sizes) against vattention.
 
-    python -m pagedllm.entrypoints.bench_kv_backends [--num-prompts 16 --output-len 64 ...]
+    pagedllm bench kv-backends [--num-prompts 16 --output-len 64 ...]
 
 Per configuration: offline throughput on seeded random prompts (as `pagedllm bench
 throughput`, stepping the engine to sample its KV memory figures every step: peak resident
@@ -41,7 +41,7 @@ def _run(engine, prompts: list[list[int]], params) -> tuple[float, list[dict], d
 
 def bench_config(name: str, args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.entrypoints.bench import random_prompts
+    from pagedllm.benchmarks.workloads import random_prompts
 
     llm = LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=False,
@@ -131,8 +131,7 @@ def bench_attention(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=4224)
@@ -146,7 +145,9 @@ def main() -> None:
     parser.add_argument("--attn-iters", type=int, default=20)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--contexts", default="1024,4096")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     args.contexts = [int(c) for c in args.contexts.split(",")]
     results = []
     for name in args.configs.split(","):
@@ -168,7 +169,3 @@ def main() -> None:
     print(f"\nDecode attention, one layer, batch {args.decode_batch} (ms, median of {args.attn_iters}):")
     print("| context | layout | ms |\n|---|---|---|")
     print("\n".join(bench_attention(args)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,11 @@
 """`pagedllm bench throughput`: offline throughput on random-token prompts, optionally
-side by side with HF transformers static batching on the same workload in the same run."""
+side by side with HF transformers static batching on the same workload in the same run.
+
+N prompts with seeded lengths uniform in [--input-len-min, --input-len-max], --output-len
+tokens each, EOS ignored; prints output and total tokens/s. `--baseline hf` runs the same
+workload through HF transformers `generate` (static batches of --hf-batch-size, left padding)
+in the same run and dtype, on the weights the engine loaded.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
+from pagedllm.benchmarks.workloads import random_prompts
 from pagedllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -38,14 +43,6 @@ class ThroughputResult:
             f"{self.engine:>10} {self.dtype:>8}: {self.num_requests} requests in {self.elapsed_s:.1f} s, "
             f"{self.output_tok_s:.1f} output tok/s, {self.total_tok_s:.1f} total tok/s"
         )
-
-
-def random_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Seeded random-token prompts with lengths uniform in [min_len, max_len]."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(min_len, max_len + 1, size=num)
-    # Stay clear of the low ids, where tokenizers keep their special tokens.
-    return [rng.integers(100, vocab_size, size=int(n)).tolist() for n in lengths]
 
 
 def bench_pagedllm(args: argparse.Namespace, llm, prompts: list[list[int]]) -> ThroughputResult:
@@ -92,7 +89,7 @@ def bench_hf(args: argparse.Namespace, model_dir: str, prompts: list[list[int]],
     return ThroughputResult("hf", dtype, len(prompts), sum(map(len, prompts)), num_out, elapsed)
 
 
-def run_throughput(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.llm import LLM
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
@@ -120,32 +117,13 @@ def run_throughput(args: argparse.Namespace) -> None:
             )
 
 
-def run_bench(args: argparse.Namespace) -> None:
-    if args.bench_command == "throughput":
-        run_throughput(args)
-
-
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts")
-    tp.add_argument("model", nargs="?", default=EngineArgs.model)
-    EngineArgs.add_cli_args(tp)
-    tp.add_argument("--num-prompts", type=int, default=64)
-    tp.add_argument("--input-len-min", type=int, default=32)
-    tp.add_argument("--input-len-max", type=int, default=480)
-    tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--baseline", choices=["none", "hf"], default="none")
-    tp.add_argument("--hf-batch-size", type=int, default=16)
-    tp.add_argument("--save-json", default=None)
-    tp.set_defaults(func=run_bench)
-
-    from pagedllm.entrypoints.bench_latency import add_latency_bench_parser
-    from pagedllm.entrypoints.bench_prefix import add_prefix_bench_parser
-    from pagedllm.entrypoints.bench_serve import add_serve_bench_parser
-    from pagedllm.entrypoints.bench_startup import add_startup_bench_parser
-
-    add_latency_bench_parser(bench_sub)
-    add_prefix_bench_parser(bench_sub)
-    add_serve_bench_parser(bench_sub)
-    add_startup_bench_parser(bench_sub)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=EngineArgs.model)
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len-min", type=int, default=32)
+    parser.add_argument("--input-len-max", type=int, default=480)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--baseline", choices=["none", "hf"], default="none")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--save-json", default=None)
