@@ -167,14 +167,13 @@ def extension(name: str, isa: Isa | None = None) -> ModuleType | None:
         return _loaded[key]
     ext = EXTENSIONS[name]
     module = None
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-        pass
-    elif ext.needs_avx2 and isa != "avx2":
+    enabled = os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0"
+    if enabled and ext.needs_avx2 and isa != "avx2":
         logger.info("%s has no %s build (AVX2 only), %s", name, isa, ext.fallback)
-    else:
+    elif enabled:
         try:
             module = _load_locked(build_dir(ext, isa), ext, isa)
-        except Exception as e:  # no compiler, headers, or ninja
+        except Exception as e:  # no compiler, headers (the sources missing from an install), or ninja
             logger.warning("compiled %s unavailable, %s: %s", name, ext.fallback, str(e).splitlines()[0])
     _loaded[key] = module
     return module
