@@ -71,15 +71,16 @@ class KVBackend(ABC):
                 f"tensor_parallel_size={args.tensor_parallel_size} does not support {name} yet; "
                 "use --tensor-parallel-size 1 for it"
             )
+        flag = f"--kv-cache-backend {self.name}"
         if args.speculative_config is not None and not self.supports_speculation:
             raise ValueError(
-                f"--speculative-config is not supported with {name} yet (drafts need lookahead "
+                f"--speculative-config is not supported with {flag} yet (drafts need lookahead "
                 "slots and rollback); use the paged backend"
             )
         if args.kv_transfer_config is not None and not self.supports_kv_transfer:
             raise ValueError(
-                f"--kv-transfer-config is not supported with {name} (blocks travel under "
-                "prefix-cache hashes); use the paged backend"
+                f"--kv-transfer-config is not supported with {flag} (blocks travel under "
+                "prefix-cache hashes, which this backend does not keep); use the paged backend"
             )
 
     def check_num_sequences(self, n: int) -> None:
