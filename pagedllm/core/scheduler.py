@@ -63,9 +63,6 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = kv_cache_manager
-        # Disaggregated prefill moves blocks under their prefix-cache hashes: only the paged
-        # manager has them (the engine builder refuses a connector on other backends).
-        assert kv_connector is None or kv_cache_manager.backend == "paged", kv_cache_manager.backend
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
@@ -184,7 +181,9 @@ class Scheduler:
 
     @property
     def _transfer_kv(self) -> KVCacheManager:
-        """The manager, on the paths of a KV connector (only built with the paged one)."""
+        """The manager, on the paths of a KV connector: disaggregated prefill moves blocks
+        under their prefix-cache hashes, so only a backend with ``supports_kv_transfer``
+        (the block pool's KVCacheManager) is built with a connector."""
         return self.kv_cache_manager  # type: ignore[return-value]
 
     def has_finished_requests(self) -> bool:
