@@ -1,6 +1,7 @@
 """KVCacheManager: which physical blocks hold each request's KV, and the prefix cache.
 
-The scheduler and engine use only this class; ``BlockPool`` is its private store.
+The paged backend's ``KVManager`` (core/kv_manager.py, the protocol the scheduler types
+against); ``BlockPool`` is its private store.
 
 Storage: per request, one append-only block list per KV cache *group* (a set of layers with
 the same attention type). Groups share token positions, so every group of a request has the

@@ -99,3 +99,57 @@ def test_dashboard_state_shows_pages_per_request(vattn_server):
     # The engine core lives on: another request is served.
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
     assert out.usage.completion_tokens == 2
+
+
+PAGES_DOM = """
+const rows = document.querySelectorAll('#backend-slots > div');
+return {
+  status: document.getElementById('status').textContent,
+  map_shown: getComputedStyle(document.getElementById('blocks')).display !== 'none',
+  pages_shown: getComputedStyle(document.getElementById('backend')).display !== 'none',
+  rows: rows.length,
+  running_rows: [...rows].filter((r) => r.dataset.request).map((r) => r.textContent),
+  units: document.getElementById('fig-blocks').textContent,
+};
+"""
+
+
+def test_dashboard_page_draws_pages_in_headless_chromium(vattn_server):
+    """The page on this backend: no block map; one bar per slot, the running request's named."""
+    import shutil
+    import tempfile
+
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.entrypoints.test_dashboard import make_driver
+
+    user_data_dir = tempfile.mkdtemp(prefix="pagedllm-chromium-")
+    driver = make_driver(user_data_dir)
+    client = openai.OpenAI(base_url=vattn_server.base_url, api_key=ENV_KEY, max_retries=0, timeout=120)
+    try:
+        driver.get(vattn_server.url + "/dashboard")
+        alert = WebDriverWait(driver, 30).until(expected_conditions.alert_is_present())
+        alert.send_keys(ENV_KEY)
+        alert.accept()
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(PAGES_DOM)["status"].startswith("live"))
+        running: list[str] = []
+        thread = threading.Thread(target=lambda: client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=96, temperature=0, extra_body={"ignore_eos": True}))
+        thread.start()
+        while thread.is_alive():
+            dom = driver.execute_script(PAGES_DOM)
+            running = running or dom["running_rows"]
+            time.sleep(0.1)
+        thread.join()
+        time.sleep(1.0)  # a few polls after the request
+        dom = driver.execute_script(PAGES_DOM)
+    finally:
+        driver.quit()
+        shutil.rmtree(user_data_dir, ignore_errors=True)
+    kv = _state(vattn_server)["kv"]
+    assert dom["status"].startswith("live"), dom
+    assert dom["pages_shown"] and not dom["map_shown"], dom
+    assert dom["rows"] == len(kv["slots"]) > 0, (dom, kv)
+    assert dom["units"].endswith(f"/ {kv['num_pages']}"), dom
+    assert running and "pages resident" in running[0], running
