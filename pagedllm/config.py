@@ -9,11 +9,13 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedllm.kv_backends import KV_BACKEND_NAMES
+
 GiB = 1 << 30
 
 DType = Literal["float32", "bfloat16"]
 
-KV_CACHE_BACKENDS = ("paged", "vattention")
+KV_CACHE_BACKENDS = KV_BACKEND_NAMES
 
 
 def parse_bytes(value: int | str) -> int:
@@ -67,24 +69,43 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse cached KV blocks of shared prompt prefixes."""
     kv_cache_backend: str = "paged"
-    """"paged" (blocks and block tables) or "vattention" (per-request contiguous slots of
-    reserved address space, pages on demand; no sharing, so no prefix caching or forks)."""
+    """A name in the KV backend registry (pagedllm/kv_backends/); each backend checks the
+    engine arguments it cannot honour (``KVBackend.check_args``)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_CACHE_BACKENDS:
             raise ValueError(
                 f"kv_cache_backend={self.kv_cache_backend!r} is not one of {', '.join(KV_CACHE_BACKENDS)}"
             )
-        if self.kv_cache_backend == "vattention" and self.enable_prefix_caching:
-            raise ValueError(
-                "prefix caching shares KV blocks between requests, which the vattention KV backend "
-                "cannot (each request owns a contiguous slot); drop enable_prefix_caching=True "
-                "(--no-enable-prefix-caching) or use kv_cache_backend='paged'"
-            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
+
+
+AttentionImpl = Literal["torch", "reference"]
+ContiguousDecode = Literal["kernel", "torch"]
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """How every Attention layer computes (each layer's own parameters, its scale, sliding
+    window and logit soft-cap, come from the model's configuration)."""
+
+    backend: AttentionImpl = "torch"
+    """"torch": decodes in one call of the compiled kernel (or one padded SDPA call), prefill
+    chunks one SDPA call each; "reference": a per-request, per-head float64 loop (tests)."""
+    compiled_kernels: bool = True
+    """Decode through the compiled C++ kernels where they build (False: torch ops only)."""
+    contiguous_decode: ContiguousDecode = "kernel"
+    """Decodes over the contiguous-slot layout: the compiled contiguous kernel ("kernel") or
+    one SDPA call per request over views of its slot ("torch")."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("torch", "reference"):
+            raise ValueError(f"attention backend {self.backend!r} is not one of 'torch', 'reference'")
+        if self.contiguous_decode not in ("kernel", "torch"):
+            raise ValueError(f"contiguous_decode={self.contiguous_decode!r} is not one of 'kernel', 'torch'")
 
 
 @dataclass(frozen=True)
@@ -220,3 +241,5 @@ class EngineConfig:
     """Seed of the engine's global generator (requests without their own seed)."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding, None when off."""
+    attention_config: AttentionConfig = AttentionConfig()
+    """The attention implementation of every layer."""

@@ -47,7 +47,7 @@ class EngineMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.")
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV blocks free (cached or not).")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "Usable KV blocks in the pool.")
-        # KV memory, both backends (paged: blocks held; vattention: pages charged).
+        # KV memory on every backend (blocks held, or pages charged).
         self.kv_cache_resident_bytes = gauge(
             "kv_cache_resident_bytes", "KV cache bytes resident by the engine's accounting.")
         self.kv_cache_token_bytes = gauge(

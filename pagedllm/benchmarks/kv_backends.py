@@ -94,7 +94,7 @@ def bench_attention(args: argparse.Namespace) -> list[str]:
     """Decode attention of one layer, SmolLM2-135M's shape (9 heads, 3 KV heads, 64 dims)."""
     import torch
 
-    from pagedllm.layers import attention
+    from pagedllm.config import AttentionConfig
     from pagedllm.layers.attention import AttentionMetadata, _decode_attention
 
     torch.manual_seed(0)
@@ -115,10 +115,9 @@ def bench_attention(args: argparse.Namespace) -> list[str]:
         md = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 0, dtype=torch.int64), seq, [],
                                [ctx] * B, B, 1, slots, slots.tolist())
         for mode in ("kernel", "torch"):
-            def run(mode=mode):
-                attention._CONTIGUOUS_DECODE = mode
-                return _decode_attention(q, cache, md, 0.125, None)
-            rows.append((f"contiguous {mode}", run))
+            config = AttentionConfig(contiguous_decode=mode)
+            rows.append((f"contiguous {mode}",
+                         lambda md=md, cache=cache, config=config: _decode_attention(q, cache, md, 0.125, None, config)))
         for label, fn in rows:
             fn()
             t = []
@@ -127,7 +126,6 @@ def bench_attention(args: argparse.Namespace) -> list[str]:
                 fn()
                 t.append(time.perf_counter() - t0)
             lines.append(f"| {ctx} | {label} | {1000 * statistics.median(t):.2f} |")
-    attention._CONTIGUOUS_DECODE = "kernel"
     return lines
 
 

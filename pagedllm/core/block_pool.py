@@ -24,6 +24,10 @@ from pagedllm.core.kv_cache_utils import BlockHash
 NO_OWNER = -1
 """``BlockPool.owners`` value of a block that no request holds."""
 
+ORPHANED = -2
+"""``BlockPool.owners`` value of a held block whose owner left while others still hold it;
+the next view of the pool names one of the remaining holders."""
+
 
 class KVCacheBlock:
     """One physical KV block. Its links are owned by ``FreeKVCacheBlockQueue``."""
@@ -253,3 +257,47 @@ class BlockPool:
 
     def get_num_cached_blocks(self) -> int:
         return len(self._cached)
+
+
+class BlockOwners:
+    """Gives each request holding blocks a small owner slot, recorded per block in
+    ``pool.owners``: the request that took the block from the free queue (or, after that
+    request left, another holder). Slots are reused, so the table stays short."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.request_ids: list[str | None] = []  # [slot]
+        self._free_slots: list[int] = []
+
+    def add(self, request_id: str) -> int:
+        """A slot for a request that starts holding blocks."""
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self.request_ids[slot] = request_id
+        else:
+            slot = len(self.request_ids)
+            self.request_ids.append(request_id)
+        return slot
+
+    def claim(self, slot: int, block_ids: Sequence[int]) -> None:
+        """Own the blocks among ``block_ids`` that have no owner (just taken from the free
+        queue); blocks already owned (a prefix hit on a held block) keep their owner."""
+        owners = self.pool.owners_mem
+        for block_id in block_ids:
+            if block_id and owners[block_id] == NO_OWNER:
+                owners[block_id] = slot
+
+    def disown(self, slot: int, block_ids: Sequence[int]) -> None:
+        """The request left these blocks while it lives on (copy-on-write, sliding window)."""
+        owners = self.pool.owners_mem
+        for block_id in block_ids:
+            if owners[block_id] == slot:
+                owners[block_id] = ORPHANED
+
+    def remove(self, slot: int) -> None:
+        """The request released all its blocks; call after the pool's ``free_blocks``, so
+        that the blocks still held are exactly those others hold."""
+        owners = self.pool.owners
+        owners[owners == slot] = ORPHANED
+        self.request_ids[slot] = None
+        self._free_slots.append(slot)

@@ -1,6 +1,7 @@
 """KVCacheManager: which physical blocks hold each request's KV, and the prefix cache.
 
-The scheduler and engine use only this class; ``BlockPool`` is its private store.
+The paged backend's ``KVManager`` (core/kv_manager.py, the protocol the scheduler types
+against); ``BlockPool`` is its private store.
 
 Storage: per request, one append-only block list per KV cache *group* (a set of layers with
 the same attention type). Groups share token positions, so every group of a request has the
@@ -27,32 +28,27 @@ Where later features go (each is an addition, not a rewrite):
   ``request.num_tokens``, which drafts are not part of.
 - Fork with copy-on-write (n > 1, beams): ``fork(parent, child)`` copies the parent's lists
   and takes a reference on every block; ``allocate_slots`` copies a shared (ref_cnt > 1),
-  partially filled block before the first write into it and records the (src, dst) pair in
-  ``last_copied_blocks`` for the scheduler to pass to the runner. Full shared blocks are never
+  partially filled block before the first write into it and returns the (src, dst) pair in
+  its ``KVAllocation`` for the scheduler to pass to the runner. Full shared blocks are never
   written again and stay shared.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.block_pool import BlockOwners, BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
-from pagedllm.core.kv_snapshot import BlockOwners
+from pagedllm.core.kv_manager import KVAllocation, KVFigures, KVManager, PrefixHit
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.request import Request
+
+__all__ = ["KVCacheBlock", "KVCacheGroupSpec", "KVCacheManager", "KVFigures", "cdiv"]
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class KVFigures(NamedTuple):
-    num_blocks: int
-    """Blocks the request holds, over all groups."""
-    num_shared_blocks: int
-    """Of those, blocks also held by another request (fork or prefix hit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +72,14 @@ class _RequestBlocks:
         self.blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]  # [group][i]
         # Leading blocks already offered to the prefix cache (cached, a hit, or a duplicate).
         self.num_cached_blocks = 0
-        # The request's slot in the owner table (core/kv_snapshot.py), for the dashboard.
+        # The request's slot in the owner table (BlockOwners), for the dashboard.
         self.owner_slot = 0
 
 
-class KVCacheManager:
+class KVCacheManager(KVManager):
     """Allocates, shares (prefix cache) and frees the KV blocks of requests."""
+
+    backend = "paged"
 
     def __init__(
         self,
@@ -119,14 +117,12 @@ class KVCacheManager:
         # The request object is kept to tell a reused request id from the same request.
         self._block_hashes: dict[str, tuple[Request, list[BlockHash]]] = {}
         self._stats = PrefixCacheStats()
-        # (src, dst) pairs of the last allocate_slots call (copy-on-write): the runner copies.
-        self.last_copied_blocks: list[tuple[int, int]] = []
         # Blocks kept alive past their request for a remote pull, by hold id.
         self._held: dict[str, list[KVCacheBlock]] = {}
 
     # ---- the scheduler's interface -----------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The longest prefix of ``request``'s tokens whose KV is cached, per group.
 
         Returns (blocks per group, number of hit tokens). The hit is a whole number of blocks
@@ -136,7 +132,7 @@ class KVCacheManager:
         empty: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
         # A request asking for prompt logprobs must compute every prompt position itself.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return empty, 0
+            return PrefixHit(empty, 0)
         hashes = self._get_block_hashes(request)
         num_hit = (request.num_tokens - 1) // self.block_size
         hit_blocks = empty
@@ -154,7 +150,7 @@ class KVCacheManager:
         self._stats.requests += 1
         self._stats.queries += request.num_tokens
         self._stats.hits += num_hit_tokens
-        return hit_blocks, num_hit_tokens
+        return PrefixHit(hit_blocks, num_hit_tokens)
 
     def allocate_slots(
         self,
@@ -163,22 +159,21 @@ class KVCacheManager:
         new_computed_blocks: list[list[KVCacheBlock]] | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
-    ) -> list[list[int]] | None:
+    ) -> KVAllocation | None:
         """Make room for ``request`` to hold the KV of this step's tokens.
 
         Slots are needed for ``request.num_computed_tokens + hit tokens + num_new_tokens +
         num_lookahead_tokens`` tokens (capped at ``max_model_len``), where the hit tokens are
         ``new_computed_blocks`` from ``get_computed_blocks`` (only for a request holding no
         blocks yet). Returns the ids of the blocks this call appended, per group (lists may
-        be empty; prefix-hit blocks come first), or None if the pool cannot supply them;
-        then nothing has changed.
+        be empty; prefix-hit blocks come first) with the blocks copied on write, or None if
+        the pool cannot supply them; then nothing has changed.
 
         Blocks that become full with computed tokens (``num_computed + hits + num_new``, but
         never past ``request.num_tokens``) are entered into the prefix cache, unless
         ``delay_cache_blocks`` (their KV arrives later, from a remote instance: see
         ``cache_blocks``).
         """
-        self.last_copied_blocks = []
         req = self._requests.get(request.request_id)
         if req is not None:
             # Blocks that left every window of this step are freed before counting the need.
@@ -208,9 +203,10 @@ class KVCacheManager:
         num_needed = (num_new_blocks + (cow_index is not None)) * self.num_groups
         if num_needed > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
+        copied: list[tuple[int, int]] = []
         if cow_index is not None:
             assert req is not None
-            self._copy_on_write(req, cow_index)
+            copied = self._copy_on_write(req, cow_index)
 
         if req is None:
             req = self._requests[request.request_id] = _RequestBlocks(self.num_groups)
@@ -231,7 +227,7 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, req, num_full)
-        return new_block_ids
+        return KVAllocation(new_block_ids, copied)
 
     # ---- disaggregated prefill (distributed/kv_transfer/) ------------------------------
 
@@ -357,10 +353,10 @@ class KVCacheManager:
         req = self._requests.get(request_id)
         return len(req.blocks[0]) if req is not None else 0
 
-    # ---- the hooks the vattention backend's manager gives meaning to ------------------
+    # ---- hooks of the KVManager protocol that blocks need nothing for -----------------
 
     def check_request(self, request: Request) -> None:
-        """Every request is supported (core/vattention_manager.py refuses sequence groups)."""
+        """Every request is supported (blocks can be shared by sequence groups)."""
 
     def take_slots_to_release(self) -> list[int]:
         """Paged blocks are reused in place: nothing for the runner to release."""
@@ -421,8 +417,10 @@ class KVCacheManager:
             return None
         return index
 
-    def _copy_on_write(self, req: _RequestBlocks, index: int) -> None:
-        """Give the request its own copy of the shared block at ``index``, in every group."""
+    def _copy_on_write(self, req: _RequestBlocks, index: int) -> list[tuple[int, int]]:
+        """Give the request its own copy of the shared block at ``index``, in every group;
+        returns the (src, dst) pairs whose KV the runner copies."""
+        copied = []
         for blocks in req.blocks:
             src = blocks[index]
             (dst,) = self.block_pool.get_new_blocks(1)
@@ -430,7 +428,8 @@ class KVCacheManager:
             self.block_pool.free_blocks([src])  # still referenced by its other holders
             self.owners.disown(req.owner_slot, [src.block_id])
             self.owners.claim(req.owner_slot, [dst.block_id])
-            self.last_copied_blocks.append((src.block_id, dst.block_id))
+            copied.append((src.block_id, dst.block_id))
+        return copied
 
     def _num_skipped_blocks(self, group_id: int, num_computed_tokens: int) -> int:
         """Leading blocks of ``group_id`` that no query at or after ``num_computed_tokens``

@@ -100,8 +100,8 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats
     """Lookups since the previous ``get_stats()`` call (an interval, reset by each call)."""
     kv_resident_bytes: int = 0
-    """KV memory in use by the engine's accounting: blocks held (paged) or pages charged,
-    idle slots' included (vattention)."""
+    """KV memory in use by the KV backend's accounting (``KVManager.resident_bytes``: blocks
+    held, or pages charged)."""
     kv_token_bytes: int = 0
     """Of it, bytes holding computed tokens of running requests (K and V, every layer)."""
     spec_decoding_stats: SpecDecodingStats | None = None

@@ -59,7 +59,8 @@ class SchedulerOutput:
     """Allowed tokens of the constrained requests that sample this step (set by the engine
     core's StructuredOutputManager after scheduling); the runner masks their logits."""
     kv_slots_to_release: list[int] = field(default_factory=list)
-    """vattention backend: slots whose pages the runner releases (madvise) before the forward."""
+    """Ids whose memory the KV backend's worker side releases before the forward
+    (``KVManager.take_slots_to_release``; empty for backends that reuse memory in place)."""
     kv_connector_metadata: Any = None
     """Disaggregated prefill: a KVConnectorMetadata for the connector's worker side (or None)."""
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

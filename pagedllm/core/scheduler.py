@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_manager import KVManager
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from pagedllm.core.sched_output import (
     CachedRequestData,
@@ -33,6 +33,7 @@ from pagedllm.core.stop import check_stop
 from pagedllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from pagedllm.core.kv_cache_manager import KVCacheManager
     from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorSchedulerBase
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVManager,
         *,
         kv_connector: KVConnectorSchedulerBase | None = None,
         kv_load_failure_policy: str = "recompute",
@@ -176,7 +177,14 @@ class Scheduler:
 
     def has_pending_kv_transfers(self) -> bool:
         """Blocks held for a remote pull: the engine keeps polling the connector."""
-        return self.kv_connector is not None and self.kv_cache_manager.num_held > 0
+        return self.kv_connector is not None and self._transfer_kv.num_held > 0
+
+    @property
+    def _transfer_kv(self) -> KVCacheManager:
+        """The manager, on the paths of a KV connector: disaggregated prefill moves blocks
+        under their prefix-cache hashes, so only a backend with ``supports_kv_transfer``
+        (the block pool's KVCacheManager) is built with a connector."""
+        return self.kv_cache_manager  # type: ignore[return-value]
 
     def has_finished_requests(self) -> bool:
         """Whether finished/preempted ids wait to reach the runner (one more step flushes them)."""
@@ -238,7 +246,7 @@ class Scheduler:
             num_drafts = max(0, num_new_tokens - self._num_tokens_to_compute(request))
             del request.spec_token_ids[num_drafts:]
             lookahead = self.num_lookahead_tokens
-            while (new_block_ids := kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
+            while (allocation := kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
                 # The victim group is at the tail; any of its members scheduled earlier in
                 # this step are unscheduled with it (then the current request is among them).
                 victims = self._pop_victim_group()
@@ -248,17 +256,17 @@ class Scheduler:
                 step.preempted = True
                 if request in victims:
                     break
-            if new_block_ids is None:
+            if allocation is None:
                 return  # the request preempted itself: nothing runs after it
-            step.blocks_to_copy.extend(kv.last_copied_blocks)
+            step.blocks_to_copy.extend(allocation.copied_blocks)
             if request.request_id in self._unsent:  # forked this step or earlier: new to the runner
                 self._unsent.discard(request.request_id)
                 step.new_reqs.append(self._new_request_data(request))
             else:
                 step.cached_reqs.append(
                     CachedRequestData(
-                        request.request_id, new_block_ids, request.num_computed_tokens,
-                        list(kv.last_copied_blocks),
+                        request.request_id, allocation.block_ids, request.num_computed_tokens,
+                        allocation.copied_blocks,
                     )
                 )
             step.schedule(request.request_id, num_new_tokens)
@@ -304,9 +312,11 @@ class Scheduler:
                 members.extend(request.pending_forks)
                 request.pending_forks = []
                 continue
-            block_ids = kv.allocate_slots(
+            allocation = kv.allocate_slots(
                 request, num_new_tokens, computed_blocks, num_lookahead_tokens=self.num_lookahead_tokens
             )
+            # A request without blocks has nothing shared to copy on write.
+            block_ids = allocation.block_ids if allocation is not None else None
             if block_ids is None or num_new_tokens <= 0:
                 # Roll back: the group waits whole (FCFS, nothing overtakes it).
                 rollback = admitted + ([(request, 0, block_ids, num_hit_tokens)] if block_ids else [])
@@ -337,7 +347,7 @@ class Scheduler:
         whether the request left ``waiting``.
         """
         assert self.kv_connector is not None
-        kv = self.kv_cache_manager
+        kv = self._transfer_kv
         if request.group_id is not None or request.pending_forks or request.num_preemptions:
             self.kv_connector.release(request)
             request.kv_transfer_params = None
@@ -370,7 +380,7 @@ class Scheduler:
         later request with the same prefix will). A failed pull frees the blocks (never
         cached) and either recomputes the prompt or fails the request, by policy.
         """
-        kv = self.kv_cache_manager
+        kv = self._transfer_kv
         outputs: list[EngineCoreOutput] = []
         for hold_id in kv_output.finished_sending:
             kv.release_held(hold_id)
@@ -551,7 +561,7 @@ class Scheduler:
         assert request.is_finished
         params = None
         if self.kv_connector is not None and request.kv_transfer_params is not None:
-            kv = self.kv_cache_manager
+            kv = self._transfer_kv
             num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // kv.block_size
             block_ids = kv.get_block_ids(request.request_id)[0][:num_full]
             hashes = kv.get_block_hashes(request)[:num_full]

@@ -46,7 +46,6 @@ def check_parallel_args(args: EngineArgs) -> None:
     """Features that do not run across ranks yet fail before anything loads."""
     size = args.tensor_parallel_size
     refusals = {
-        "kv_cache_backend='vattention'": args.kv_cache_backend != "paged",
         "speculative_config": args.speculative_config is not None,
         "kv_transfer_config": args.kv_transfer_config is not None,
     }

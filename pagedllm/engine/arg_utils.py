@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, fields
 
 from pagedllm.config import (
+    AttentionConfig,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -16,6 +17,7 @@ from pagedllm.config import (
     SpeculativeConfig,
     parse_bytes,
 )
+from pagedllm.kv_backends import KV_BACKEND_NAMES, get_kv_backend
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +41,17 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     """Most tokens in one engine step (default: max(4096, max_num_seqs))."""
     enable_prefix_caching: bool | None = None
-    """Reuse the KV blocks of shared prompt prefixes (default: on for the paged backend,
-    off for vattention, which refuses it)."""
+    """Reuse the KV blocks of shared prompt prefixes (default: on where the KV backend
+    supports it)."""
     kv_cache_backend: str = "paged"
-    """"paged" or "vattention" (README: KV cache backends)."""
+    """A name in pagedllm/kv_backends/: "paged" or "vattention" (README: KV cache backends)."""
     vattention_hugepages: bool = False
     """vattention: back the slots with transparent huge pages (2 MiB accounting pages)."""
     vattention_deferred_reclaim: bool = True
     """vattention: keep a finished request's pages for the next request in its slot and
     release them (madvise) only when the budget needs them."""
+    attention_backend: str = "torch"
+    """The attention implementation: "torch" (fast) or "reference" (float64 loops, tests)."""
     seed: int = 0
     """Seed for requests without their own seed."""
     quantization: str | None = None
@@ -76,13 +80,14 @@ class EngineArgs:
         parser.add_argument(
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
         )
-        parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "vattention"])
+        parser.add_argument("--kv-cache-backend", default="paged", choices=list(KV_BACKEND_NAMES))
         parser.add_argument(
             "--vattention-hugepages", action=argparse.BooleanOptionalAction, default=False
         )
         parser.add_argument(
             "--vattention-deferred-reclaim", action=argparse.BooleanOptionalAction, default=True
         )
+        parser.add_argument("--attention-backend", default="torch", choices=["torch", "reference"])
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
             "--quantization", "-q", default=None, choices=["gguf", "int8", "int4", "none"]
@@ -105,7 +110,9 @@ class EngineArgs:
 
     def resolve_prefix_caching(self) -> bool:
         if self.enable_prefix_caching is None:
-            return self.kv_cache_backend == "paged"
+            return self.kv_cache_backend in KV_BACKEND_NAMES and get_kv_backend(
+                self.kv_cache_backend
+            ).supports_prefix_caching
         return self.enable_prefix_caching
 
     def parse_kv_transfer_config(self):
@@ -147,6 +154,7 @@ class EngineArgs:
             num_blocks=num_blocks,
             seed=self.seed,
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
+            attention_config=AttentionConfig(backend=self.attention_backend),  # type: ignore[arg-type]
         )
 
 

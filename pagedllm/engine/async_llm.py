@@ -22,15 +22,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.core.kv_snapshot import KVSnapshot
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore
 from pagedllm.engine.core_proc import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.kv_snapshot import KVSnapshot
 from pagedllm.engine.llm_engine import make_requests
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.kv_backends import get_kv_backend
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -224,10 +225,8 @@ class AsyncLLM:
         else:
             text = prompt if isinstance(prompt, str) else None
         max_tokens = self.input_processor.validate(prompt_token_ids, params)
-        if params.n > 1 and self.config is not None and self.config.cache_config.kv_cache_backend == "vattention":
-            from pagedllm.core.vattention_manager import FORK_UNSUPPORTED
-
-            raise ValueError(f"n={params.n}: {FORK_UNSUPPORTED}")
+        if self.config is not None:
+            get_kv_backend(self.config.cache_config.kv_cache_backend).check_num_sequences(params.n)
         if kv_transfer_params is not None:
             self._check_kv_transfer_params(kv_transfer_params, params)
         assert self.output_processor is not None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.core.kv_snapshot import take_kv_snapshot
+from pagedllm.engine.kv_snapshot import take_kv_snapshot
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm import faults
 from pagedllm.engine.arg_utils import EngineArgs
@@ -284,12 +284,6 @@ class EngineCoreProc:
         )
         if self._num_snapshots:
             snapshot.cost_seconds_mean = self._snapshot_cost_total / self._num_snapshots
-        # Hook for KV backends with their own memory picture: a runner with ``kv_residency()``
-        # (vattention) returns plain data, {"slots": [{"request": id, "resident_pages": int,
-        # "reserved_pages": int}, ...]}, which the page draws as bars. The paged backend has none.
-        kv_residency = getattr(self.core.runner, "kv_residency", None)
-        if callable(kv_residency):
-            snapshot.extra["vattention"] = kv_residency()
         self.out_sock.send(dumps("utility", ("kv_snapshot", snapshot)))
         self._snapshot_cost_total += time.perf_counter() - t0
         self._num_snapshots += 1

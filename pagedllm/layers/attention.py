@@ -4,22 +4,26 @@ The model sees one flat batch of `num_tokens` tokens (no padding). Per-step meta
 mapping, block tables, sequence lengths) reaches every Attention layer through one scoped
 forward context, set by the model runner around the forward pass.
 
-KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(K at index 0, V at index 1). A token's slot is `block_id * block_size + offset`.
-The vattention backend's layout is `[2, num_slots, capacity, num_kv_heads, head_dim]`: the
-metadata then carries each request's slot (`slots`), a token's row is `slot * capacity +
-position`, and a request's context is the contiguous slice `cache[:, slot, :seq_len]`.
+Two KV cache layouts, per layer (K at index 0, V at index 1), built by the KV backends'
+worker sides (worker/kv_worker.py):
+- block tables: `[2, num_blocks, block_size, num_kv_heads, head_dim]`; a token's slot is
+  `block_id * block_size + offset`;
+- contiguous slots: `[2, num_slots, capacity, num_kv_heads, head_dim]`; the metadata carries
+  each request's slot (`slots`), a token's row is `slot * capacity + position`, and a
+  request's context is the contiguous slice `cache[:, slot, :seq_len]`.
 
-Backends (select with `PAGEDLLM_ATTENTION_BACKEND` or `set_attention_backend`):
-- "torch": decodes in one call of the compiled paged kernel (or, where it cannot be built,
-  one padded SDPA call), prefill chunks one SDPA call each.
+Implementations, chosen per layer by its `AttentionConfig` (config.py; the runner binds it):
+- "torch": decodes in one call of the compiled kernel (or, where it cannot be built or is
+  configured off, one padded SDPA call), prefill chunks one SDPA call each.
 - "reference": a per-request, per-head loop in float64; obviously correct, slow, for tests.
+A layer's scale, sliding window and logit soft-cap are its constructor's arguments (from the
+model's configuration).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -27,7 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.config import AttentionConfig
 from pagedllm.kernels import paged_attention_ops
+
+DEFAULT_CONFIG = AttentionConfig()
 
 
 @dataclass
@@ -45,8 +52,8 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes requests have exactly one query token
     block_size: int
     slots: torch.Tensor | None = None
-    """vattention backend: [num_reqs] int64, each request's slot (block_tables is then empty;
-    the cache is [2, num_slots, capacity, Hkv, D] and a request's KV is cache[:, slot, :len])."""
+    """Contiguous-slot layout: [num_reqs] int64, each request's slot (block_tables is then
+    empty; the cache is [2, num_slots, capacity, Hkv, D], a request's KV cache[:, slot, :len])."""
     slots_list: list[int] | None = None
 
     @property
@@ -79,23 +86,11 @@ def get_attention_metadata(kv_cache_group: int = 0) -> AttentionMetadata:
     return md[kv_cache_group] if isinstance(md, list) else md
 
 
-_BACKEND = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "torch")
-# Decode attention from the compiled kernel (kernels/build.py) when it builds.
-_USE_COMPILED = os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0"
-
-
-def set_attention_backend(name: str) -> None:
-    global _BACKEND
-    if name not in ("torch", "reference"):
-        raise ValueError(f"attention backend {name!r} is not one of 'torch', 'reference'")
-    _BACKEND = name
-
-
 class Attention(nn.Module):
     """Multi-head attention with grouped-query heads, reading K/V from the paged cache.
 
-    The runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim]) and
-    `kv_cache_group` (whose block tables this layer reads) once after allocating the pool.
+    The runner binds `kv_cache` (one of the layouts above), `kv_cache_group` (whose block
+    tables this layer reads) and `config` (the implementation) once after allocating the pool.
     """
 
     def __init__(
@@ -105,16 +100,27 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        logit_soft_cap: float | None = None,
     ) -> None:
+        """``logit_soft_cap`` c bounds each score s (after scaling) to c * tanh(s / c)."""
         super().__init__()
+        if logit_soft_cap is not None and logit_soft_cap <= 0:
+            raise ValueError(f"logit_soft_cap={logit_soft_cap} must be > 0 or None")
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_soft_cap = logit_soft_cap
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_group = 0
+        self.config = DEFAULT_CONFIG
+
+    @property
+    def backend(self) -> str:
+        """The configured implementation's name ("torch" or "reference")."""
+        return self.config.backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]
@@ -125,10 +131,12 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(self.kv_cache, k, v, md.slot_mapping)
-        if _BACKEND == "reference":
-            out = reference_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
+        if self.config.backend == "reference":
+            out = reference_attention(q, self.kv_cache, md, self.scale, self.sliding_window, self.logit_soft_cap)
         else:
-            out = torch_attention(q, k, v, self.kv_cache, md, self.scale, self.sliding_window)
+            out = torch_attention(
+                q, k, v, self.kv_cache, md, self.scale, self.sliding_window, self.config, self.logit_soft_cap
+            )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
@@ -144,8 +152,8 @@ def write_kv(
 def _context(
     kv_cache: torch.Tensor, md: AttentionMetadata, i: int, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request i's K and V over positions [0, seq_len): [seq_len, Hkv, D] each. vattention:
-    plain views of its slot (no copy); paged: gathered through its block table."""
+    """Request i's K and V over positions [0, seq_len): [seq_len, Hkv, D] each. Contiguous
+    slots: plain views of its slot (no copy); block tables: gathered through its table."""
     if md.slots_list is not None:
         slot = md.slots_list[i]
         return kv_cache[0, slot, :seq_len], kv_cache[1, slot, :seq_len]
@@ -185,14 +193,18 @@ def torch_attention(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    logit_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to kv_cache) -> [T, H, D]."""
+    if logit_soft_cap is not None:
+        return _soft_capped_attention(q, kv_cache, md, scale, sliding_window, logit_soft_cap)
     nd = md.num_decodes
     if nd and nd == md.num_reqs:  # a pure decode step: one call, no copy into `out`
-        return _decode_attention(q, kv_cache, md, scale, sliding_window)
+        return _decode_attention(q, kv_cache, md, scale, sliding_window, config)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window)
+        out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window, config)
     # Short query runs over a cached context (speculative verification): one padded call.
     short = [
         i for i in range(nd, md.num_reqs)
@@ -239,13 +251,19 @@ def _short_runs_attention(
     sliding_window: int | None,
 ) -> None:
     """Requests ``rows`` each have a short query run after a cached context: gather every
-    context through the block tables, pad the runs to the longest, one SDPA call; q: [T, H, D]."""
+    context (block tables, or the rows' slots), pad the runs to the longest, one SDPA call;
+    q: [T, H, D]."""
     starts = [md.query_start_loc[i] for i in rows]
     lens = [md.query_start_loc[i + 1] - md.query_start_loc[i] for i in rows]
     seq_lens = torch.tensor([md.seq_lens_list[i] for i in rows])  # [R]
     num_q = max(lens)
-    max_blocks = (int(seq_lens.max()) + md.block_size - 1) // md.block_size
-    k, v = _gather_context(kv_cache, md.block_tables[rows, :max_blocks])  # [R, L, Hkv, D]
+    if md.slots is not None:  # contiguous slots: the rows' slots up to the longest context
+        slot_rows = md.slots[rows]
+        max_len = int(seq_lens.max())
+        k, v = kv_cache[0, slot_rows, :max_len], kv_cache[1, slot_rows, :max_len]  # [R, L, Hkv, D]
+    else:
+        max_blocks = (int(seq_lens.max()) + md.block_size - 1) // md.block_size
+        k, v = _gather_context(kv_cache, md.block_tables[rows, :max_blocks])  # [R, L, Hkv, D]
     # Token index of each padded query slot in the flat batch (pads repeat the run's last).
     offsets = torch.arange(num_q).unsqueeze(0)  # [1, Qmax]
     lens_t = torch.tensor(lens).unsqueeze(1)  # [R, 1]
@@ -253,7 +271,7 @@ def _short_runs_attention(
     qr = q[index]  # [R, Qmax, H, D]
     q_pos = seq_lens.unsqueeze(1) - lens_t + torch.minimum(offsets, lens_t - 1)  # [R, Qmax]
     k_pos = torch.arange(k.shape[1]).view(1, 1, -1)  # [1, 1, L]
-    mask = k_pos <= q_pos.unsqueeze(2)  # [R, Qmax, L]; also keeps keys < seq_len; also keeps keys < seq_len
+    mask = k_pos <= q_pos.unsqueeze(2)  # [R, Qmax, L]; also keeps keys < seq_len
     if sliding_window is not None:
         mask &= k_pos > q_pos.unsqueeze(2) - sliding_window
     o = F.scaled_dot_product_attention(
@@ -265,13 +283,15 @@ def _short_runs_attention(
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, sliding_window: int | None
+    q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, sliding_window: int | None,
+    config: AttentionConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """One query token per request: q [nd, H, D] -> [nd, H, D]."""
     nd = q.shape[0]
-    ops = paged_attention_ops() if _USE_COMPILED else None
+    ops = paged_attention_ops() if config.compiled_kernels and q.device.type == "cpu" else None
     if md.slots is not None:
-        return _contiguous_decode_attention(q, kv_cache, md, scale, sliding_window, ops)
+        use_kernel = ops is not None and config.contiguous_decode == "kernel"
+        return _contiguous_decode_attention(q, kv_cache, md, scale, sliding_window, ops if use_kernel else None)
     if ops is not None:
         # Reads K/V through the block table in place (no dense copy).
         return ops.paged_decode_attention(
@@ -296,10 +316,11 @@ def _contiguous_decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
     sliding_window: int | None, ops,
 ) -> torch.Tensor:
-    """Decodes of the vattention layout: each request's K/V is a contiguous slot slice."""
+    """Decodes of the contiguous-slot layout: each request's K/V is a slice of its slot;
+    through the compiled kernel when ``ops`` is given."""
     nd = q.shape[0]
     assert md.slots is not None and md.slots_list is not None
-    if ops is not None and _CONTIGUOUS_DECODE == "kernel":
+    if ops is not None:
         return ops.contiguous_decode_attention(
             q.contiguous(), kv_cache, md.slots[:nd], md.seq_lens[:nd], scale, sliding_window or 0
         )
@@ -316,25 +337,23 @@ def _contiguous_decode_attention(
     return out
 
 
-# vattention decodes: "kernel" (compiled contiguous variant) or "torch" (per-request SDPA).
-_CONTIGUOUS_DECODE = os.environ.get("PAGEDLLM_VATTN_DECODE", "kernel")
-
-
 def reference_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    logit_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Per request, per head, per query: softmax(q.k * scale) @ v in float64."""
+    """Per request, per head, per query: softmax(q.k * scale) @ v in float64 (scores
+    soft-capped to c * tanh(s / c) with ``logit_soft_cap`` c)."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     for i in range(md.num_reqs):
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         seq_len = md.seq_lens_list[i]
-        # Read the context token by token through the block table (vattention: the slot).
+        # Read the context token by token through the block table (or the request's slot).
         if md.slots_list is not None:
             base = md.slots_list[i] * kv_cache.shape[2]
             slots = [base + pos for pos in range(seq_len)]
@@ -350,6 +369,30 @@ def reference_attention(
         for h in range(num_heads):
             kh, vh = k[:, h // group], v[:, h // group]
             scores = (q[start:end, h].double() @ kh.T) * scale  # [Q, S]
+            if logit_soft_cap is not None:
+                scores = logit_soft_cap * torch.tanh(scores / logit_soft_cap)
             scores = scores.masked_fill(~mask, float("-inf"))
             out[start:end, h] = (scores.softmax(-1) @ vh).to(q.dtype)
+    return out
+
+
+def _soft_capped_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+    sliding_window: int | None, cap: float,
+) -> torch.Tensor:
+    """Every request with explicit scores (SDPA has no soft-cap): per request, scores
+    [H, Q, S] = cap * tanh(q.k * scale / cap), masked, softmax, times V; q: [T, H, D]."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // kv_cache.shape[-2]
+    for i in range(md.num_reqs):
+        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+        seq_len = md.seq_lens_list[i]
+        k, v = _context(kv_cache, md, i, seq_len)  # [S, Hkv, D]
+        k = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+        v = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = q[start:end].transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, Q, S]
+        scores = cap * torch.tanh(scores / cap)
+        mask = _causal_mask(end - start, seq_len, sliding_window)
+        scores = scores.masked_fill(~mask, -math.inf)
+        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers import attention as attention_module
 from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
 from pagedllm.kernels import decode_layers_ops
 from pagedllm.layers.linear import Linear
@@ -67,7 +66,7 @@ class FusedDecoderLayers(nn.Module):
         rows = hidden_states.shape[0]
         if not self.enabled or self._unsupported is not None or not 0 < rows <= FUSED_MAX_ROWS:
             return False
-        if hidden_states.dtype != torch.float32 or attention_module._BACKEND != "torch":
+        if hidden_states.dtype != torch.float32 or layers[0].self_attn.attn.backend != "torch":
             return False
         md = get_attention_metadata(0)
         if not isinstance(md, AttentionMetadata) or md.num_decodes != rows or md.num_reqs != rows:

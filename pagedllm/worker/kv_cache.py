@@ -1,4 +1,5 @@
-"""KV cache tensors of the paged backend, the KV cache groups, and the pool sizing.
+"""KV cache tensors of the paged backend, the KV cache groups, the pool sizing, and the
+paged backend's worker side (``PagedKVWorker``: block tables and slot mappings).
 
 Layers with the same attention type (full, or one sliding window) form KV cache groups;
 each group has its own block ids per request (core/kv_cache_manager.py). Every group has
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -20,7 +22,9 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.attention import Attention
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.layers.attention import Attention, AttentionMetadata
+from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +75,8 @@ def num_blocks_for_budget(
 
 
 def allocate_kv_caches(
-    layers: list[Attention], num_blocks: int, block_size: int, dtype: str
+    layers: list[Attention], num_blocks: int, block_size: int, dtype: str,
+    device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
     """[2, num_blocks, block_size, num_kv_heads, head_dim] tensors, bound to the layers with
     each layer's group index; one tensor per layer slot (see the module docstring).
@@ -79,13 +84,17 @@ def allocate_kv_caches(
     The pool is one zeroed allocation from numpy, which takes zero pages from the OS lazily:
     start-up does not touch gigabytes, and memory becomes resident as blocks are written.
     Zeros matter: the batched decode path reads (and masks) padding slots, and masked
-    garbage could be NaN, which a zero attention weight does not cancel.
+    garbage could be NaN, which a zero attention weight does not cancel. On another device
+    the pool is one zeroed allocation there.
     """
     assert layers, "model has no Attention layers"
     shape = (2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     per_layer = int(np.prod(shape)) * _DTYPE_BYTES[dtype]
     num_slots = num_layer_slots(layers)
-    raw = torch.from_numpy(np.zeros(per_layer * num_slots, dtype=np.uint8))
+    if torch.device(device).type == "cpu":
+        raw = torch.from_numpy(np.zeros(per_layer * num_slots, dtype=np.uint8))
+    else:
+        raw = torch.zeros(per_layer * num_slots, dtype=torch.uint8, device=device)
     caches = [
         raw[i * per_layer : (i + 1) * per_layer].view(TORCH_DTYPES[dtype]).view(shape)
         for i in range(num_slots)
@@ -101,7 +110,57 @@ def allocate_kv_caches(
 
 def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: list[tuple[int, int]]) -> None:
     """Copy-on-write: copy each src block's K and V into dst, in every layer."""
-    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64)
-    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64)
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64, device=device)
     for cache in kv_caches:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         cache[:, dst] = cache[:, src]
+
+
+class PagedKVWorker(KVCacheWorker):
+    """The paged backend's worker side: a block pool per layer slot, block tables per group."""
+
+    def __init__(
+        self, layers: list[Attention], num_blocks: int, block_size: int, dtype: str,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_groups = len(kv_cache_groups(layers))
+        self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, dtype, self.device)
+
+    def prepare(self, so: SchedulerOutput) -> None:
+        assert not so.kv_slots_to_release, "the paged pool reuses blocks in place"
+        if so.blocks_to_copy:
+            copy_blocks(self.kv_caches, so.blocks_to_copy)
+
+    def attention_metadata(
+        self, block_ids: Sequence[list[list[int]]], step: StepIndex
+    ) -> AttentionMetadata | list[AttentionMetadata]:
+        bs = self.block_size
+        # Host-side index arithmetic in numpy (zero-copy views of the CPU index tensors).
+        positions = step.positions.numpy()
+        req_of_token = step.req_of_token.numpy()
+        max_blocks = (max(step.seq_lens_list) + bs - 1) // bs
+        seq_lens = step.seq_lens.to(self.device)
+        # Per KV cache group: its own block table and slots (sliding-window groups hold
+        # other blocks than full-attention ones); the rest of the metadata is shared.
+        mds: list[AttentionMetadata] = []
+        for group in range(self.num_groups):
+            block_tables = np.zeros((len(block_ids), max_blocks), dtype=np.int64)  # [R, max_blocks]
+            for i, ids_per_group in enumerate(block_ids):
+                ids = ids_per_group[group][:max_blocks]
+                block_tables[i, : len(ids)] = ids
+            slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs  # [T]
+            mds.append(
+                AttentionMetadata(
+                    slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+                    block_tables=torch.from_numpy(block_tables).to(self.device),
+                    seq_lens=seq_lens,
+                    query_start_loc=step.query_start_loc,
+                    seq_lens_list=step.seq_lens_list,
+                    num_decodes=step.num_decodes,
+                    block_size=bs,
+                )
+            )
+        return mds[0] if len(mds) == 1 else mds

@@ -8,36 +8,25 @@ ids, positions, slot mapping, block tables) are built with numpy and cross into 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig, SpeculativeConfig
+from pagedllm.config import AttentionConfig, ModelConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
-from pagedllm.layers.attention import AttentionMetadata, forward_context
 from pagedllm.kernels import paged_attention_ops
+from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
-from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
+from pagedllm.worker.kv_cache import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
+from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 from pagedllm.worker.sampling_inputs import CachedRequestState
 from pagedllm.worker.spec_decode import Proposer, build_proposer
-from pagedllm.worker.vattention_kv import VAttentionKVCache
-
-_NO_BLOCK_TABLE = torch.zeros((0, 0), dtype=torch.int64)
-
-
-@dataclass(frozen=True)
-class VAttentionLayout:
-    """The vattention backend's reservation: slots of ``slot_capacity`` tokens."""
-
-    num_slots: int
-    slot_capacity: int
-    hugepages: bool = False
-
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +39,14 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         seed: int = 0,
-        vattention: VAttentionLayout | None = None,
+        make_kv_worker: Callable[[list[Attention]], KVCacheWorker] | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        attention_config: AttentionConfig | None = None,
     ) -> None:
-        """With ``vattention``, the KV cache is the vattention backend's reserved slots
-        (worker/vattention_kv.py) and ``block_size``/``num_blocks`` are unused."""
+        """``make_kv_worker`` builds the KV backend's worker side over the model's Attention
+        layers (default: the paged pool of ``num_blocks`` blocks of ``block_size`` tokens;
+        with another backend those two are unused). ``attention_config`` chooses the
+        attention implementation of every layer."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -63,16 +55,14 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(seed)
         layers = attention_layers(model)
-        self.vattn: VAttentionKVCache | None = None
-        if vattention is not None:
-            self.vattn = VAttentionKVCache(
-                layers, vattention.num_slots, vattention.slot_capacity, model_config.dtype, vattention.hugepages
-            )
-            self.num_kv_cache_groups = 1
-            self.kv_caches = self.vattn.caches
+        for layer in layers:
+            layer.config = attention_config or AttentionConfig()
+        if make_kv_worker is None:
+            self.kv_worker: KVCacheWorker = PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
         else:
-            self.num_kv_cache_groups = len(kv_cache_groups(layers))
-            self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, model_config.dtype)
+            self.kv_worker = make_kv_worker(layers)
+        self.num_kv_cache_groups = self.kv_worker.num_groups
+        self.kv_caches = self.kv_worker.kv_caches
         # Speculative decoding: every sampling request goes through the rejection sampler (a
         # request without drafts samples its one token there), so a seeded request's tokens
         # do not depend on whether others in the batch had drafts.
@@ -118,11 +108,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
-        if so.kv_slots_to_release:
-            assert self.vattn is not None
-            self.vattn.release(so.kv_slots_to_release)
-        if so.blocks_to_copy:
-            copy_blocks(self.kv_caches, so.blocks_to_copy)
+        self.kv_worker.prepare(so)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         # Decodes (one query token) first: the attention backend batches them.
@@ -211,7 +197,6 @@ class ModelRunner:
     def _prepare_inputs(
         self, states: list[CachedRequestState], num_scheduled: list[int], drafts: list[list[int]] | None = None
     ) -> _Batch:
-        bs = self.block_size
         counts = np.asarray(num_scheduled, dtype=np.int64)  # [R]
         computed = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
         query_start = np.zeros(len(states) + 1, dtype=np.int64)
@@ -227,51 +212,17 @@ class ModelRunner:
             tokens = s.token_ids + drafts[i] if drafts[i] else s.token_ids
             input_ids[query_start[i] : query_start[i + 1]] = tokens[computed[i] : computed[i] + counts[i]]
         seq_lens = computed + counts
-        seq_lens_t, seq_lens_list = torch.from_numpy(seq_lens), seq_lens.tolist()
-        query_start_list = query_start.tolist()
         num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else len(states)
-        if self.vattn is not None:
-            # vattention: a request's KV sits contiguously in its slot (its one "block id");
-            # token at position p of slot s is row s * capacity + p. No block table.
-            slots = np.asarray([s.block_ids[0][0] for s in states], dtype=np.int64)
-            slot_mapping = slots[req_of_token] * self.vattn.slot_capacity + positions
-            md = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slot_mapping),
-                block_tables=_NO_BLOCK_TABLE,
-                seq_lens=seq_lens_t,
-                query_start_loc=query_start_list,
-                seq_lens_list=seq_lens_list,
-                num_decodes=num_decodes,
-                block_size=1,
-                slots=torch.from_numpy(slots),
-                slots_list=slots.tolist(),
-            )
-            return self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
-        max_blocks = int((seq_lens.max() + bs - 1) // bs)
-        # Per KV cache group: its own block table and slots (sliding-window groups hold
-        # other blocks than full-attention ones); the rest of the metadata is shared.
-        mds: list[AttentionMetadata] = []
-        for group in range(self.num_kv_cache_groups):
-            block_tables = np.zeros((len(states), max_blocks), dtype=np.int64)
-            for i, s in enumerate(states):
-                ids = s.block_ids[group][:max_blocks]
-                block_tables[i, : len(ids)] = ids
-            slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
-            mds.append(
-                AttentionMetadata(
-                    slot_mapping=torch.from_numpy(slot_mapping),
-                    block_tables=torch.from_numpy(block_tables),
-                    seq_lens=seq_lens_t,
-                    query_start_loc=query_start_list,
-                    seq_lens_list=seq_lens_list,
-                    num_decodes=num_decodes,
-                    block_size=bs,
-                )
-            )
-        return self._batch(
-            states, input_ids, positions, mds[0] if len(mds) == 1 else mds, query_start, seq_lens, counts,
-            num_drafts,
+        step = StepIndex(
+            positions=torch.from_numpy(positions),
+            req_of_token=torch.from_numpy(req_of_token),
+            seq_lens=torch.from_numpy(seq_lens),
+            query_start_loc=query_start.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            num_decodes=num_decodes,
         )
+        md = self.kv_worker.attention_metadata([s.block_ids for s in states], step)
+        return self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
 
     @staticmethod
     def _batch(

@@ -17,7 +17,7 @@ from tests.core.utils import (
 def test_fork_shares_blocks_and_cow_copies_the_partial_block():
     kv = make_kv_cache_manager(num_blocks=16, block_size=4)
     parent = make_request("p", num_prompt_tokens=10)
-    assert kv.allocate_slots(parent, 9) == [[1, 2, 3]]  # 9 tokens: blocks 1, 2 full, 3 partial
+    assert kv.allocate_slots(parent, 9).block_ids == [[1, 2, 3]]  # 9 tokens: blocks 1, 2 full, 3 partial
     parent.num_computed_tokens = 9
     child = make_request("c", num_prompt_tokens=10)
     child.num_computed_tokens = 9
@@ -28,13 +28,11 @@ def test_fork_shares_blocks_and_cow_copies_the_partial_block():
     assert kv.get_num_distinct_blocks(["p", "c"]) == 3
 
     # The parent writes position 9 into shared block 3: it gets a copy (block 4).
-    assert kv.allocate_slots(parent, 1) == [[]]
-    assert kv.last_copied_blocks == [(3, 4)]
+    assert kv.allocate_slots(parent, 1) == ([[]], [(3, 4)])
     assert kv.get_block_ids("p") == [[1, 2, 4]]
     assert kv.block_pool.blocks[3].ref_cnt == 1
     # The child is now block 3's only holder: it writes in place, no copy.
-    assert kv.allocate_slots(child, 1) == [[]]
-    assert kv.last_copied_blocks == []
+    assert kv.allocate_slots(child, 1) == ([[]], [])
     assert kv.get_block_ids("c") == [[1, 2, 3]]
     assert kv.get_kv_figures("c") == (3, 2)  # full blocks 1, 2 stay shared
     assert kv.get_num_distinct_blocks(["p", "c"]) == 4
@@ -51,14 +49,14 @@ def test_fork_at_a_block_boundary_needs_no_copy():
     kv.allocate_slots(parent, 8)
     parent.num_computed_tokens = child.num_computed_tokens = 8
     kv.fork(parent, child)
-    assert kv.allocate_slots(parent, 1) == [[3]] and kv.last_copied_blocks == []
-    assert kv.allocate_slots(child, 1) == [[4]] and kv.last_copied_blocks == []
+    assert kv.allocate_slots(parent, 1) == ([[3]], [])
+    assert kv.allocate_slots(child, 1) == ([[4]], [])
 
 
 def test_cow_fails_cleanly_without_a_free_block():
     kv = make_kv_cache_manager(num_blocks=4, block_size=4)  # blocks 1..3
     parent, child = make_request("p", num_prompt_tokens=12), make_request("c", num_prompt_tokens=12)
-    assert kv.allocate_slots(parent, 11) == [[1, 2, 3]]
+    assert kv.allocate_slots(parent, 11).block_ids == [[1, 2, 3]]
     parent.num_computed_tokens = child.num_computed_tokens = 11
     kv.fork(parent, child)
     assert kv.allocate_slots(parent, 1) is None  # the copy needs a block; nothing changed

@@ -19,10 +19,10 @@ def ids(blocks_per_group: list) -> list[list[int]]:
 def run_prefill(kv: KVCacheManager, request: Request) -> list[list[int]]:
     """Look up, allocate and 'compute' the whole prompt, as the scheduler would."""
     hit_blocks, num_hit = kv.get_computed_blocks(request)
-    new_ids = kv.allocate_slots(request, request.num_tokens - num_hit, hit_blocks)
-    assert new_ids is not None
+    allocation = kv.allocate_slots(request, request.num_tokens - num_hit, hit_blocks)
+    assert allocation is not None and allocation.copied_blocks == []
     request.num_computed_tokens = request.num_tokens
-    return new_ids
+    return allocation.block_ids
 
 
 def finish(kv: KVCacheManager, request: Request) -> None:
@@ -37,11 +37,11 @@ def free_ids(kv: KVCacheManager) -> list[int]:
 def test_allocate_extends_and_returns_only_new_blocks() -> None:
     kv = make_kv_cache_manager(num_blocks=11)
     a = make_request("a", PROMPT[:10])
-    assert kv.allocate_slots(a, 6) == [[1, 2]]  # a chunk of 6 tokens
+    assert kv.allocate_slots(a, 6).block_ids == [[1, 2]]  # a chunk of 6 tokens
     a.num_computed_tokens = 6
-    assert kv.allocate_slots(a, 2) == [[]]  # 8 tokens still fit in 2 blocks
+    assert kv.allocate_slots(a, 2).block_ids == [[]]  # 8 tokens still fit in 2 blocks
     a.num_computed_tokens = 8
-    assert kv.allocate_slots(a, 2) == [[3]]
+    assert kv.allocate_slots(a, 2).block_ids == [[3]]
     assert kv.get_block_ids("a") == [[1, 2, 3]] and kv.get_num_blocks("a") == 3
     assert kv.usage == pytest.approx(3 / 10) and kv.num_free_blocks == 7
     finish(kv, a)
@@ -58,7 +58,7 @@ def test_full_hit_returns_exact_blocks_and_leaves_one_token_to_compute() -> None
     hit_blocks, num_hit = kv.get_computed_blocks(b)
     # All 4 blocks are cached, but the last token must be recomputed: 3 blocks, 12 tokens.
     assert ids(hit_blocks) == [[1, 2, 3]] and num_hit == 12
-    assert kv.allocate_slots(b, 4, hit_blocks) == [[1, 2, 3, 5]]
+    assert kv.allocate_slots(b, 4, hit_blocks).block_ids == [[1, 2, 3, 5]]
     assert [blk.ref_cnt for blk in hit_blocks[0]] == [1, 1, 1]
     # A prompt of exactly two cached blocks hits only one of them.
     c = make_request("c", PROMPT[:8])
@@ -76,7 +76,7 @@ def test_partial_hit_shares_blocks_by_reference() -> None:
     b = make_request("b", PROMPT[:8] + [7] * 8)
     hit_blocks, num_hit = kv.get_computed_blocks(b)
     assert ids(hit_blocks) == [[1, 2]] and num_hit == 8
-    assert kv.allocate_slots(b, 8, hit_blocks) == [[1, 2, 5, 6]]
+    assert kv.allocate_slots(b, 8, hit_blocks).block_ids == [[1, 2, 5, 6]]
     blocks = kv.block_pool.blocks
     assert [blocks[i].ref_cnt for i in (1, 2, 3, 4, 5, 6)] == [2, 2, 1, 1, 1, 1]
     finish(kv, a)
@@ -138,17 +138,17 @@ def test_no_hit_after_reset_and_no_reset_while_in_use() -> None:
 def test_only_computed_known_tokens_are_cached_not_lookahead() -> None:
     kv = make_kv_cache_manager(num_blocks=11)
     a = make_request("a", PROMPT[:10])
-    assert kv.allocate_slots(a, 6) == [[1, 2]]
+    assert kv.allocate_slots(a, 6).block_ids == [[1, 2]]
     a.num_computed_tokens = 6
     assert kv.block_pool.get_num_cached_blocks() == 1  # 6 computed tokens: one full block
     # The rest of the prompt plus 8 lookahead slots (speculative tokens): 18 tokens.
-    assert kv.allocate_slots(a, 4, num_lookahead_tokens=8) == [[3, 4, 5]]
+    assert kv.allocate_slots(a, 4, num_lookahead_tokens=8).block_ids == [[3, 4, 5]]
     a.num_computed_tokens = 10
     assert kv.block_pool.get_num_cached_blocks() == 2  # 10 known tokens: two full blocks
     # Lookahead never reaches past max_model_len.
     kv2 = make_kv_cache_manager(num_blocks=11, max_model_len=12)
     b = make_request("b", PROMPT[:10])
-    assert kv2.allocate_slots(b, 10, num_lookahead_tokens=8) == [[1, 2, 3]]
+    assert kv2.allocate_slots(b, 10, num_lookahead_tokens=8).block_ids == [[1, 2, 3]]
 
 
 def test_failed_allocation_changes_nothing_and_counts_free_hit_blocks() -> None:
@@ -166,7 +166,7 @@ def test_failed_allocation_changes_nothing_and_counts_free_hit_blocks() -> None:
     assert all(blk.ref_cnt == 0 for blk in hit_blocks[0])
     c = make_request("c", PROMPT + [1] * 4)  # needs 1 new block: fits
     hit_blocks, num_hit = kv.get_computed_blocks(c)
-    assert kv.allocate_slots(c, 4, hit_blocks) == [[1, 2, 3, 4, 5]]
+    assert kv.allocate_slots(c, 4, hit_blocks).block_ids == [[1, 2, 3, 4, 5]]
     assert kv.num_free_blocks == 0
 
 
@@ -179,7 +179,7 @@ def test_multiple_groups_share_positions_not_blocks() -> None:
     b = make_request("b", PROMPT[:9])
     hit_blocks, num_hit = kv.get_computed_blocks(b)
     assert ids(hit_blocks) == [[1, 2], [3, 4]] and num_hit == 8
-    assert kv.allocate_slots(b, 1, hit_blocks) == [[1, 2, 5], [3, 4, 6]]
+    assert kv.allocate_slots(b, 1, hit_blocks).block_ids == [[1, 2, 5], [3, 4, 6]]
     # A hit must exist in every group: evict group 1's second block and only one block hits.
     kv.block_pool._evict(kv.block_pool.blocks[4])
     c = make_request("c", PROMPT[:9])

@@ -21,14 +21,14 @@ def make_manager(enable_caching: bool = True, num_blocks: int = 32) -> KVCacheMa
 def test_windowed_group_frees_blocks_that_left_the_window() -> None:
     kv = make_manager()
     a = make_request("a", PROMPT)
-    assert kv.allocate_slots(a, 16) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert kv.allocate_slots(a, 16).block_ids == [[1, 2, 3, 4], [5, 6, 7, 8]]
     a.num_computed_tokens = 16
     # Queries from position 16 see positions > 16 - 8, i.e. from 9 (block 2): blocks 0, 1 go.
-    assert kv.allocate_slots(a, 16) == [[9, 10, 11, 12], [13, 14, 15, 16]]
+    assert kv.allocate_slots(a, 16).block_ids == [[9, 10, 11, 12], [13, 14, 15, 16]]
     assert kv.get_block_ids("a")[1] == [0, 0, 7, 8, 13, 14, 15, 16]
     a.num_computed_tokens = 32
     # From position 32 the window starts at 25 (block 6): blocks 2..5 go too.
-    assert kv.allocate_slots(a, 8) == [[17, 18], [19, 20]]
+    assert kv.allocate_slots(a, 8).block_ids == [[17, 18], [19, 20]]
     assert kv.get_block_ids("a") == [
         [1, 2, 3, 4, 9, 10, 11, 12, 17, 18],
         [0, 0, 0, 0, 0, 0, 15, 16, 19, 20],
@@ -38,7 +38,7 @@ def test_windowed_group_frees_blocks_that_left_the_window() -> None:
     a.num_computed_tokens = 40
     # A decode step at position 40 (window from 33, block 8) frees block 6 (15) and then 16.
     a.append_output_token_ids([7])
-    assert kv.allocate_slots(a, 1) == [[21], [22]]
+    assert kv.allocate_slots(a, 1).block_ids == [[21], [22]]
     assert kv.get_block_ids("a")[1] == [0, 0, 0, 0, 0, 0, 0, 0, 19, 20, 22]
     assert kv.get_num_held_blocks("a") == [11, 3]
     a.status = RequestStatus.FINISHED_STOPPED
@@ -58,8 +58,9 @@ def test_prefix_hit_takes_only_window_blocks_of_the_windowed_group() -> None:
     b = make_request("b", PROMPT)
     hits, num_hit = kv.get_computed_blocks(b)
     assert num_hit == 36  # 9 blocks, found in both groups
-    new = kv.allocate_slots(b, 4, hits)
-    assert new is not None
+    allocation = kv.allocate_slots(b, 4, hits)
+    assert allocation is not None
+    new = allocation.block_ids
     # Computing from position 36 needs positions >= 29 (block 7): group 1 takes hits 7, 8 only.
     assert new[0] == [1, 2, 3, 4, 9, 10, 11, 12, 17, 21]
     assert new[1][:7] == [0] * 7 and new[1][7:9] == [16, 19] and len(new[1]) == 10
@@ -70,7 +71,7 @@ def test_long_request_holds_window_sized_kv_without_caching() -> None:
     kv = make_manager(enable_caching=False, num_blocks=64)
     a = make_request("a", [1] * 4, max_tokens=None)
     a.num_computed_tokens = 0
-    assert kv.allocate_slots(a, 4) == [[1], [2]]
+    assert kv.allocate_slots(a, 4).block_ids == [[1], [2]]
     a.num_computed_tokens = 4
     for _ in range(200):
         a.append_output_token_ids([5])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.worker.vattention_kv import mapping_rss_bytes
+from pagedllm.kv_backends.vattention.worker import mapping_rss_bytes
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def vattn_llm(tiny_llama_dir):
 
 
 def _rss(llm: LLM) -> int:
-    return mapping_rss_bytes(*llm.llm_engine.engine_core.runner.vattn.mapping_range)
+    return mapping_rss_bytes(*llm.llm_engine.engine_core.runner.kv_worker.mapping_range)
 
 
 def test_unsupported_features_are_refused(vattn_llm, tiny_llama_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.config import AttentionConfig
 from pagedllm.layers.attention import (
     AttentionMetadata,
     reference_attention,
@@ -49,10 +50,10 @@ def _metadata(computed: list[int], query_lens: list[int]) -> AttentionMetadata:
 # 64: the default model's head size (the kernel's AVX2 paths for both passes); 40: its AVX2
 # scores with the generic weighted sum; 12: the generic kernel throughout.
 @pytest.mark.parametrize("D", [64, 40, 12])
-def test_torch_attention_matches_reference(sliding_window, compiled, D, monkeypatch):
+def test_torch_attention_matches_reference(sliding_window, compiled, D):
     import pagedllm.layers.attention as attention
 
-    monkeypatch.setattr(attention, "_USE_COMPILED", compiled)
+    config = AttentionConfig(compiled_kernels=compiled)
     if compiled:
         assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
     torch.manual_seed(0)
@@ -73,20 +74,20 @@ def test_torch_attention_matches_reference(sliding_window, compiled, D, monkeypa
     v = torch.randn(num_tokens, HKV, D)
     write_kv(cache, k, v, md.slot_mapping)
     ref = reference_attention(q, cache, md, 0.3, sliding_window)
-    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window)
+    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window, config)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("decode", ["kernel", "torch"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("D", [64, 12])
-def test_vattention_layout_matches_reference(sliding_window, decode, D, monkeypatch):
+def test_vattention_layout_matches_reference(sliding_window, decode, D):
     """The vattention layout [2, num_slots, capacity, Hkv, D]: each request reads its slot's
     contiguous slice (no block table), decodes through the contiguous kernel or per-request
     SDPA over views."""
     import pagedllm.layers.attention as attention
 
-    monkeypatch.setattr(attention, "_CONTIGUOUS_DECODE", decode)
+    config = AttentionConfig(contiguous_decode=decode)
     if decode == "kernel":
         assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
     torch.manual_seed(0)
@@ -120,5 +121,5 @@ def test_vattention_layout_matches_reference(sliding_window, decode, D, monkeypa
     write_kv(cache, k, v, md.slot_mapping)
     assert torch.equal(cache[0, 5, 0], k[2]), "a token is written at its position in its slot"
     ref = reference_attention(q, cache, md, 0.3, sliding_window)
-    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window)
+    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window, config)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.vattention_manager import VAttentionKVManager, vattention_layout
+from pagedllm.kv_backends.vattention.manager import VAttentionKVManager, vattention_layout
 from pagedllm.request import RequestStatus
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tests.core.utils import SAMPLED_TOKEN, make_group, make_request
@@ -31,10 +31,10 @@ def _finish(manager: VAttentionKVManager, request) -> None:
 def test_pages_charged_as_tokens_grow_and_capped_at_max_model_len():
     m = _manager()
     r = make_request("a", num_prompt_tokens=5)
-    assert m.allocate_slots(r, 5) == [[m.get_slot("a")]]
+    assert m.allocate_slots(r, 5).block_ids == [[m.get_slot("a")]]
     assert m.resident_bytes == REGIONS * 2 * PAGE  # 5 tokens: 2 pages per region
     r.num_computed_tokens = 5
-    assert m.allocate_slots(r, 3) == [[]]  # 8 tokens: still 2 pages
+    assert m.allocate_slots(r, 3).block_ids == [[]]  # 8 tokens: still 2 pages
     assert m.resident_bytes == REGIONS * 2 * PAGE
     r.num_computed_tokens = 8
     m.allocate_slots(r, 1)
@@ -68,7 +68,7 @@ def test_deferred_slot_reused_best_fit_and_released_on_demand():
     _finish(m, r)
     # 8 more tokens for r2 (2 pages per region) need small's idle slot released.
     r2.num_computed_tokens = 40
-    assert m.allocate_slots(r2, 8) == [[]]
+    assert m.allocate_slots(r2, 8).block_ids == [[]]
     assert m.take_slots_to_release() == [small_slot]
     assert m.resident_bytes == REGIONS * 12 * PAGE
     # 4 more tokens cannot be had: nothing idle is left to release.

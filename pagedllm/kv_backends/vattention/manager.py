@@ -3,8 +3,8 @@
 vAttention (arXiv 2405.04437) keeps each request's KV virtually contiguous and backs it with
 physical memory only as it grows. Here the worker reserves, per layer, K and V regions of
 ``num_slots`` slots of ``slot_capacity`` tokens with ``mmap(MAP_NORESERVE)``
-(worker/vattention_kv.py); the operating system supplies a page on its first write. This
-manager, the counterpart of ``KVCacheManager`` with the interface the scheduler uses, does
+(worker.py); the operating system supplies a page on its first write. This manager, a
+``KVManager`` (core/kv_manager.py) as the paged ``KVCacheManager`` is, does
 what the OS would only tell through the OOM killer: it charges those pages against the
 ``kv_cache_memory`` budget, so a request that cannot get pages makes the scheduler preempt,
 exactly as with blocks.
@@ -30,7 +30,10 @@ Not supported (no physical page can be shared between slots): prefix caching, an
 
 from __future__ import annotations
 
-from pagedllm.core.kv_cache_manager import KVCacheBlock, KVFigures, cdiv
+from typing import Any
+
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.kv_manager import KVAllocation, KVFigures, KVManager, PrefixHit
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.request import Request
 
@@ -41,8 +44,10 @@ FORK_UNSUPPORTED = (
 )
 
 
-class VAttentionKVManager:
-    """Slots and page accounting of the vattention backend (same interface as KVCacheManager)."""
+class VAttentionKVManager(KVManager):
+    """Slots and page accounting of the vattention backend."""
+
+    backend = "vattention"
 
     def __init__(
         self,
@@ -67,11 +72,6 @@ class VAttentionKVManager:
         self.slot_capacity = slot_capacity
         self.max_model_len = max_model_len
         self.deferred_reclaim = deferred_reclaim
-        # What the scheduler reads of a KVCacheManager.
-        self.enable_caching = False
-        self.num_groups = 1
-        self.block_size = 1  # tokens are addressed one by one (no blocks)
-        self.last_copied_blocks: list[tuple[int, int]] = []
         self.bytes_per_token = token_bytes * num_regions  # K and V over every layer
         self._slot_of: dict[str, int] = {}  # request id -> slot
         self._resident = [0] * num_slots  # resident pages per region, per slot
@@ -91,17 +91,17 @@ class VAttentionKVManager:
         if request.group_id is not None or request.pending_forks:
             raise ValueError(f"request {request.request_id!r}: {FORK_UNSUPPORTED}")
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
         """No prefix cache: nothing is ever computed in advance."""
-        return [[]], 0
+        return PrefixHit([[]], 0)
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[list[KVCacheBlock]] | None = None,
+        new_computed_blocks: list[list[Any]] | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> list[list[int]] | None:
+    ) -> KVAllocation | None:
         """Charge the pages the request's slot needs for ``num_computed_tokens +
         num_new_tokens + num_lookahead_tokens`` tokens (capped at max_model_len), giving it
         a slot first if it has none. Returns ``[[slot]]`` for a request that just got its
@@ -134,7 +134,7 @@ class VAttentionKVManager:
             self._slot_of[rid] = slot
         self._used_pages += self.num_regions * max(0, need - self._resident[slot])
         self._resident[slot] = max(need, self._resident[slot])
-        return [[slot]] if new else [[]]
+        return KVAllocation([[slot]] if new else [[]], [])
 
     def fork(self, parent: Request, child: Request) -> None:
         raise ValueError(FORK_UNSUPPORTED)
@@ -155,6 +155,17 @@ class VAttentionKVManager:
 
     def get_slot(self, request_id: str) -> int | None:
         return self._slot_of.get(request_id)
+
+    def reserved_pages(self) -> int:
+        """Pages of one region of a slot filled to its capacity (the reservation)."""
+        return self.pages_for(self.slot_capacity)
+
+    def slot_pages(self) -> tuple[dict[str, int], list[int]]:
+        """Request id -> its slot, and each slot's resident pages per region."""
+        return dict(self._slot_of), list(self._resident)
+
+    def is_idle(self, slot: int) -> bool:
+        return slot in self._idle
 
     def get_kv_figures(self, request_id: str) -> KVFigures:
         """Pages of the request's slot (over all regions); none shared."""

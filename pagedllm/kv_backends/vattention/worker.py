@@ -1,12 +1,13 @@
-"""KV tensors of the vattention backend: reserved address space, pages on first touch.
+"""The vattention backend's worker side: reserved address space, pages on first touch.
 
 One anonymous ``mmap`` with ``MAP_NORESERVE`` reserves, for every Attention layer, a K and a
 V region of ``num_slots`` slots of ``slot_capacity`` tokens. Nothing is resident until a
 token is written; each layer's cache is a zero-copy torch view ``[2, num_slots,
 slot_capacity, num_kv_heads, head_dim]`` of it, so a request's K (or V) in a layer is the
-contiguous slice ``cache[0, slot, :seq_len]``. The budget is kept by the scheduler's
-``VAttentionKVManager``; the runner releases the pages of the slots it names with
-``madvise(MADV_DONTNEED)`` (pages read back as zeros and are no longer resident).
+contiguous slice ``cache[0, slot, :seq_len]`` (layers/attention.py's contiguous-slot
+layout: the metadata carries each request's slot). The budget is kept by the scheduler's
+``VAttentionKVManager`` (manager.py); before a step, the pages of the slots it names are
+released with ``madvise(MADV_DONTNEED)`` (they read back as zeros, no longer resident).
 
 Every (region, slot) span is a multiple of 2 MiB and starts 2 MiB-aligned, so with
 transparent huge pages (``MADV_HUGEPAGE``) releasing a slot never splits a huge page.
@@ -18,18 +19,29 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Sequence
 
 import torch
 
-from pagedllm.layers.attention import Attention
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.worker.kv_cache import TORCH_DTYPES
+from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Python < 3.13 lacks the constant
 HUGE = 2 << 20
 SMALL_PAGE = mmap.PAGESIZE
 
 
-class VAttentionKVCache:
+_NO_BLOCK_TABLE = torch.zeros((0, 0), dtype=torch.int64)
+
+
+class VAttentionKVCache(KVCacheWorker):
+    """Per layer, a [2, num_slots, slot_capacity, Hkv, D] view of one reserved mapping."""
+
+    num_groups = 1
+    device = torch.device("cpu")  # an mmap is host memory
+
     def __init__(
         self, layers: list[Attention], num_slots: int, slot_capacity: int, dtype: str, hugepages: bool = False
     ) -> None:
@@ -56,13 +68,13 @@ class VAttentionKVCache:
         self.base = raw.data_ptr()
         self.offset = (-self.base) % HUGE  # first 2 MiB boundary inside the mapping
         shape = (2, num_slots, slot_capacity, num_kv_heads, head_dim)
-        self.caches = [
+        self.kv_caches = [
             raw[self.offset + i * self.layer_bytes : self.offset + (i + 1) * self.layer_bytes]
             .view(torch_dtype)
             .view(shape)
             for i in range(self.num_layers)
         ]
-        for layer, cache in zip(layers, self.caches):
+        for layer, cache in zip(layers, self.kv_caches):
             assert (layer.num_kv_heads, layer.head_dim) == shape[3:], "layers differ in KV shape"
             layer.kv_cache = cache
             layer.kv_cache_group = 0
@@ -71,6 +83,29 @@ class VAttentionKVCache:
     def mapping_range(self) -> tuple[int, int]:
         """[start, end) addresses of the mapping (to find it in /proc/self/smaps)."""
         return self.base, self.base + len(self.mm)
+
+    def prepare(self, so: SchedulerOutput) -> None:
+        assert not so.blocks_to_copy, "slots are never shared, so never copied"
+        if so.kv_slots_to_release:
+            self.release(so.kv_slots_to_release)
+
+    def attention_metadata(self, block_ids: Sequence[list[list[int]]], step: StepIndex) -> AttentionMetadata:
+        # A request's one id is its slot; the token at position p of slot s is row
+        # s * capacity + p of the flattened cache. No block table.
+        slots_list = [ids[0][0] for ids in block_ids]
+        slots = torch.tensor(slots_list, dtype=torch.int64)  # [R]
+        slot_mapping = slots[step.req_of_token] * self.slot_capacity + step.positions  # [T]
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=_NO_BLOCK_TABLE,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            seq_lens_list=step.seq_lens_list,
+            num_decodes=step.num_decodes,
+            block_size=1,
+            slots=slots,
+            slots_list=slots_list,
+        )
 
     def release(self, slots: list[int]) -> None:
         """Give the slots' pages back to the OS (they read back as zeros)."""

@@ -1,0 +1,125 @@
+"""The control-plane KV protocol: what the scheduler and the engine ask of a KV backend.
+
+``KVManager`` is the one type the scheduler holds. A backend (pagedllm/kv_backends/)
+implements it: the paged backend with ``KVCacheManager`` (block pool, prefix cache,
+copy-on-write forks), the slot backend with its own page accounting. Results are explicit
+(``KVAllocation`` names the ids appended *and* the blocks copied this call); nothing is left
+in attributes for the caller to read afterwards. No torch here.
+
+Ids: ``block_ids[group][i]`` are whatever the backend's worker side needs to find a
+request's KV (physical block ids for paged, a slot for a slot backend). The scheduler passes
+them on to the runner unread.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, NamedTuple
+
+from pagedllm.core.outputs import PrefixCacheStats
+from pagedllm.request import Request
+
+
+class KVFigures(NamedTuple):
+    num_blocks: int
+    """Memory units (blocks or pages) the request holds, over all groups."""
+    num_shared_blocks: int
+    """Of those, units also held by another request (fork or prefix hit)."""
+
+
+class KVAllocation(NamedTuple):
+    """What one successful ``allocate_slots`` call changed."""
+
+    block_ids: list[list[int]]
+    """Ids appended to the request this call, per group (prefix-hit ids first; lists may be
+    empty)."""
+    copied_blocks: list[tuple[int, int]]
+    """Copy-on-write: (src, dst) ids whose KV the runner copies before the forward; in the
+    request's block table src becomes dst."""
+
+
+class PrefixHit(NamedTuple):
+    """A prefix-cache lookup: cached units per group (opaque to the caller) and hit tokens."""
+
+    blocks: list[list[Any]]
+    num_tokens: int
+
+
+class KVManager(ABC):
+    """Allocate, free, fork and look up the KV memory of requests (the scheduler's view)."""
+
+    backend: ClassVar[str]
+    """Registry name of the backend this manager belongs to (pagedllm/kv_backends/)."""
+    bytes_per_token: int = 0
+    """Bytes of one token's K and V over every layer (for the fragmentation figure)."""
+
+    @abstractmethod
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError, at submission, for a request this backend cannot hold."""
+
+    @abstractmethod
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The longest cached prefix of the request (never its last token); not yet taken."""
+
+    @abstractmethod
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[list[Any]] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVAllocation | None:
+        """Room for ``num_computed_tokens`` + hits + ``num_new_tokens`` + lookahead tokens
+        (capped at max_model_len); None, with nothing changed, when memory is short."""
+
+    @abstractmethod
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """Release the request's memory (finished, preempted, or rolled back at admission;
+        with ``num_valid_tokens``, KV past that many tokens was never computed)."""
+
+    @abstractmethod
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` shares ``parent``'s KV (n > 1, beams); ValueError where unsupported."""
+
+    @abstractmethod
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """All ids of the request per group (empty lists if it holds none)."""
+
+    @abstractmethod
+    def get_kv_figures(self, request_id: str) -> KVFigures:
+        """Units the request holds and how many of them are shared."""
+
+    @abstractmethod
+    def max_blocks_per_request(self, num_tokens: int, max_new_tokens: int = 1) -> int:
+        """Most units one request of ``num_tokens`` tokens holds at once."""
+
+    @abstractmethod
+    def take_slots_to_release(self) -> list[int]:
+        """Ids whose memory the worker releases before this step's writes (then forgotten)."""
+
+    # ---- usage -------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of the KV budget held by requests, 0.0 .. 1.0."""
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Units that can be handed out now."""
+
+    @property
+    @abstractmethod
+    def resident_bytes(self) -> int:
+        """KV bytes in use by the backend's accounting."""
+
+    # ---- prefix cache ------------------------------------------------------------------
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and no change) while any is in use."""
+
+    @abstractmethod
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The lookups since the previous call."""

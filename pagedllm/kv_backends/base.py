@@ -1,0 +1,98 @@
+"""``KVBackend``: what the engine builder, the front end and the dashboard ask of a backend.
+
+A backend declares what it supports (checked against the engine arguments before the model
+loads), builds its control-plane manager and the factory of its worker side from the loaded
+model, and turns its manager's state into the dashboard's view (plain data, picklable, with
+``to_json``). No torch at import.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from pagedllm.core.kv_manager import KVManager
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.request import Request
+    from pagedllm.worker.kv_worker import KVCacheWorker
+
+
+class KVView(Protocol):
+    """A backend's picture of its KV memory at one instant, for ``/dashboard/state``."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON types; ``"kind"`` names the picture (``"blocks"`` or ``"pages"``)."""
+        ...
+
+
+@dataclass
+class KVBuild:
+    """A backend sized for a loaded model."""
+
+    manager: KVManager
+    config: EngineConfig
+    """The engine configuration with the backend's sizes filled in."""
+    make_worker: Callable[[list[Any]], KVCacheWorker]
+    """Builds the worker side over the model's Attention layers (binding their caches)."""
+    block_size: int
+    """Tokens per unit of the worker's cache (what the tensor-parallel workers are told)."""
+    num_blocks: int
+    summary: str
+    """One line for the start-up log: the sizes and the resulting concurrency."""
+
+
+class KVBackend(ABC):
+    name: ClassVar[str]
+    supports_prefix_caching: ClassVar[bool] = True
+    supports_forks: ClassVar[bool] = True
+    """Sequence groups sharing KV: n > 1 and beam search."""
+    supports_speculation: ClassVar[bool] = True
+    supports_kv_transfer: ClassVar[bool] = True
+    supports_tensor_parallel: ClassVar[bool] = True
+    fork_refusal: ClassVar[str] = ""
+    """Why forks are refused (the user-facing message), where ``supports_forks`` is False."""
+
+    def check_args(self, args: EngineArgs, enable_prefix_caching: bool) -> None:
+        """ValueError naming the first engine argument this backend cannot honour."""
+        name = f"kv_cache_backend={self.name!r}"
+        if enable_prefix_caching and not self.supports_prefix_caching:
+            raise ValueError(
+                f"prefix caching shares KV blocks between requests, which {name} cannot (each "
+                "request owns its memory); drop enable_prefix_caching=True "
+                "(--no-enable-prefix-caching) or use kv_cache_backend='paged'"
+            )
+        if args.tensor_parallel_size > 1 and not self.supports_tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel_size={args.tensor_parallel_size} does not support {name} yet; "
+                "use --tensor-parallel-size 1 for it"
+            )
+        flag = f"--kv-cache-backend {self.name}"
+        if args.speculative_config is not None and not self.supports_speculation:
+            raise ValueError(
+                f"--speculative-config is not supported with {flag} yet (drafts need lookahead "
+                "slots and rollback); use the paged backend"
+            )
+        if args.kv_transfer_config is not None and not self.supports_kv_transfer:
+            raise ValueError(
+                f"--kv-transfer-config is not supported with {flag} (blocks travel under "
+                "prefix-cache hashes, which this backend does not keep); use the paged backend"
+            )
+
+    def check_num_sequences(self, n: int) -> None:
+        """ValueError for a request of ``n`` parallel sequences this backend cannot hold."""
+        if n > 1 and not self.supports_forks:
+            raise ValueError(f"n={n}: {self.fork_refusal}")
+
+    @abstractmethod
+    def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
+        """Size the manager and the worker's cache for ``loaded`` (a LoadedModel) under
+        ``args``'s byte budget; ValueError if one request of max_model_len cannot fit."""
+
+    @abstractmethod
+    def view(self, manager: KVManager, running: Sequence[Request]) -> KVView:
+        """The dashboard's picture of ``manager`` (taken between steps)."""

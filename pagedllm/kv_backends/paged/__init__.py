@@ -1,0 +1,102 @@
+"""The paged KV backend: a pool of fixed-size blocks, block tables, prefix caching, forks.
+
+Its parts: core/block_pool.py and core/kv_cache_manager.py (the control plane: blocks,
+prefix cache, copy-on-write), worker/kv_cache.py (the pool's tensors, ``PagedKVWorker``:
+block tables and slot mappings), view.py (the dashboard's block map). Registered as "paged".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from pagedllm.core.kv_manager import KVManager
+from pagedllm.kv_backends.base import KVBackend, KVBuild
+from pagedllm.kv_backends.paged.view import PagedKVView, take_paged_view
+
+if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.request import Request
+
+
+def check_kv_capacity(
+    num_blocks: int, needed: int, block_size: int, max_model_len: int, budget: int
+) -> None:
+    """Start-up fails unless the pool holds at least one request of max_model_len
+    (`needed` blocks, summed over the KV cache groups)."""
+    if num_blocks - 1 < needed:
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds {max(num_blocks - 1, 0)} blocks of "
+            f"{block_size} tokens, fewer than the {needed} blocks one request of "
+            f"max_model_len={max_model_len} needs; raise kv_cache_memory_bytes "
+            f"(--kv-cache-memory-bytes) or lower max_model_len (--max-model-len)"
+        )
+
+
+class PagedBackend(KVBackend):
+    name = "paged"
+
+    def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
+        from pagedllm.worker.kv_cache import (
+            PagedKVWorker,
+            attention_layers,
+            kv_bytes_per_block,
+            kv_cache_groups,
+            num_blocks_for_budget,
+            num_layer_slots,
+        )
+
+        model_config = loaded.model_config
+        budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
+        block_size = budget_config.block_size
+        # Equal-sized KV cache groups per attention type (full, sliding window); a block
+        # spans one layer slice per layer of a group (worker/kv_cache.py).
+        layers = attention_layers(loaded.model)
+        group_specs = [KVCacheGroupSpec(g.sliding_window) for g in kv_cache_groups(layers)]
+        if args.kv_transfer_config is not None and (not budget_config.enable_prefix_caching or len(group_specs) != 1):
+            raise ValueError(
+                "--kv-transfer-config needs prefix caching (blocks travel under their prefix-cache "
+                "hashes) and a model with one KV cache group (no sliding-window layers)"
+            )
+        layer_slots = num_layer_slots(layers)
+        budget = budget_config.kv_cache_memory_bytes
+        num_blocks = num_blocks_for_budget(model_config, block_size, budget, layer_slots)
+        config = args.create_engine_config(model_config, num_blocks)
+        manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_model_len=model_config.max_model_len,
+            enable_caching=budget_config.enable_prefix_caching,
+            hash_extra_keys=(model_config.model, model_config.dtype, block_size, loaded.quantization),
+            group_specs=group_specs,
+        )
+        max_len = model_config.max_model_len
+        needed = manager.max_blocks_per_request(max_len, config.scheduler_config.max_num_batched_tokens)
+        check_kv_capacity(num_blocks, needed, block_size, max_len, budget)
+        manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots)
+        manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers))
+        # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
+        max_concurrency = (num_blocks - 1) / manager.max_blocks_per_request(max_len)
+        summary = (
+            f"KV cache: {num_blocks - 1} blocks of {block_size} tokens "
+            f"({manager.bytes_per_block / 2**20:.1f} MiB per block over {layer_slots} layers, "
+            f"{model_config.dtype}), group windows {[g.sliding_window for g in group_specs]}; "
+            f"{(num_blocks - 1) * block_size} token slots, max concurrency {max_concurrency:.1f}x "
+            f"at max_model_len={max_len}."
+        )
+        return KVBuild(
+            manager=manager,
+            config=config,
+            make_worker=lambda layers: PagedKVWorker(layers, num_blocks, block_size, model_config.dtype),
+            block_size=block_size,
+            num_blocks=num_blocks,
+            summary=summary,
+        )
+
+    def view(self, manager: KVManager, running: Sequence[Request]) -> PagedKVView:
+        assert isinstance(manager, KVCacheManager), type(manager)
+        return take_paged_view(manager, running)
+
+
+BACKEND = PagedBackend()

@@ -1,0 +1,91 @@
+"""The vattention KV backend (arXiv 2405.04437): each request's KV is virtually contiguous
+in a reserved slot, backed by physical pages only as it grows.
+
+Its parts: manager.py (the control plane: slots and the page budget), worker.py (the
+reserved mapping and the contiguous-slot attention metadata), view.py (reserved and resident
+pages per request for the dashboard). No page is shared between slots, so there is no prefix
+caching and no fork (n > 1, beam search). Registered as "vattention".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.config import parse_bytes
+from pagedllm.core.kv_manager import KVManager
+from pagedllm.kv_backends.base import KVBackend, KVBuild
+from pagedllm.kv_backends.vattention.manager import FORK_UNSUPPORTED, VAttentionKVManager, vattention_layout
+from pagedllm.kv_backends.vattention.view import SlotKVView, take_slot_view
+
+if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.request import Request
+
+
+class VAttentionBackend(KVBackend):
+    name = "vattention"
+    supports_prefix_caching = False
+    supports_forks = False
+    supports_speculation = False
+    supports_kv_transfer = False
+    supports_tensor_parallel = False
+    fork_refusal = FORK_UNSUPPORTED
+
+    def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
+        """Per layer, K and V regions of max_num_seqs slots reserved (worker.py); the page
+        budget kept by ``VAttentionKVManager``."""
+        from pagedllm.kv_backends.vattention.worker import HUGE, SMALL_PAGE, VAttentionKVCache
+        from pagedllm.worker.kv_cache import _DTYPE_BYTES, attention_layers
+
+        model_config = loaded.model_config
+        layers = attention_layers(loaded.model)
+        token_bytes = model_config.num_kv_heads * model_config.head_dim * _DTYPE_BYTES[model_config.dtype]
+        max_len = model_config.max_model_len
+        capacity = vattention_layout(token_bytes, max_len, HUGE)
+        hugepages = args.vattention_hugepages
+        page_bytes = HUGE if hugepages else SMALL_PAGE
+        budget = parse_bytes(args.kv_cache_memory_bytes)
+        num_pages = budget // page_bytes
+        config = args.create_engine_config(model_config, num_blocks=num_pages + 1)
+        num_slots = config.scheduler_config.max_num_seqs
+        manager = VAttentionKVManager(
+            num_pages=num_pages,
+            page_bytes=page_bytes,
+            token_bytes=token_bytes,
+            num_regions=2 * len(layers),
+            num_slots=num_slots,
+            slot_capacity=capacity,
+            max_model_len=max_len,
+            deferred_reclaim=args.vattention_deferred_reclaim,
+        )
+        needed = manager.max_blocks_per_request(max_len)
+        if num_pages < needed:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_pages} pages of {page_bytes} bytes, "
+                f"fewer than the {needed} pages one request of max_model_len={max_len} needs with the "
+                f"vattention backend; raise kv_cache_memory_bytes (--kv-cache-memory-bytes) or lower "
+                f"max_model_len (--max-model-len)"
+            )
+        summary = (
+            f"KV cache (vattention): {num_slots} slots x {capacity} tokens reserved "
+            f"({2 * len(layers) * num_slots * capacity * token_bytes / 2**30:.1f} GiB of address space "
+            f"over {len(layers)} layers, {model_config.dtype}); budget {num_pages} pages of "
+            f"{page_bytes // 1024} KiB{' (transparent huge pages)' if hugepages else ''}, max "
+            f"concurrency {num_pages / needed:.1f}x at max_model_len={max_len}."
+        )
+        return KVBuild(
+            manager=manager,
+            config=config,
+            make_worker=lambda layers: VAttentionKVCache(layers, num_slots, capacity, model_config.dtype, hugepages),
+            block_size=1,
+            num_blocks=0,
+            summary=summary,
+        )
+
+    def view(self, manager: KVManager, running: Sequence[Request]) -> SlotKVView:
+        assert isinstance(manager, VAttentionKVManager), type(manager)
+        return take_slot_view(manager, running)
+
+
+BACKEND = VAttentionBackend()
