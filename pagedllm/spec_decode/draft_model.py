@@ -83,7 +83,9 @@ class DraftModelProposer(Proposer):
                 hidden = self.draft(batch.input_ids, batch.positions)
             # Drafting views reach the end of their tokens: they have the logits rows, in order.
             sampling = [j for j in order if drafting[j] is not None]
-            tokens = self.draft.compute_logits(hidden[batch.logits_indices]).argmax(dim=-1).tolist() if sampling else []
+            tokens: list[int] = []
+            if sampling:
+                tokens = self.draft.compute_logits(hidden[batch.logits_indices]).argmax(dim=-1).tolist()
             for j, token in zip(sampling, tokens):
                 views[j].num_computed_tokens += counts[j]
                 views[j].token_ids.append(token)
