@@ -12,7 +12,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.engine.core_proc import CoreStats
+from pagedllm.engine.core_messages import CoreStats
 from pagedllm.engine.dashboard import DashboardHistory
 
 logger = logging.getLogger(__name__)

@@ -103,7 +103,7 @@ def profiling(engine: Any, profile: StepProfile) -> Iterator[Callable[[], None]]
 
     patch(engine.scheduler, "schedule", "schedule")
     patch(engine.scheduler, "update_from_output", "scheduler update")
-    patch(runner, "_prepare_inputs", "prepare inputs")
+    patch(runner, "prepare_inputs", "prepare inputs")
     patch(runner, "sampler", "sampling")
     patch(engine.output_processor, "process_outputs", "output processing")
     patch(model, "compute_logits", "LM head")

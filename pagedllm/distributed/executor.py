@@ -4,8 +4,9 @@ The engine core calls `execute(scheduler_output)` on its runner; with one rank (
 runner is the ModelRunner itself, in process, exactly as without this module. With N ranks
 the executor stands in its place: rank 0 runs in the engine core (so the scheduler runs once,
 there), ranks 1..N-1 in workers that the executor starts — processes on this machine (``mp``,
-mp_executor.py) or Ray actors (``ray``, ray_executor.py). Each step the executor broadcasts
-the pickled SchedulerOutput to the workers, runs rank 0's step and returns its output.
+mp_executor.py) or Ray actors (``ray``, ray_executor.py), chosen by ParallelConfig
+(executors.py). Each step the executor broadcasts the pickled SchedulerOutput to the
+workers, runs rank 0's step and returns its output.
 
 A worker that dies fails the engine: the collective rank 0 waits in breaks at once (gloo
 reports the closed connection), the executor stops the other workers and raises
@@ -20,11 +21,11 @@ import os
 import pickle
 from typing import Any
 
+from pagedllm.config import ParallelConfig
 from pagedllm.distributed.cpu_bind import ENV as CPU_BIND_ENV
 from pagedllm.distributed.cpu_bind import bind_rank, placement_spec
 from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.distributed.worker import WorkerSpec, load_rank_model, resolved_args
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.distributed.worker import ModelLoadSpec, WorkerSpec, load_rank_model
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,16 @@ class WorkerDiedError(ExecutorFailedError):
     """A tensor-parallel worker died."""
 
 
-def check_parallel_args(args: EngineArgs) -> None:
-    """Features that do not run across ranks yet fail before anything loads."""
-    size = args.tensor_parallel_size
+def check_parallel_support(config: ParallelConfig, *, speculative: bool, kv_transfer: bool) -> None:
+    """Features that do not run across ranks yet fail before anything loads (the engine's
+    builder calls this with the engine's settings before creating an executor; a KV backend
+    refuses tensor parallelism itself, `KVBackend.check_args`)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
     refusals = {
-        "speculative_config": args.speculative_config is not None,
-        "kv_transfer_config": args.kv_transfer_config is not None,
+        "speculative_config": speculative,
+        "kv_transfer_config": kv_transfer,
     }
     for what, refused in refusals.items():
         if refused:
@@ -62,10 +67,10 @@ class DistributedExecutor(abc.ABC):
 
     backend: str
 
-    def __init__(self, args: EngineArgs) -> None:
-        check_parallel_args(args)
-        self.size = args.tensor_parallel_size
-        self.args = resolved_args(args)
+    def __init__(self, config: ParallelConfig, load: ModelLoadSpec) -> None:
+        assert load.dtype in ("float32", "bfloat16"), f"dtype {load.dtype!r} must be resolved by rank 0"
+        self.size = config.tensor_parallel_size
+        self.load = load
         self.group = TPGroup(0, self.size)
         self.runner: Any = None
         self._saved_placement: tuple[set[int], int] | None = None
@@ -81,13 +86,13 @@ class DistributedExecutor(abc.ABC):
         self._saved_placement = _current_placement()
         try:
             bind_rank(0, self.size, self._cpu_bind)
-            return load_rank_model(self.args, self.group, on_built=self._launch_workers)
+            return load_rank_model(self.load, self.group, on_built=self._launch_workers)
         except BaseException:
             self.shutdown()
             raise
 
     def worker_spec(self, rank: int) -> WorkerSpec:
-        return WorkerSpec(self.args, rank, self.size, self._cpu_bind)
+        return WorkerSpec(self.load, rank, self.size, self._cpu_bind)
 
     def start(self, runner: Any, block_size: int, num_blocks: int) -> DistributedExecutor:
         """Once the workers have loaded: join the process group, have every worker build its
@@ -173,22 +178,6 @@ class DistributedExecutor(abc.ABC):
 
     @abc.abstractmethod
     def _stop_workers(self) -> None: ...
-
-
-def create_executor(args: EngineArgs) -> DistributedExecutor:
-    backend = args.distributed_executor_backend or "mp"
-    if backend == "mp":
-        from pagedllm.distributed.mp_executor import MPExecutor
-
-        return MPExecutor(args)
-    if backend == "ray":
-        from pagedllm.distributed.ray_executor import RayExecutor
-
-        return RayExecutor(args)
-    raise ValueError(
-        f"distributed_executor_backend={backend!r} cannot run tensor_parallel_size="
-        f"{args.tensor_parallel_size}; use 'mp' (this machine) or 'ray' (a Ray cluster)"
-    )
 
 
 def _current_placement() -> tuple[set[int], int]:

@@ -134,9 +134,9 @@ def _free_port() -> int:
 def worker_main() -> None:
     """A worker process: argv = rank, socket fd, parent pid."""
     rank, fd, parent_pid = (int(a) for a in sys.argv[1:4])
-    from pagedllm.engine.core_proc import _die_with_parent
+    from pagedllm.process_utils import die_with_parent
 
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     conn = Connection(fd)
     spec, log_level = conn.recv()

@@ -9,42 +9,52 @@ Rank 0 lives in the engine core; the executors (mp, ray) host ranks 1..N-1 in a 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pagedllm.config import DType
 from pagedllm.distributed.cpu_bind import bind_rank
 from pagedllm.distributed.parallel_state import TPGroup, tensor_parallel
-from pagedllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class ModelLoadSpec:
+    """What every rank loads and runs: the same checkpoint, as rank 0 resolved it."""
+
+    model: str
+    """Model name, GGUF file or HF directory (EngineArgs.model)."""
+    dtype: DType
+    """Resolved by rank 0 (never "auto": every rank must load the same)."""
+    max_model_len: int | None
+    """None: the checkpoint's context length."""
+    quantization: str | None
+    """As EngineArgs.quantization (None: the loader's default for the file)."""
+    seed: int
+    """Seed of each rank's sampler (ranks sample the same tokens from the same logits)."""
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
-    args: EngineArgs
-    """The engine's arguments, dtype resolved by rank 0 (every rank loads the same)."""
+    load: ModelLoadSpec
     rank: int
     size: int
     cpu_bind: str | None
     """PAGEDLLM_CPU_BIND as rank 0 saw it (a Ray worker's environment may differ)."""
 
 
-def load_rank_model(args: EngineArgs, group: TPGroup, on_built: Callable[[], None] | None = None) -> Any:
+def load_rank_model(load: ModelLoadSpec, group: TPGroup, on_built: Callable[[], None] | None = None) -> Any:
     """This rank's shard of the model (a LoadedModel); see load_model for ``on_built``."""
     from pagedllm.models.loader import load_model
 
     with tensor_parallel(group):
         return load_model(
-            args.model, dtype=args.resolve_dtype(), max_model_len=args.max_model_len,
-            quantization=args.quantization, on_built=on_built,
+            load.model, dtype=load.dtype, max_model_len=load.max_model_len,
+            quantization=load.quantization, on_built=on_built,
         )
-
-
-def resolved_args(args: EngineArgs) -> EngineArgs:
-    return dataclasses.replace(args, dtype=args.resolve_dtype())
 
 
 class Worker:
@@ -54,7 +64,7 @@ class Worker:
         self.spec = spec
         self.cpus = bind_rank(spec.rank, spec.size, spec.cpu_bind)
         self.group = TPGroup(spec.rank, spec.size)
-        self.loaded = load_rank_model(spec.args, self.group)
+        self.loaded = load_rank_model(spec.load, self.group)
         self.runner: Any = None
 
     def init_process_group(self, init_method: str) -> None:
@@ -64,7 +74,7 @@ class Worker:
         from pagedllm.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(
-            self.loaded.model, self.loaded.model_config, block_size, num_blocks, seed=self.spec.args.seed
+            self.loaded.model, self.loaded.model_config, block_size, num_blocks, seed=self.spec.load.seed
         )
 
     def execute(self, scheduler_output: bytes) -> None:

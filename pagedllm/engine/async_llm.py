@@ -26,7 +26,7 @@ from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore
-from pagedllm.engine.core_proc import CoreOutputs
+from pagedllm.engine.core_messages import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import KVSnapshot
 from pagedllm.engine.llm_engine import make_requests

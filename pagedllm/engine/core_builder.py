@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
@@ -42,9 +42,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     kv_backend.check_args(args, args.resolve_prefix_caching())
     executor = None
     if args.tensor_parallel_size > 1:  # rank 0 here, ranks 1..N-1 in workers (distributed/)
-        from pagedllm.distributed.executor import create_executor
-
-        executor = create_executor(args)
+        executor = _create_executor(args)
     loaded = executor.load_model() if executor is not None else load_model(
         args.model,
         dtype=args.resolve_dtype(),
@@ -95,6 +93,20 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         config=config,
         model_dir=loaded.model_dir,
     )
+
+
+def _create_executor(args: EngineArgs) -> Any:
+    """The tensor-parallel executor for ``args`` (refusing what does not run across ranks)."""
+    from pagedllm.distributed.executor import check_parallel_support
+    from pagedllm.distributed.executors import create_executor
+    from pagedllm.distributed.worker import ModelLoadSpec
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend)
+    check_parallel_support(
+        parallel, speculative=args.speculative_config is not None, kv_transfer=args.kv_transfer_config is not None
+    )
+    load = ModelLoadSpec(args.model, args.resolve_dtype(), args.max_model_len, args.quantization, args.seed)
+    return create_executor(parallel, load)
 
 
 def _structured_output_manager(loaded: Any) -> StructuredOutputManager:

@@ -20,7 +20,8 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_proc import CoreOutputs, ReadyInfo, dumps, loads, run_engine_core
+from pagedllm.engine.core_messages import CoreOutputs, ReadyInfo, dumps, loads
+from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.request import Request
 
 logger = logging.getLogger(__name__)

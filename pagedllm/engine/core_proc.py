@@ -1,12 +1,7 @@
 """The engine-core process behind the server: a busy loop of scheduler + model runner.
 
-The front end (``core_client.py``) and this process talk over two ZMQ PUSH/PULL sockets,
-each message one pickle (protocol 5) of ``(kind, payload)``:
-
-- front end -> core: ``add`` (a Request), ``abort`` ((request ids, stopped)), ``reset_prefix_cache``,
-  ``kv_snapshot`` (the dashboard's KVSnapshot, taken between steps), ``shutdown``;
-- core -> front end: ``ready`` (ReadyInfo) or ``failed`` (a message) once at start-up, then
-  ``outputs`` (CoreOutputs: engine outputs and, periodically, stats), ``utility`` (a result).
+The front end (``core_client.py``) and this process talk over two ZMQ sockets; the
+messages are in ``core_messages.py``.
 
 The loop drains the input socket, steps while any request is unfinished, and blocks on the
 socket when idle, waking every ``IDLE_STATS_INTERVAL_S`` to send stats, so gauges stay current.
@@ -19,21 +14,19 @@ cache dropped (blocks cached for the failed step may hold no KV); waiting and ne
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import pickle
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.engine.kv_snapshot import take_kv_snapshot
-from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm import faults
+from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_messages import CoreOutputs, CoreStats, ReadyInfo, dumps, loads
+from pagedllm.engine.kv_snapshot import take_kv_snapshot
+from pagedllm.process_utils import die_with_parent
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,60 +35,13 @@ logger = logging.getLogger(__name__)
 IDLE_STATS_INTERVAL_S = 0.5
 BUSY_STATS_INTERVAL_S = 0.25
 KV_POLL_INTERVAL_S = 0.02
-_PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class ReadyInfo:
-    """What the front end needs from the loaded engine: it never loads the weights itself."""
-
-    model_config: ModelConfig
-    config: EngineConfig
-    tokenizer: Any
-    num_total_blocks: int
-    """Usable KV blocks (the null block excluded)."""
-
-
-@dataclass
-class CoreStats:
-    scheduler_stats: SchedulerStats
-    num_free_blocks: int
-    num_total_blocks: int
-    queue_times: list[float] = field(default_factory=list)
-    """Seconds from arrival to first scheduling, for requests first scheduled since the last stats."""
-    kv_transfer: dict[str, float] | None = None
-    """Disaggregated prefill: the KV connector's counters since start (None without one)."""
-
-
-@dataclass
-class CoreOutputs:
-    outputs: list[EngineCoreOutput]
-    stats: CoreStats | None = None
-
-
-def dumps(kind: str, payload: Any = None) -> bytes:
-    return pickle.dumps((kind, payload), protocol=5)
-
-
-def loads(data: bytes) -> tuple[str, Any]:
-    return pickle.loads(data)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the parent-pid check in the loop still applies
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def run_engine_core(
     args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: int
 ) -> None:
     """Entry point of the core process (spawned by the front end)."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group: the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")

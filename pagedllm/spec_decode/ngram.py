@@ -7,8 +7,17 @@ recent earlier occurrence, up to ``num_speculative_tokens`` of them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from pagedllm.spec_decode.proposer import PrefillChunk, Proposer
+
+if TYPE_CHECKING:
+    from pagedllm.config import SpeculativeConfig
+    from pagedllm.worker.sampling_inputs import CachedRequestState
 
 
 class NgramProposer:
@@ -36,3 +45,16 @@ class NgramProposer:
                 start = int(matches[-1]) + n
                 return tokens[start : start + k].tolist()
         return []
+
+
+class NgramRunnerProposer(Proposer):
+    """The runner's n-gram proposer: prompt lookup over each state's tokens."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(
+        self, states: list[CachedRequestState], max_model_len: int, prefills: Sequence[PrefillChunk] = ()
+    ) -> list[list[int]]:
+        return self.ngram.propose([s.token_ids for s in states], self.max_drafts(states, max_model_len))

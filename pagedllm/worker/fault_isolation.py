@@ -12,19 +12,20 @@ seeded request's generator is a function of (seed, position) only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from pagedllm import faults
+from pagedllm.spec_decode.verify import verify_drafts
 from pagedllm.worker.sampling_inputs import CachedRequestState, build_sampling_metadata
 
 if TYPE_CHECKING:
     from pagedllm.core.sched_output import PositionLogprobsData
     from pagedllm.sample.rejection_sampler import RejectionSampler
     from pagedllm.sample.sampler import Sampler, SamplerOutput
-    from pagedllm.worker.spec_decode import Proposer
+    from pagedllm.spec_decode.proposer import PrefillChunk, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,6 @@ def verify_isolated(
 ) -> tuple[tuple[list[list[int]], list[list[PositionLogprobsData] | None] | None] | None, list[int], dict[str, str]]:
     """``verify_drafts`` with isolation; logits: [sum(1 + k_r), V], each request's rows
     consecutive. Returns (its result over the kept states, the kept indices, the failed)."""
-    from pagedllm.worker.spec_decode import verify_drafts
-
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + 1 + len(d))
@@ -103,14 +102,15 @@ def verify_isolated(
 
 
 def propose_isolated(
-    proposer: Proposer, states: list[CachedRequestState], max_model_len: int
+    proposer: Proposer, states: list[CachedRequestState], max_model_len: int, prefills: Sequence[PrefillChunk] = ()
 ) -> tuple[list[list[int]], dict[str, str]]:
-    """Drafts per state (a failed state gets none) and the failed states."""
+    """Drafts per state (a failed state gets none) and the failed states. Every call passes
+    all of ``prefills`` (writing their draft KV again is harmless: same tokens, same slots)."""
 
     def call(idx: list[int]) -> list[list[int]]:
         sub = [states[i] for i in idx]
         faults.maybe_raise_any("propose", (s.req_id for s in sub))
-        return proposer.propose(sub, max_model_len)
+        return proposer.propose(sub, max_model_len, prefills)
 
     proposals, kept, failed = isolate(call, [s.req_id for s in states])
     drafts: list[list[int]] = [[] for _ in states]

@@ -22,11 +22,12 @@ from pagedllm.layers.attention import Attention, AttentionMetadata, forward_cont
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
+from pagedllm.spec_decode.proposer import PrefillChunk, Proposer
+from pagedllm.spec_decode.registry import build_proposer
 from pagedllm.worker.kv_cache import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 from pagedllm.worker.sampling_inputs import CachedRequestState
-from pagedllm.worker.spec_decode import Proposer, build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +110,27 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         self.kv_worker.prepare(so)
+        if so.blocks_to_copy and self.proposer is not None:  # a draft model's own KV blocks too
+            self.proposer.copy_blocks(so.blocks_to_copy)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         # Decodes (one query token) first: the attention backend batches them.
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in req_ids]
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
-        batch = self._prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids], drafts)
+        batch = self.prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids], drafts)
         with forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
         self._prompt_logprobs(hidden, states, batch)
         sample_rows = batch.sample_rows
+        # Prompt chunks that do not sample: a draft model computes their KV this step too.
+        prefills: list[PrefillChunk] = []
+        if self.proposer is not None and len(sample_rows) < len(states):
+            sampling = set(sample_rows)
+            prefills = [PrefillChunk(s, batch.num_scheduled[i]) for i, s in enumerate(states) if i not in sampling]
         if not sample_rows:
+            if prefills:
+                self.proposer.propose([], self.model_config.max_model_len, prefills)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling_states = [states[i] for i in sample_rows]
@@ -129,7 +139,7 @@ class ModelRunner:
 
             apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
         if self.speculative_config is not None:
-            return self._verify_and_propose(logits, sampling_states, [drafts[i] for i in sample_rows])
+            return self._verify_and_propose(logits, sampling_states, [drafts[i] for i in sample_rows], prefills)
         # A request whose sampling raises fails alone (fault_isolation.py).
         out, sampling_states, failed = sample_isolated(self.sampler, logits, sampling_states, self.eos_token_ids)
         if out is None:
@@ -153,19 +163,27 @@ class ModelRunner:
         )
 
     def _verify_and_propose(
-        self, logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        drafts: list[list[int]],
+        prefills: list[PrefillChunk],
     ) -> ModelRunnerOutput:
         """Speculative decoding: verify each request's drafts (logits: [sum(1 + k_r), V]),
         append the emitted tokens, then propose the next drafts."""
         # A request whose verification or proposal raises fails alone (fault_isolation.py).
         verified, kept, failed = verify_isolated(self.rejection_sampler, logits, states, drafts, self.eos_token_ids)
+        assert self.proposer is not None
         if verified is None:
+            if prefills:
+                self.proposer.propose([], self.model_config.max_model_len, prefills)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
         tokens, logprobs = verified
         states = [states[i] for i in kept]
         prompt_logprobs = _append_sampled(states, tokens)
-        assert self.proposer is not None
-        proposals, failed_proposals = propose_isolated(self.proposer, states, self.model_config.max_model_len)
+        proposals, failed_proposals = propose_isolated(
+            self.proposer, states, self.model_config.max_model_len, prefills
+        )
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
             sampled_token_ids=tokens,
@@ -176,7 +194,7 @@ class ModelRunner:
         )
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, states: list[CachedRequestState], batch: _Batch
+        self, hidden: torch.Tensor, states: list[CachedRequestState], batch: Batch
     ) -> None:
         """Logprobs of the actual next prompt token at every prompt position this step
         computes, for requests that want them (accumulated across prefill chunks)."""
@@ -194,9 +212,12 @@ class ModelRunner:
             k = state.sampling_params.prompt_logprobs or 0
             state.prompt_logprobs.extend(compute_logprobs(logits, targets, k).tolists([k] * len(targets)))
 
-    def _prepare_inputs(
+    def prepare_inputs(
         self, states: list[CachedRequestState], num_scheduled: list[int], drafts: list[list[int]] | None = None
-    ) -> _Batch:
+    ) -> Batch:
+        """The flat batch of ``num_scheduled[i]`` tokens of each state (its ``drafts[i]`` the
+        last of them) from its ``num_computed_tokens`` on; decodes (one token) must come
+        first. Proposers build their own passes with it (spec_decode/proposer.py)."""
         counts = np.asarray(num_scheduled, dtype=np.int64)  # [R]
         computed = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
         query_start = np.zeros(len(states) + 1, dtype=np.int64)
@@ -234,7 +255,7 @@ class ModelRunner:
         seq_lens: np.ndarray,
         counts: np.ndarray,
         num_drafts: np.ndarray,
-    ) -> _Batch:
+    ) -> Batch:
         # A request samples when this step reaches the end of its known tokens (and drafts);
         # with k drafts it needs logits at its last k + 1 positions.
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
@@ -243,7 +264,7 @@ class ModelRunner:
         ends = np.repeat(query_start[1:][rows], num_logits)
         offsets = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         logits_indices = torch.from_numpy(ends - np.repeat(num_logits, num_logits) + offsets)
-        return _Batch(
+        return Batch(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
             attn_metadata=attn_metadata,
@@ -269,7 +290,7 @@ def _append_sampled(
 
 
 @dataclass
-class _Batch:
+class Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata | list[AttentionMetadata]  # one, or one per KV group

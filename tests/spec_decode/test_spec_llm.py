@@ -5,6 +5,8 @@ the model's distribution (chi-square at 1e-3, with a negative control)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -189,4 +191,59 @@ def test_sampled_tokens_through_drafts_follow_the_model(tiny_llama_dir, hf_tiny_
     assert fit_p_value(got, exact_joint(hf_tiny_llama, prompt, 1.0)) > SIGNIFICANCE
     # Negative control: the same test rejects a slightly wrong model (temperature 1.3).
     assert fit_p_value(got, exact_joint(hf_tiny_llama, prompt, 1.3)) < SIGNIFICANCE
+    assert_all_blocks_free(llm)
+
+
+def _draft_kv(llm: LLM, req_id: str, num_positions: int) -> list[torch.Tensor]:
+    """The draft model's K and V of ``req_id`` at positions [0, num_positions), per layer:
+    [2, num_positions, num_kv_heads, head_dim], gathered through its block table."""
+    runner = llm.llm_engine.engine_core.runner
+    block_size = runner.block_size
+    block_ids = torch.tensor(runner.requests[req_id].block_ids[0])
+    positions = torch.arange(num_positions)
+    blocks, offsets = block_ids[positions // block_size], positions % block_size
+    return [cache[:, blocks, offsets] for cache in runner.proposer.kv_caches]
+
+
+def test_forked_sequences_copy_the_draft_kv(tiny_llama_dir):
+    """n=2 (greedy): the sequences fork after the leader computed all of the prompt but its
+    last token, sharing its blocks; the partly filled last one is copied on write. The
+    draft model's KV is copied with the target's: both sequences then hold the leader's
+    draft KV of the prompt, and each accepts exactly the drafts an unforked run accepts.
+    (The target as its own draft: its drafts are right where its draft KV is.)"""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_llama_dir}
+    llm = LLM(tiny_llama_dir, speculative_config=spec, **ENGINE_ARGS)
+    engine = llm.llm_engine
+    scheduler = engine.scheduler
+    block_size = engine.config.cache_config.block_size
+    prompt = np.random.default_rng(5).integers(100, 1000, size=block_size + 12).tolist()
+    params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
+
+    (unforked,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    single = scheduler.get_stats().spec_decoding_stats
+    assert single.num_drafts > 0 and single.num_accepted_tokens > 0.9 * single.num_draft_tokens
+    assert engine.reset_prefix_cache()
+
+    engine.add_request({"prompt_token_ids": prompt}, dataclasses.replace(params, n=2), request_id="x")
+    runner = engine.engine_core.runner
+    outputs = []
+    while "1_x" not in runner.requests:  # the leader's prompt, then the step that forks
+        outputs += engine.step()
+    leader, child = (runner.requests[r].block_ids[0] for r in ("0_x", "1_x"))
+    num_full = (len(prompt) - 1) // block_size  # full blocks before the fork: shared
+    assert leader[:num_full] == child[:num_full]
+    assert leader[num_full] != child[num_full], "the last prompt block was meant to be copied"
+    # Positions the leader computed before the fork (in the shared and the copied block).
+    for theirs, ours in zip(_draft_kv(llm, "0_x", len(prompt) - 1), _draft_kv(llm, "1_x", len(prompt) - 1)):
+        assert theirs.abs().sum() > 0
+        assert torch.equal(theirs, ours)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (forked,) = [o for o in outputs if o.finished]
+    assert [c.token_ids for c in forked.outputs] == [unforked.outputs[0].token_ids] * 2
+    both = scheduler.get_stats().spec_decoding_stats
+    assert (both.num_drafts, both.num_draft_tokens, both.num_accepted_tokens) == (
+        2 * single.num_drafts, 2 * single.num_draft_tokens, 2 * single.num_accepted_tokens
+    )
+    assert both.num_accepted_tokens_per_pos == [2 * n for n in single.num_accepted_tokens_per_pos]
     assert_all_blocks_free(llm)

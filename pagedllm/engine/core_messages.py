@@ -1,0 +1,56 @@
+"""The messages between the front end (``core_client.py``) and the engine-core process
+(``core_proc.py``): two ZMQ PUSH/PULL sockets, each message one pickle (protocol 5) of
+``(kind, payload)``.
+
+- front end -> core: ``add`` (a Request), ``add_beam_search`` ((request id, prompt token ids,
+  BeamSearchParams)), ``abort`` ((request ids, stopped)), ``reset_prefix_cache``,
+  ``kv_snapshot`` (the dashboard's KVSnapshot, taken between steps), ``shutdown``;
+- core -> front end: ``ready`` (ReadyInfo) or ``failed`` (a message) once at start-up, then
+  ``outputs`` (CoreOutputs: engine outputs and, periodically, stats), ``utility``
+  ((name, result)).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
+
+
+@dataclass
+class ReadyInfo:
+    """What the front end needs from the loaded engine: it never loads the weights itself."""
+
+    model_config: ModelConfig
+    config: EngineConfig
+    tokenizer: Any
+    num_total_blocks: int
+    """Usable KV blocks (the null block excluded)."""
+
+
+@dataclass
+class CoreStats:
+    scheduler_stats: SchedulerStats
+    num_free_blocks: int
+    num_total_blocks: int
+    queue_times: list[float] = field(default_factory=list)
+    """Seconds from arrival to first scheduling, for requests first scheduled since the last stats."""
+    kv_transfer: dict[str, float] | None = None
+    """Disaggregated prefill: the KV connector's counters since start (None without one)."""
+
+
+@dataclass
+class CoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats | None = None
+
+
+def dumps(kind: str, payload: Any = None) -> bytes:
+    return pickle.dumps((kind, payload), protocol=5)
+
+
+def loads(data: bytes) -> tuple[str, Any]:
+    return pickle.loads(data)
