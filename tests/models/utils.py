@@ -200,31 +200,18 @@ def save_tiny_model(
     return model
 
 
-# HF name part -> GGUF block tensor name (the Llama family's llama.cpp names)
-_GGUF_BLOCK_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """The llama.cpp name of an HF tensor, by the family's declared GGUF names (inverted)."""
+    from pagedllm.models.gguf_loader import gguf_spec
 
-
-def _gguf_name(hf_name: str) -> str:
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+    spec = gguf_spec(arch)
+    base, _, kind = hf_name.rpartition(".")
+    top = {hf: gguf for gguf, hf in spec.global_names.items()}
+    if base in top:
+        return f"{top[base]}.{kind}"
+    _, _, layer, part = base.split(".", 3)
+    block = {hf: gguf for gguf, hf in spec.block_names.items()}
+    return f"blk.{layer}.{block[part]}.{kind}"
 
 
 def _llama_cpp_permute(w: Any, num_heads: int) -> Any:
