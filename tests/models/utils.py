@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -222,18 +222,23 @@ def _llama_cpp_permute(w: Any, num_heads: int) -> Any:
 
 
 def save_tiny_gguf(
-    path: str | os.PathLike[str], hf_model: Any, tokenizer: Any, qtype: str = "Q8_0"
+    path: str | os.PathLike[str], hf_model: Any, tokenizer: Any, qtype: str = "Q8_0", arch: str = "llama"
 ) -> None:
-    """Write a Llama HF model and its (byte-level BPE) tokenizer as a llama.cpp-style GGUF.
+    """Write a Llama-shaped HF model and its (byte-level BPE) tokenizer as a llama.cpp-style
+    GGUF of the GGUF architecture `arch`, with that family's declared tensor names and Q/K
+    permutation (models/family.py's GGUFSpec).
 
     2-D projection weights are quantized to `qtype`, the embedding to Q8_0, norms stay F32.
     """
     import gguf
     import numpy as np
 
+    from pagedllm.models.gguf_loader import gguf_spec
+
+    spec = gguf_spec(arch)
     cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -306,4 +311,40 @@ def save_random_model(
                 param.copy_(std * torch.randn_like(param))
     model.save_pretrained(str(path))
     save_tiny_tokenizer(path)
+    return model
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """A tiny random checkpoint of a declared family, for the one family test
+    (tests/models/test_families.py), which collects `FAMILY_CASES` from every test module of
+    tests/models: a family's own test file lists its cases."""
+
+    name: str
+    config: Callable[[], Any]
+    """-> a transformers config (its vocab_size is set to the tiny tokenizer's)."""
+    fused: bool
+    """Decode steps run the compiled forward (models/fused_decode.py)."""
+    quantized: tuple[str, ...] = ()
+    """Weight formats (int8, int4) whose greedy output is compared with HF's on the same
+    quantized-then-dequantized weights."""
+
+
+def dequantized_like_ours(hf_model: Any, method: str) -> Any:
+    """A copy of an HF model holding the weights our `quantization=method` load computes with:
+    every Linear with in_features % GROUP_SIZE == 0 quantized to the method's bits and back,
+    the input embedding and LM head to 8 bits (as loader._prepare_quantization)."""
+    import copy
+
+    from pagedllm.layers.quantization import GROUP_SIZE, quantize
+
+    bits = {"int8": 8, "int4": 4}[method]
+    model = copy.deepcopy(hf_model)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.in_features % GROUP_SIZE == 0:
+                module.weight.copy_(quantize(module.weight, 8 if module is head else bits).dequantize())
+        if embedding.weight is not head.weight and embedding.weight.shape[1] % GROUP_SIZE == 0:
+            embedding.weight.copy_(quantize(embedding.weight, 8).dequantize())
     return model
