@@ -37,7 +37,7 @@ def _fused(loaded: LoadedModel) -> Any:
 
 
 @torch.inference_mode()
-def _compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float) -> int:
+def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float) -> int:
     """Prefill num_reqs prompts, then decode `steps` steps of all of them; at each step run
     the fused forward and the module path on the same inputs and compare. Returns the number
     of fused calls."""
@@ -93,7 +93,7 @@ def test_fused_decode_matches_module_path(tiny_dir: Path, quantization: str, num
     loaded = load_model(str(tiny_dir), quantization=quantization)
     bind_kv_caches(loaded.model, num_blocks=8 * num_reqs + 1, block_size=BLOCK_SIZE)
     atol = 2e-5 if quantization == "none" else 0.0
-    assert _compare_decode_steps(loaded, num_reqs, steps=5, atol=atol) == 5
+    assert compare_decode_steps(loaded, num_reqs, steps=5, atol=atol) == 5
 
 
 def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None:
@@ -101,15 +101,15 @@ def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None
     fused = _fused(loaded)
     bind_kv_caches(loaded.model, num_blocks=8 * FUSED_MAX_ROWS + 9, block_size=BLOCK_SIZE)
     # More rows than the fused range: every step runs module by module, and still agrees.
-    assert _compare_decode_steps(loaded, FUSED_MAX_ROWS + 1, steps=2, atol=0) == 0
+    assert compare_decode_steps(loaded, FUSED_MAX_ROWS + 1, steps=2, atol=0) == 0
     # A new KV cache binding is picked up (the fused forward would otherwise write the old one).
     caches = bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
-    assert _compare_decode_steps(loaded, 2, steps=2, atol=2e-5) == 2
+    assert compare_decode_steps(loaded, 2, steps=2, atol=2e-5) == 2
     assert fused._bound_cache is caches[0]
     # bfloat16 runs module by module.
     loaded = load_model(str(tiny_dir), dtype="bfloat16")
     bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
-    assert _compare_decode_steps(loaded, 2, steps=1, atol=0) == 0
+    assert compare_decode_steps(loaded, 2, steps=1, atol=0) == 0
 
 
 def test_fused_decode_on_vattention_slots(tiny_llama_dir: Path) -> None:
