@@ -268,18 +268,19 @@ def save_tiny_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = tensor.float().numpy()
-        if ".q_proj." in name:
+        if spec.permuted_qk and ".q_proj." in name:
             w = _llama_cpp_permute(w, cfg.num_attention_heads)
-        elif ".k_proj." in name:
+        elif spec.permuted_qk and ".k_proj." in name:
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        gguf_name = _gguf_name(name, arch)
         if w.ndim == 1:
-            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
             continue
         qt = gguf.GGMLQuantizationType["Q8_0" if "embed" in name else qtype]
         if qt == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(_gguf_name(name), w.astype(np.float16))
+            writer.add_tensor(gguf_name, w.astype(np.float16))
             continue
-        writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qt), raw_dtype=qt)
+        writer.add_tensor(gguf_name, gguf.quants.quantize(w, qt), raw_dtype=qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
