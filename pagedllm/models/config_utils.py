@@ -49,10 +49,3 @@ def sliding_windows_of(hf_config: Any) -> tuple[int | None, ...]:
     """Every layer's window (ArchConfig.sliding_windows)."""
     return tuple(sliding_window_of(hf_config, i) for i in range(hf_config.num_hidden_layers))
 
-
-def model_sliding_window(hf_config: Any) -> int | None:
-    """The window of the sliding-window layers, None when every layer attends fully."""
-    windows = set(sliding_windows_of(hf_config))
-    windows.discard(None)
-    assert len(windows) <= 1, windows
-    return windows.pop() if windows else None

@@ -43,6 +43,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
+        if arch.qk_norm and type(self) is LlamaAttention:
+            # The config asks for an op this module does not compute: never drop it silently.
+            raise ValueError("LlamaAttention has no q/k norm; the family needs its own attention (qwen3.py)")
         head_dim = arch.head_dim
         self.qkv_proj = QKVLinear(arch.hidden_size, head_dim, arch.num_heads, arch.num_kv_heads, arch.qkv_bias)
         self.o_proj = RowParallelLinear(arch.num_heads * head_dim, arch.hidden_size, bias=arch.o_bias)
