@@ -1,4 +1,5 @@
-"""Reading model facts from HF configs uniformly across architectures."""
+"""Reading model facts from HF configs uniformly across architectures (for the families'
+`arch_config` builders and the loader; model code reads models/family.ArchConfig)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,7 @@ def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
     return window
 
 
-def model_sliding_window(hf_config: Any) -> int | None:
-    """The window of the sliding-window layers, None when every layer attends fully."""
-    windows = {sliding_window_of(hf_config, i) for i in range(hf_config.num_hidden_layers)}
-    windows.discard(None)
-    assert len(windows) <= 1, windows
-    return windows.pop() if windows else None
+def sliding_windows_of(hf_config: Any) -> tuple[int | None, ...]:
+    """Every layer's window (ArchConfig.sliding_windows)."""
+    return tuple(sliding_window_of(hf_config, i) for i in range(hf_config.num_hidden_layers))
+

@@ -1,4 +1,4 @@
-"""Decode steps of Llama-shaped models through one compiled call over every decoder layer.
+"""Decode steps through one compiled call over every decoder layer, for the layouts it runs.
 
 At decode a step carries a few rows, and a layer's arithmetic on them costs less than the
 Python around it (a dozen module calls, views, allocations and the KV write per layer). When
@@ -10,7 +10,13 @@ kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of to
 the results agree with the module path to float32 rounding, exactly for quantized weights
 (tests/models/test_fused_decode.py).
 
-Anything else runs the modules: prefill and mixed steps, more rows, bfloat16, tensor
+The compiled forward runs what a layer declares and nothing else. A decoder layer class
+declares what its forward computes by defining `decode_layout(self) -> DecodeLayout | None`
+in its own class body; a subclass that does not define it again (it may have changed what the
+layer computes) is not taken to compute its parent's layout, and a layout with a field the
+kernel does not run (`kernel_refusal`) is not run. Either way the model goes module by module.
+
+Anything else runs the modules too: prefill and mixed steps, more rows, bfloat16, tensor
 parallelism, the reference attention backend, several KV cache groups, or
 `PAGEDLLM_FUSED_DECODE=0` (e.g. to see the per-module breakdown in `bench latency --profile`).
 """
@@ -19,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -34,8 +41,69 @@ logger = logging.getLogger(__name__)
 # Up to this many decode rows (the quantized kernels' range: more rows dequantize and GEMM).
 FUSED_MAX_ROWS = PANEL_MAX_ROWS
 
+# Query rows per request the kernel decodes in one step (speculative verification needs more).
+KERNEL_QUERY_ROWS_PER_REQUEST = 1
+
 _ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 _EMPTY = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """What one decoder layer computes, as declared by its class (see the module docstring).
+
+    The defaults are the Llama layer: x += attn(rms_norm(x)); x += mlp(rms_norm(x)), with a
+    rotary embedding over the whole head and a silu-gated MLP.
+    """
+
+    norm: Literal["rms", "layer"] = "rms"
+    norm_offset: float = 0.0
+    """Norms scale by (norm_offset + weight)."""
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
+    qk_norm: bool = False
+    """RMSNorm (norm_offset + weight) over each query and key head, before the rotary."""
+    activation: str = "silu"
+    gated_mlp: bool = True
+    positional: Literal["rope", "learned"] = "rope"
+    partial_rotary_factor: float = 1.0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    attn_logit_softcap: float | None = None
+    query_rows_per_request: int = 1
+    """Query rows each request brings to a decode step (k + 1 when verifying k drafts)."""
+    row_deltas: bool = False
+    """Per-row additive deltas on the projections' outputs (e.g. LoRA adapters per request)."""
+
+
+# The layout fields the kernel runs as they are (biases: any; the rest: these values).
+_KERNEL_RUNS: dict[str, object] = {
+    "norm": "rms",
+    "norm_offset": 0.0,
+    "norm_placement": "pre",
+    "activation": "silu",
+    "gated_mlp": True,
+    "positional": "rope",
+    "partial_rotary_factor": 1.0,
+    "attn_logit_softcap": None,
+    "query_rows_per_request": KERNEL_QUERY_ROWS_PER_REQUEST,
+    "row_deltas": False,
+}
+
+
+def kernel_refusal(layout: DecodeLayout) -> str | None:
+    """Why decode_layers.cpp cannot run this layout, None when it can."""
+    for name, value in _KERNEL_RUNS.items():
+        if getattr(layout, name) != value:
+            return f"the layout's {name}={getattr(layout, name)!r} (the kernel runs {value!r})"
+    return None
+
+
+def declared_layout(layer: nn.Module) -> DecodeLayout | None:
+    """The layout the layer's own class declares; None where that class declares none (a
+    subclass does not inherit its parent's declaration)."""
+    declare = type(layer).__dict__.get("decode_layout")
+    return None if declare is None else declare(layer)
 
 
 def _linear_args(linear: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,9 +117,10 @@ def _linear_args(linear: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch
 
 
 class FusedDecoderLayers(nn.Module):
-    """Every decoder layer of a `LlamaModel` as one compiled call at decode (see the module
-    docstring). Holds no parameters: it reads the layers' own tensors, built on first use and
-    rebuilt when the runner binds other KV caches."""
+    """Every decoder layer of a `LlamaModel` (or of a family built on its modules) as one
+    compiled call at decode (see the module docstring). Holds no parameters: it reads the
+    layers' own tensors (Llama's module names; q/k norm layouts add self_attn.q_norm and
+    self_attn.k_norm), built on first use and rebuilt when the runner binds other KV caches."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,6 +138,7 @@ class FusedDecoderLayers(nn.Module):
         if hidden_states.dtype != torch.float32 or layers[0].self_attn.attn.backend != "torch":
             return False
         md = get_attention_metadata(0)
+        # KERNEL_QUERY_ROWS_PER_REQUEST = 1: every request of the step is one decode row.
         if not isinstance(md, AttentionMetadata) or md.num_decodes != rows or md.num_reqs != rows:
             return False
         if self._decoder is None or layers[0].self_attn.attn.kv_cache is not self._bound_cache:
@@ -86,6 +156,8 @@ class FusedDecoderLayers(nn.Module):
             logger.info("decode steps run module by module: %s", reason)
             return
         first = layers[0]
+        layout = declared_layout(first)
+        assert layout is not None
         attn = first.self_attn.attn
         decoder = ops.LlamaDecodeLayers(
             first.input_layernorm.weight.shape[0],
@@ -96,6 +168,7 @@ class FusedDecoderLayers(nn.Module):
             float(first.input_layernorm.eps),
             float(attn.scale),
             first.self_attn.rotary_emb.cos_sin_cache,
+            float(first.self_attn.q_norm.eps) if layout.qk_norm else 0.0,
             INT16_MAX_ROWS,
             TILE_MAX_ROWS,
         )
@@ -103,9 +176,13 @@ class FusedDecoderLayers(nn.Module):
             a = layer.self_attn
             linears = [_linear_args(m) for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             bits, weights, scales, zeros, biases = (list(column) for column in zip(*linears))
+            q_norm = a.q_norm.weight.detach() if layout.qk_norm else _EMPTY
+            k_norm = a.k_norm.weight.detach() if layout.qk_norm else _EMPTY
             decoder.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
+                q_norm,
+                k_norm,
                 a.attn.kv_cache,
                 a.attn.sliding_window or 0,
                 bits, weights, scales, zeros, biases,
@@ -115,6 +192,15 @@ class FusedDecoderLayers(nn.Module):
 
     @staticmethod
     def _why_unsupported(layers: nn.ModuleList) -> str | None:
+        layouts = [declared_layout(layer) for layer in layers]
+        if any(layout is None for layout in layouts):
+            names = sorted({type(l).__name__ for l, d in zip(layers, layouts) if d is None})
+            return f"{', '.join(names)} declares no decode layout"
+        if len(set(layouts)) != 1:
+            return "the layers declare different layouts"
+        refusal = kernel_refusal(layouts[0])  # type: ignore[arg-type]
+        if refusal is not None:
+            return refusal
         for layer in layers:
             a = layer.self_attn
             attn = a.attn

@@ -23,10 +23,11 @@ from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.layers.utils import default_dtype
-from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_window_of
+from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_window_of, sliding_windows_of
+from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.utils import load_named_weights
 
-_STACKED_PARAMS = (
+PACKED_MODULES = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
     ("qkv_proj", "v_proj", "v"),
@@ -141,20 +142,22 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        hf_config = arch.hf
+        if arch.attn_logit_softcap is not None:
             raise ValueError("Gemma 3 with attn_logit_softcapping is not supported")
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention=True is not supported")
         self.config = hf_config
+        self.arch = arch
         with default_dtype(dtype):
             self.model = Gemma3Model(hf_config)
             self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        self.tie_word_embeddings = arch.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
-        self.final_logit_softcapping: float | None = getattr(hf_config, "final_logit_softcapping", None)
+        self.final_logit_softcapping = arch.final_logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [num_tokens] int64 -> hidden_states: [num_tokens, hidden]
@@ -176,4 +179,56 @@ class Gemma3ForCausalLM(nn.Module):
                 name = name.removeprefix("language_model.")
             return name, tensor
 
-        return load_named_weights(self, weights, stacked=_STACKED_PARAMS, transform=transform)
+        return load_named_weights(self, weights, stacked=PACKED_MODULES, transform=transform)
+
+
+def _gemma3_arch_config(hf: Any) -> ArchConfig:
+    bias = bool(getattr(hf, "attention_bias", False))
+    return ArchConfig(
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=num_kv_heads_of(hf),
+        head_dim=head_dim_of(hf),
+        intermediate_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        norm_eps=hf.rms_norm_eps,
+        norm_offset=1.0,
+        norm_placement="sandwich",
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        activation=hf.hidden_activation,
+        rope=rope_parameters(hf),  # the global layers'; the local ones': layer_rope_parameters
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        sliding_windows=sliding_windows_of(hf),
+        attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None),
+        final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
+        hf=hf,
+    )
+
+
+FAMILIES = (
+    ModelFamily(
+        name="Gemma 3",
+        architectures=("Gemma3ForCausalLM",),
+        model_class=Gemma3ForCausalLM,
+        arch_config=_gemma3_arch_config,
+        packed_modules=PACKED_MODULES,
+        # Its norms sit around attention and MLP, it norms q and k, and llama.cpp's converter
+        # stored its RMSNorm scales as (1 + weight).
+        gguf=GGUFSpec(
+            "gemma3",
+            {
+                **LLAMA_GGUF_BLOCK_NAMES,
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm",
+                "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm",
+            },
+            norm_plus_one=True,
+        ),
+    ),
+)

@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 
 INDEX_FILE = "gguf_index.json"
+# GGML types that are floats (kept as float under --quantization gguf); gguf_loader and
+# gguf_quant both read it from here.
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 _INDEX_VERSION = 1
 
 

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import numpy as np
 import torch
 
+from pagedllm.models.family import GGUFSpec
 from pagedllm.models.gguf_index import (
+    GGUF_FLOAT_TYPES,
     GGUFIndex,
     GGUFTensorInfo,
     index_from_reader,
@@ -33,6 +35,8 @@ from pagedllm.models.gguf_index import (
     save_index,
     tensor_data,
 )
+from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES, gguf_quantized_weight
+from pagedllm.models.registry import gguf_family
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -43,46 +47,12 @@ logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT_VERSION = 1
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
-# GGUF architectures whose Q/K rows llama.cpp's converter permuted (for its rope kernel).
-_PERMUTED_QK_ARCHITECTURES = ("llama",)
+# The architectures and their tensor names: each family's GGUFSpec (models/family.py).
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-# Types kept as float under --quantization gguf.
-GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
-
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Gemma 3's block tensors: its norms sit around attention and MLP, and it norms q and k.
-_GEMMA3_BLOCK_NAMES = _BLOCK_NAMES | {
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_BLOCK_NAMES_BY_ARCH = {"gemma3": _GEMMA3_BLOCK_NAMES}
-# GGUF architectures whose RMSNorm scales llama.cpp's converter stored as (1 + weight).
-_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
-# llama.cpp's precomputed llama3 rope factors; our rotary embedding derives them from config.
-_SKIPPED_TENSORS = ("rope_freqs.weight",)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -130,12 +100,10 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     from pagedllm.models.config_utils import architecture_of
 
     index = gguf_index(gguf_path)  # parsed once per process, shared with resolve_quantization
-    arch = index.architecture
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} of {gguf_path} is not supported; "
-            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    try:
+        gguf_family(index.architecture)
+    except ValueError as e:
+        raise ValueError(f"{gguf_path}: {e}") from None
     check_tensor_types(index.type_names(), gguf_path)
     # transformers reads the GGUF from a directory of its own: tokenizer or config files lying
     # beside the GGUF would otherwise be mixed into what it builds.
@@ -164,14 +132,22 @@ def check_tensor_types(type_names: Iterable[str], gguf_path: str) -> None:
         )
 
 
+def gguf_spec(arch: str) -> GGUFSpec:
+    """The declared GGUFSpec of a GGUF architecture; ValueError naming the supported ones."""
+    spec = gguf_family(arch).gguf
+    assert spec is not None
+    return spec
+
+
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor of `arch`, None for tensors that are not loaded."""
-    if gguf_name in _SKIPPED_TENSORS:
+    spec = gguf_spec(arch)
+    if gguf_name in spec.skipped_tensors:
         return None
     base, _, kind = gguf_name.rpartition(".")
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{kind}"
-    block_names = _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
+    if base in spec.global_names:
+        return f"{spec.global_names[base]}.{kind}"
+    block_names = spec.block_names
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m is None or m.group(2) not in block_names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
@@ -197,11 +173,9 @@ def read_gguf_tensors(
     keep_quantized: 2-D tensors of a type in GGUF_QUANT_TYPES come as QuantizedWeight (rows
     in HF order) instead; any other non-float type is a ValueError naming the supported ones.
     """
-    from pagedllm.models.gguf_quant import gguf_quantized_weight
-
     arch = index.architecture
-    permute_qk = arch in _PERMUTED_QK_ARCHITECTURES
-    norm_plus_one = arch in _NORM_PLUS_ONE_ARCHITECTURES
+    spec = gguf_spec(arch)
+    permute_qk, norm_plus_one = spec.permuted_qk, spec.norm_plus_one
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     file_map = index.open_data()
@@ -271,8 +245,6 @@ def gguf_quant_types(gguf_path: str) -> set[str]:
 
 def check_gguf_quant_types(gguf_path: str) -> None:
     """ValueError naming the supported types unless --quantization gguf can keep the file's."""
-    from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
-
     bad = sorted(gguf_quant_types(gguf_path) - set(GGUF_QUANT_TYPES) - set(GGUF_FLOAT_TYPES))
     if bad:
         raise ValueError(

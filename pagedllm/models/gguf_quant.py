@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels import GROUP_SIZE, QuantizedWeight, pack_int4
-from pagedllm.models.gguf_loader import GGUF_FLOAT_TYPES  # kept as float
+from pagedllm.models.gguf_index import GGUF_FLOAT_TYPES
 
 GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 

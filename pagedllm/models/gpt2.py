@@ -18,6 +18,7 @@ from pagedllm.layers.embedding import LearnedPositionEmbedding, LMHead, VocabEmb
 from pagedllm.layers.linear import ColumnParallelLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.utils import default_dtype
+from pagedllm.models.family import ArchConfig, ModelFamily
 from pagedllm.models.utils import load_named_weights
 
 # Conv1D weights, stored [in, out] in checkpoints.
@@ -88,16 +89,17 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    supports_tensor_parallel = True
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        hf_config = arch.hf
         if getattr(hf_config, "add_cross_attention", False):
             raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported")
         self.config = hf_config
+        self.arch = arch
         with default_dtype(dtype):
             self.transformer = GPT2Model(hf_config)
             self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        self.tie_word_embeddings = arch.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head.tie(self.transformer.wte)
 
@@ -122,3 +124,38 @@ class GPT2LMHeadModel(nn.Module):
             return name, tensor
 
         return load_named_weights(self, weights, transform=transform)
+
+
+def _gpt2_arch_config(hf: Any) -> ArchConfig:
+    return ArchConfig(
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_attention_heads,
+        head_dim=hf.hidden_size // hf.num_attention_heads,
+        intermediate_size=hf.n_inner or 4 * hf.hidden_size,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        norm_eps=hf.layer_norm_epsilon,
+        norm="layer",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        activation=hf.activation_function,
+        gated_mlp=False,
+        rope=None,  # learned positions
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        hf=hf,
+    )
+
+
+# The fused c_attn stays fused in checkpoints too: no packed modules.
+FAMILIES = (
+    ModelFamily(
+        name="GPT-2",
+        architectures=("GPT2LMHeadModel",),
+        model_class=GPT2LMHeadModel,
+        arch_config=_gpt2_arch_config,
+        supports_tensor_parallel=True,
+    ),
+)

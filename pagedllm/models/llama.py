@@ -3,11 +3,14 @@
 Forward-only: `forward(input_ids, positions)` -> hidden states of every token,
 `compute_logits(hidden_states)` at the positions that sample. Parameter names are HF's except
 the fused projections (`qkv_proj` from q/k/v_proj, `gate_up_proj` from gate/up_proj), which
-`load_weights` fills through the layers' weight loaders (models/utils.py).
+`load_weights` fills through the layers' weight loaders (models/utils.py). The modules read
+only the normalized `ArchConfig`; each family's differences live in its declaration below.
+Families built on these modules (models/qwen3.py) subclass the layer and declare its layout.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable
 
 import torch
@@ -18,15 +21,15 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope
+from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.layers.utils import default_dtype
-from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_window_of
-from pagedllm.models.fused_decode import FusedDecoderLayers
+from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_windows_of
+from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.fused_decode import DecodeLayout, FusedDecoderLayers
 from pagedllm.models.utils import load_named_weights
 
-
 # (fused parameter, checkpoint projection, shard id)
-_STACKED_PARAMS = (
+PACKED_MODULES = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
     ("qkv_proj", "v_proj", "v"),
@@ -38,22 +41,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        num_heads, num_kv_heads = config.num_attention_heads, num_kv_heads_of(config)
-        head_dim = head_dim_of(config)
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        # Qwen2 has biases on q/k/v but not on o_proj.
-        qkv_bias = attention_bias or config.model_type == "qwen2"
-        self.qkv_proj = QKVLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=attention_bias)
+        if arch.qk_norm and type(self) is LlamaAttention:
+            # The config asks for an op this module does not compute: never drop it silently.
+            raise ValueError("LlamaAttention has no q/k norm; the family needs its own attention (qwen3.py)")
+        head_dim = arch.head_dim
+        self.qkv_proj = QKVLinear(arch.hidden_size, head_dim, arch.num_heads, arch.num_kv_heads, arch.qkv_bias)
+        self.o_proj = RowParallelLinear(arch.num_heads * head_dim, arch.hidden_size, bias=arch.o_bias)
         self.rotary_emb = rotary_emb
         self.attn = Attention(  # this rank's heads (all of them without tensor parallelism)
             self.qkv_proj.num_heads,
             head_dim,
             self.qkv_proj.num_kv_heads,
             scale=head_dim**-0.5,
-            sliding_window=sliding_window_of(config, layer_idx),
+            sliding_window=arch.sliding_window(layer_idx),
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -65,14 +67,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
-        bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        if arch.activation != "silu":
+            raise ValueError(f"hidden_act={arch.activation!r} is not supported (only 'silu')")
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, [inter, inter], bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, bias=arch.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,12 +82,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    attention_class: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention_class(arch, layer_idx, rotary_emb)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -101,17 +104,37 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
+    def decode_layout(self) -> DecodeLayout | None:
+        """What this class's forward computes (models/fused_decode.py); None when its
+        submodules are not the ones this declaration describes."""
+        if type(self.self_attn) is not LlamaAttention or type(self.mlp) is not LlamaMLP:
+            return None
+        return llama_layout(self)
+
+
+def llama_layout(layer: LlamaDecoderLayer) -> DecodeLayout:
+    """The layout of LlamaDecoderLayer.forward over LlamaAttention and LlamaMLP."""
+    a = layer.self_attn
+    return DecodeLayout(
+        qkv_bias=a.qkv_proj.bias is not None,
+        o_bias=a.o_proj.bias is not None,
+        mlp_bias=layer.mlp.down_proj.bias is not None,
+    )
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        assert arch.rope is not None and arch.partial_rotary_factor == 1.0, arch
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
         # One cos/sin cache shared by every layer.
-        rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, config)
+        rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, dict(arch.rope))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb) for i in range(config.num_hidden_layers)
+            self.decoder_layer(arch, i, rotary_emb) for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.norm_eps)
         # Decode steps of a few rows: every layer in one compiled call (models/fused_decode.py).
         self.fused_layers = FusedDecoderLayers()
 
@@ -130,14 +153,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    supports_tensor_parallel = True
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    inner_model: type[LlamaModel] = LlamaModel
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = hf_config
+        self.config = arch.hf
+        self.arch = arch
         with default_dtype(dtype):
-            self.model = LlamaModel(hf_config)
-            self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+            self.model = self.inner_model(arch)
+            self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
+        self.tie_word_embeddings = arch.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
@@ -162,4 +187,66 @@ class LlamaForCausalLM(nn.Module):
                 return None  # the tied head is the embedding, loaded under its own name
             return name, tensor
 
-        return load_named_weights(self, weights, stacked=_STACKED_PARAMS, transform=transform)
+        return load_named_weights(self, weights, stacked=PACKED_MODULES, transform=transform)
+
+
+def llama_arch_config(hf: Any, **overrides: Any) -> ArchConfig:
+    """The ArchConfig of a Llama-shaped HF config; `overrides` state a family's differences."""
+    bias = bool(getattr(hf, "attention_bias", False))
+    fields: dict[str, Any] = dict(
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=num_kv_heads_of(hf),
+        head_dim=head_dim_of(hf),
+        intermediate_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        norm_eps=hf.rms_norm_eps,
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        activation=hf.hidden_act,
+        rope=rope_parameters(hf),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_windows=sliding_windows_of(hf),
+        hf=hf,
+    )
+    return replace(ArchConfig(**fields), **overrides)
+
+
+def _qwen2_arch_config(hf: Any) -> ArchConfig:
+    # Qwen2 has biases on q/k/v but not on o_proj, whatever attention_bias says.
+    return llama_arch_config(hf, qkv_bias=True, o_bias=False)
+
+
+FAMILIES = (
+    ModelFamily(
+        name="Llama",
+        architectures=("LlamaForCausalLM",),
+        model_class=LlamaForCausalLM,
+        arch_config=llama_arch_config,
+        packed_modules=PACKED_MODULES,
+        # llama.cpp permutes Q/K rows for its rope kernel and precomputes llama3 rope
+        # factors (rope_freqs), which our rotary embedding derives from the config.
+        gguf=GGUFSpec("llama", LLAMA_GGUF_BLOCK_NAMES, permuted_qk=True, skipped_tensors=("rope_freqs.weight",)),
+        supports_tensor_parallel=True,
+    ),
+    ModelFamily(
+        name="Mistral",
+        architectures=("MistralForCausalLM",),
+        model_class=LlamaForCausalLM,
+        arch_config=llama_arch_config,
+        packed_modules=PACKED_MODULES,
+        supports_tensor_parallel=True,
+    ),
+    ModelFamily(
+        name="Qwen2",
+        architectures=("Qwen2ForCausalLM",),
+        model_class=LlamaForCausalLM,
+        arch_config=_qwen2_arch_config,
+        packed_modules=PACKED_MODULES,
+        gguf=GGUFSpec("qwen2", LLAMA_GGUF_BLOCK_NAMES),
+        supports_tensor_parallel=True,
+    ),
+)

@@ -22,17 +22,12 @@ from torch import nn
 
 from pagedllm.config import DType, ModelConfig
 from pagedllm.distributed.parallel_state import current_tp
-from pagedllm.models.config_utils import (
-    architecture_of,
-    head_dim_of,
-    model_sliding_window,
-    num_kv_heads_of,
-)
+from pagedllm.models.config_utils import architecture_of
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.kernels import GROUP_SIZE, QUANTIZATION_METHODS, module_weight_bytes
+from pagedllm.models.gguf_index import GGUF_FLOAT_TYPES
 from pagedllm.models.gguf_loader import (
-    GGUF_FLOAT_TYPES,
     cache_root,
     check_gguf_quant_types,
     gguf_quant_types,
@@ -40,7 +35,8 @@ from pagedllm.models.gguf_loader import (
     read_gguf_quantized,
 )
 from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
-from pagedllm.models.registry import resolve_model_class
+from pagedllm.models.family import ModelFamily
+from pagedllm.models.registry import family_of, tensor_parallel_families
 from pagedllm.models.weights import iter_safetensors, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -111,12 +107,13 @@ def load_model(
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     architecture = architecture_of(hf_config)
-    model_cls = resolve_model_class(architecture)
+    family = family_of(architecture)
+    arch = family.arch_config(hf_config)
     model_len = _max_model_len(hf_config, max_model_len)
     weight_files = safetensors_files(model_dir)
     tokenizer = _load_tokenizer(model_dir)
-    net = model_cls(hf_config, _DTYPES[dtype])
-    _check_tensor_parallel(net, architecture, quantization)
+    net = family.model_class(arch, _DTYPES[dtype])
+    _check_tensor_parallel(family, architecture, quantization)
     if on_built is not None:
         on_built()
     _prepare_quantization(net, quantization)
@@ -141,12 +138,12 @@ def load_model(
         dtype=cast(DType, dtype),
         max_model_len=model_len,
         vocab_size=hf_config.vocab_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=num_kv_heads_of(hf_config),
-        head_dim=head_dim_of(hf_config),
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
         eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
         bos_token_id=bos_token_id,
-        sliding_window=model_sliding_window(hf_config),
+        sliding_window=arch.model_sliding_window,
     )
     logger.info(
         "loaded %s (%s, %s, quantization=%s, %.1f MiB of weights) in %.1f s",
@@ -185,16 +182,16 @@ def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str
     return "none"
 
 
-def _check_tensor_parallel(net: nn.Module, architecture: str, quantization: str) -> None:
+def _check_tensor_parallel(family: ModelFamily, architecture: str, quantization: str) -> None:
     """Models built for several tensor-parallel ranks (distributed/parallel_state.py): only
-    models whose layers shard, with float weights."""
+    families that declare sharded layers, with float weights."""
     size = current_tp().size
     if size == 1:
         return
-    if not getattr(net, "supports_tensor_parallel", False):
+    if not family.supports_tensor_parallel:
         raise ValueError(
             f"tensor_parallel_size={size}: {architecture} has no tensor-parallel layers yet "
-            "(supported: Llama, Mistral, Qwen2, GPT-2, OPT); use --tensor-parallel-size 1"
+            f"(supported: {', '.join(tensor_parallel_families())}); use --tensor-parallel-size 1"
         )
     if quantization != "none":
         raise ValueError(

@@ -18,9 +18,10 @@ from pagedllm.layers.embedding import LearnedPositionEmbedding, LMHead, VocabEmb
 from pagedllm.layers.linear import ColumnParallelLinear, Linear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.utils import default_dtype
+from pagedllm.models.family import ArchConfig, ModelFamily
 from pagedllm.models.utils import load_named_weights
 
-_STACKED_PARAMS = (
+PACKED_MODULES = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
     ("qkv_proj", "v_proj", "v"),
@@ -117,14 +118,15 @@ class OPTModel(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
-    supports_tensor_parallel = True
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        hf_config = arch.hf
         self.config = hf_config
+        self.arch = arch
         with default_dtype(dtype):
             self.model = OPTModel(hf_config)
             self.lm_head = LMHead(hf_config.vocab_size, hf_config.word_embed_proj_dim)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        self.tie_word_embeddings = arch.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.decoder.embed_tokens)
 
@@ -144,4 +146,40 @@ class OPTForCausalLM(nn.Module):
                 name = "model." + name  # OPTModel checkpoints have no "model." prefix
             return name, tensor
 
-        return load_named_weights(self, weights, stacked=_STACKED_PARAMS, transform=transform)
+        return load_named_weights(self, weights, stacked=PACKED_MODULES, transform=transform)
+
+
+def _opt_arch_config(hf: Any) -> ArchConfig:
+    return ArchConfig(
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_attention_heads,
+        head_dim=hf.hidden_size // hf.num_attention_heads,
+        intermediate_size=hf.ffn_dim,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        norm_eps=1e-5,  # torch's LayerNorm default, as HF's OPT
+        norm="layer",
+        norm_placement="pre" if hf.do_layer_norm_before else "post",
+        qkv_bias=hf.enable_bias,
+        o_bias=hf.enable_bias,
+        mlp_bias=hf.enable_bias,
+        activation=hf.activation_function,
+        gated_mlp=False,
+        rope=None,  # learned positions
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        hf=hf,
+    )
+
+
+FAMILIES = (
+    ModelFamily(
+        name="OPT",
+        architectures=("OPTForCausalLM",),
+        model_class=OPTForCausalLM,
+        arch_config=_opt_arch_config,
+        packed_modules=PACKED_MODULES,
+        supports_tensor_parallel=True,
+    ),
+)

@@ -1,10 +1,14 @@
-"""GPT-2, OPT (pre- and post-norm) and Llama on tiny random-weight checkpoints, through the
-real engine, against HF transformers: greedy tokens in float32 (the tie-aware rule of
-DESIGN.md), logits in bfloat16 within a stated tolerance, and what --dtype auto picks."""
+"""The one family test: every declared family (models/family.py), on the tiny checkpoints its
+own test module lists as `FAMILY_CASES`, through the real engine against HF transformers:
+greedy tokens in float32 (the tie-aware rule of DESIGN.md), with the fused decode taken
+exactly where the case says; int8 / int4 greedy against HF on the same dequantized weights;
+bfloat16 logits within a stated tolerance; the declaration against the checkpoint's names."""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import pkgutil
 from pathlib import Path
 from typing import Any
 
@@ -12,64 +16,113 @@ import numpy as np
 import pytest
 import torch
 
+import tests.models
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.models import registry
+from pagedllm.models.fused_decode import FusedDecoderLayers
+from pagedllm.models.config_utils import architecture_of, head_dim_of, num_kv_heads_of
 from pagedllm.models.loader import load_model
-from tests.models.utils import (
-    TINY_BOS_ID,
-    TINY_EOS_ID,
-    bind_kv_caches,
-    prompt_logprobs,
-    save_random_model,
-)
+from tests.models.utils import FamilyCase, bind_kv_caches, dequantized_like_ours, prompt_logprobs, save_random_model
 from tests.utils import TEXT_PROMPTS, assert_greedy_match, hf_greedy
 
 NUM_STEPS = 32
 VOCAB = 262  # = len(tiny tokenizer): 256 bytes, 3 merges, <s>, </s>, <|im_end|>
-TEXTS = TEXT_PROMPTS
 
 
-def tiny_config(kind: str) -> Any:
-    from transformers import GPT2Config, LlamaConfig, OPTConfig
-
-    ids = dict(bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID)
-    if kind == "gpt2":
-        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **ids)
-    if kind in ("opt", "opt-post-norm"):
-        post = kind == "opt-post-norm"  # as OPT-350m: post-norm, embeddings projected in/out
-        return OPTConfig(
-            vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=256, pad_token_id=1,
-            word_embed_proj_dim=32 if post else 64, do_layer_norm_before=not post, **ids,
-        )  # fmt: skip
-    if kind == "llama":
-        return LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **ids,
-        )  # fmt: skip
-    raise AssertionError(kind)
+def _collect_cases() -> list[FamilyCase]:
+    cases: list[FamilyCase] = []
+    for info in sorted(pkgutil.iter_modules(tests.models.__path__), key=lambda m: m.name):
+        if info.name.startswith("test_") and info.name != "test_families":
+            module = importlib.import_module(f"tests.models.{info.name}")
+            cases.extend(getattr(module, "FAMILY_CASES", ()))
+    return cases
 
 
-@pytest.fixture(scope="module", params=["gpt2", "opt", "opt-post-norm", "llama"])
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str]:
-    path = tmp_path_factory.mktemp(request.param)
-    return save_random_model(path, tiny_config(request.param)), str(path)
+CASES = _collect_cases()
+QUANTIZED = [(case, method) for case in CASES for method in case.quantized]
+_saved: dict[str, tuple[Any, str]] = {}
 
 
-def test_engine_greedy_matches_hf(tiny: tuple[Any, str]) -> None:
-    hf_model, path = tiny
-    llm = LLM(path, dtype="float32", kv_cache_memory_bytes="8MiB")
-    assert llm.llm_engine.model_config.architecture == hf_model.config.architectures[0]
+def _checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str]:
+    """(HF model, directory) of the case's random checkpoint, saved once per session."""
+    if case.name not in _saved:
+        config = case.config()
+        config.vocab_size = VOCAB
+        path = tmp_path_factory.mktemp(case.name)
+        _saved[case.name] = save_random_model(path, config), str(path)
+    return _saved[case.name]
+
+
+def _engine_greedy(path: str, quantization: str | None = None) -> tuple[Any, list[Any], int]:
+    """(engine, outputs, fused decode calls) for the tiny prompts, greedy, in float32."""
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes="8MiB", quantization=quantization)
+    model = llm.llm_engine.engine_core.runner.model
+    fused = next((m for m in model.modules() if isinstance(m, FusedDecoderLayers)), None)
+    calls: list[int] = []
+    handle = None if fused is None else fused.register_forward_hook(lambda *_: calls.append(1))
     params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(TEXTS, params, use_tqdm=False)
-    for text, out in zip(TEXTS, outs):
+    outs = llm.generate(TEXT_PROMPTS, params, use_tqdm=False)
+    if handle is not None:
+        handle.remove()
+    return llm, outs, len(calls)
+
+
+def test_every_declared_architecture_has_a_case() -> None:
+    covered = {architecture_of(case.config()) for case in CASES}
+    assert set(registry.supported_architectures()) <= covered, set(registry.supported_architectures()) - covered
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_declaration_matches_the_checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> None:
+    hf_model, path = _checkpoint(case, tmp_path_factory)
+    family = registry.family_of(architecture_of(hf_model.config))
+    arch = family.arch_config(hf_model.config)
+    hf_names = set(hf_model.state_dict())
+    assert (arch.head_dim, arch.num_kv_heads) == (head_dim_of(hf_model.config), num_kv_heads_of(hf_model.config))
+    loaded = load_model(path)
+    assert type(loaded.model) is family.model_class
+    ours = {name for name, _ in loaded.model.named_parameters()}
+    for fused, part, _ in family.packed_modules:
+        assert any(f".{part}." in n for n in hf_names) and any(f".{fused}." in n for n in ours), (fused, part)
+    if family.gguf is not None:  # every declared GGUF tensor has its HF tensor
+        for hf_part in family.gguf.block_names.values():
+            assert f"model.layers.0.{hf_part}.weight" in hf_names, hf_part
+        assert {f"{n}.weight" for n in family.gguf.global_names.values()} <= hf_names
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_engine_greedy_matches_hf(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> None:
+    hf_model, path = _checkpoint(case, tmp_path_factory)
+    llm, outs, fused_calls = _engine_greedy(path)
+    assert llm.llm_engine.model_config.architecture == architecture_of(hf_model.config)
+    for text, out in zip(TEXT_PROMPTS, outs):
         ref, gaps = hf_greedy(hf_model, out.prompt_token_ids, NUM_STEPS)
         assert len(out.outputs[0].token_ids) == NUM_STEPS
-        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, text)
+        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"{case.name}: {text}")
+    # The decode steps (all but each prompt's first token) ran fused, or none did.
+    assert (fused_calls >= NUM_STEPS - 1) if case.fused else fused_calls == 0, fused_calls
 
 
-def test_bfloat16_logits_within_tolerance_of_hf_bfloat16(tiny: tuple[Any, str]) -> None:
-    hf_model, path = tiny
+@pytest.mark.parametrize(("case", "method"), QUANTIZED, ids=lambda v: getattr(v, "name", v))
+def test_quantized_greedy_matches_hf_on_the_same_weights(
+    case: FamilyCase, method: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    hf_model, path = _checkpoint(case, tmp_path_factory)
+    reference = dequantized_like_ours(hf_model, method)
+    llm, outs, fused_calls = _engine_greedy(path, quantization=method)
+    assert llm.llm_engine.scheduler.kv_cache_manager.hash_extra_keys[-1] == method  # the weight format
+    for text, out in zip(TEXT_PROMPTS, outs):
+        ref, gaps = hf_greedy(reference, out.prompt_token_ids, NUM_STEPS)
+        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"{case.name} {method}: {text}")
+    assert (fused_calls >= NUM_STEPS - 1) if case.fused else fused_calls == 0, fused_calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bfloat16_logits_within_tolerance_of_hf_bfloat16(
+    case: FamilyCase, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    hf_model, path = _checkpoint(case, tmp_path_factory)
     loaded = load_model(path, dtype="bfloat16")
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
@@ -79,7 +132,7 @@ def test_bfloat16_logits_within_tolerance_of_hf_bfloat16(tiny: tuple[Any, str]) 
         ref32 = hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
         hf16 = hf_model.to(torch.bfloat16)
         ref16 = hf16(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
-    hf_model.float()  # the module fixture is shared with the float32 test
+    hf_model.float()  # the checkpoint's HF model is shared with the float32 tests
     # bf16 keeps 8 significant bits: one rounding of a value of magnitude L moves it by up to
     # L * 2**-9, and the two runs round differently in every matmul, norm and softmax over the
     # layers. Allow 4 ulps (2**-6) of the largest log-prob. Measured: 0.06 (GPT-2, OPT) and
@@ -99,12 +152,3 @@ def test_dtype_auto_says_what_it_picked(caplog: pytest.LogCaptureFixture) -> Non
         chosen = EngineArgs(dtype="auto").resolve_dtype()
     assert chosen == ("bfloat16" if native_bf16 else "float32")
     assert f"dtype=auto chose {chosen}" in caplog.text
-
-
-def test_unknown_activation_is_a_clear_error(tmp_path: Path) -> None:
-    config = tiny_config("gpt2")
-    config.activation_function = "swishy"
-    save_random_model(tmp_path, tiny_config("gpt2"))
-    config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="activation 'swishy' is not supported; supported: relu"):
-        load_model(str(tmp_path))

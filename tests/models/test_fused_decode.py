@@ -2,7 +2,8 @@
 
 Both run the same decode steps over the same KV cache (a step writes the same K/V rows either
 way), so each step's hidden states can be compared directly; the fused path must also have
-run (a forward hook counts its calls) and fall back where it does not apply.
+run (a forward hook counts its calls) and fall back where it does not apply, including a
+layer whose class does not declare what it computes.
 """
 
 from __future__ import annotations
@@ -14,10 +15,18 @@ import pytest
 import torch
 
 from pagedllm.layers.attention import forward_context
-from pagedllm.models.fused_decode import FUSED_MAX_ROWS
+from pagedllm.models.fused_decode import FUSED_MAX_ROWS, DecodeLayout, kernel_refusal
+from pagedllm.models.llama import LlamaDecoderLayer
 from pagedllm.models.loader import LoadedModel, load_model
 from tests.models.test_llama import tiny_config
-from tests.models.utils import RequestState, allocate_blocks, bind_kv_caches, make_metadata, save_tiny_model
+from tests.models.utils import (
+    RequestState,
+    allocate_blocks,
+    bind_kv_caches,
+    greedy_generate,
+    make_metadata,
+    save_tiny_model,
+)
 
 BLOCK_SIZE = 4
 PROMPTS = [[5, 17, 200, 33, 90, 90, 12, 250, 7, 1, 64, 128, 3], [9, 8, 7, 6, 5, 4, 3], [300, 2, 2, 41]]
@@ -28,7 +37,7 @@ def _fused(loaded: LoadedModel) -> Any:
 
 
 @torch.inference_mode()
-def _compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float) -> int:
+def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float) -> int:
     """Prefill num_reqs prompts, then decode `steps` steps of all of them; at each step run
     the fused forward and the module path on the same inputs and compare. Returns the number
     of fused calls."""
@@ -84,7 +93,7 @@ def test_fused_decode_matches_module_path(tiny_dir: Path, quantization: str, num
     loaded = load_model(str(tiny_dir), quantization=quantization)
     bind_kv_caches(loaded.model, num_blocks=8 * num_reqs + 1, block_size=BLOCK_SIZE)
     atol = 2e-5 if quantization == "none" else 0.0
-    assert _compare_decode_steps(loaded, num_reqs, steps=5, atol=atol) == 5
+    assert compare_decode_steps(loaded, num_reqs, steps=5, atol=atol) == 5
 
 
 def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None:
@@ -92,15 +101,15 @@ def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None
     fused = _fused(loaded)
     bind_kv_caches(loaded.model, num_blocks=8 * FUSED_MAX_ROWS + 9, block_size=BLOCK_SIZE)
     # More rows than the fused range: every step runs module by module, and still agrees.
-    assert _compare_decode_steps(loaded, FUSED_MAX_ROWS + 1, steps=2, atol=0) == 0
+    assert compare_decode_steps(loaded, FUSED_MAX_ROWS + 1, steps=2, atol=0) == 0
     # A new KV cache binding is picked up (the fused forward would otherwise write the old one).
     caches = bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
-    assert _compare_decode_steps(loaded, 2, steps=2, atol=2e-5) == 2
+    assert compare_decode_steps(loaded, 2, steps=2, atol=2e-5) == 2
     assert fused._bound_cache is caches[0]
     # bfloat16 runs module by module.
     loaded = load_model(str(tiny_dir), dtype="bfloat16")
     bind_kv_caches(loaded.model, num_blocks=64, block_size=BLOCK_SIZE)
-    assert _compare_decode_steps(loaded, 2, steps=1, atol=0) == 0
+    assert compare_decode_steps(loaded, 2, steps=1, atol=0) == 0
 
 
 def test_fused_decode_on_vattention_slots(tiny_llama_dir: Path) -> None:
@@ -122,3 +131,67 @@ def test_fused_decode_on_vattention_slots(tiny_llama_dir: Path) -> None:
         assert len(calls) >= 11, backend  # every decode step after the prefill
         del llm
     assert outputs["vattention"] == outputs["paged"]
+
+
+class _HalvedMLPLayer(LlamaDecoderLayer):
+    """The Llama layer with one op more than its parent declares (the MLP output halved)."""
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = super().forward(positions, hidden_states, residual)
+        return 0.5 * hidden_states, residual
+
+
+def test_an_undeclared_extra_op_runs_module_by_module(tiny_llama_dir: Path) -> None:
+    tokens = {}
+    for kind in ("plain", "extra-op"):
+        loaded = load_model(tiny_llama_dir)
+        if kind == "extra-op":
+            for layer in loaded.model.model.layers:
+                layer.__class__ = _HalvedMLPLayer
+        bind_kv_caches(loaded.model, num_blocks=16, block_size=BLOCK_SIZE)
+        fused = _fused(loaded)
+        calls = []
+        handle = fused.register_forward_hook(lambda *_: calls.append(1))
+        fused.enabled = True
+        tokens[kind] = greedy_generate(loaded.model, PROMPTS[0], 10, block_size=BLOCK_SIZE).token_ids
+        handle.remove()
+        fused.enabled = False
+        module_path = greedy_generate(loaded.model, PROMPTS[0], 10, block_size=BLOCK_SIZE).token_ids
+        assert tokens[kind] == module_path, kind
+        if kind == "plain":
+            assert len(calls) == 9 and fused._unsupported is None  # every decode step
+        else:
+            assert calls == [] and fused._unsupported == "_HalvedMLPLayer declares no decode layout"
+    assert tokens["extra-op"] != tokens["plain"]  # the op changes the output: fused would lose it
+
+
+def test_the_kernel_refuses_layouts_it_does_not_run() -> None:
+    assert kernel_refusal(DecodeLayout(qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True)) is None
+    refused = {
+        "norm_offset": DecodeLayout(norm_offset=1.0),
+        "norm_placement": DecodeLayout(norm_placement="sandwich"),
+        "activation": DecodeLayout(activation="gelu_pytorch_tanh"),
+        "attn_logit_softcap": DecodeLayout(attn_logit_softcap=50.0),
+        "query_rows_per_request": DecodeLayout(query_rows_per_request=4),
+        "row_deltas": DecodeLayout(row_deltas=True),
+    }
+    for field_name, layout in refused.items():
+        assert field_name in (kernel_refusal(layout) or ""), field_name
+
+
+def test_the_default_model_decodes_fused(default_llm: Any) -> None:
+    # SmolLM2 (Llama): every decode step through the compiled forward (the performance path).
+    from pagedllm import SamplingParams
+
+    fused = default_llm.llm_engine.engine_core.runner.model.model.fused_layers
+    calls = []
+    handle = fused.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        default_llm.generate(["The capital of France is"], params, use_tqdm=False)
+    finally:
+        handle.remove()
+    assert fused._unsupported is None
+    assert len(calls) == 5

@@ -12,7 +12,14 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import load_model
-from tests.models.utils import TINY_BOS_ID, TINY_EOS_ID, bind_kv_caches, prompt_logprobs, save_random_model
+from tests.models.utils import (
+    TINY_BOS_ID,
+    TINY_EOS_ID,
+    FamilyCase,
+    bind_kv_caches,
+    prompt_logprobs,
+    save_random_model,
+)
 from tests.utils import TEXT_PROMPTS, assert_greedy_match, hf_greedy
 
 NUM_STEPS = 32
@@ -36,6 +43,11 @@ def tiny_gemma3_config(window: int = WINDOW) -> Any:
         query_pre_attn_scalar=24, final_logit_softcapping=30.0,
         bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID, pad_token_id=0,
     )  # fmt: skip
+
+
+# For the family test (test_families.py): its layout (sandwich norms, 1 + w, GELU) is not
+# the fused decode's, so it decodes module by module.
+FAMILY_CASES = [FamilyCase("gemma3", tiny_gemma3_config, fused=False)]
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from pagedllm.models.loader import LoadedModel, load_model
 from tests.models.utils import (
     TINY_BOS_ID,
+    FamilyCase,
     TINY_EOS_ID,
     TINY_IM_END_ID,
     RequestState,
@@ -64,6 +66,25 @@ def tiny_config(kind: str) -> Any:
 
 
 KINDS = ["llama", "llama-tied-bias", "llama3-rope", "mistral-window", "qwen2"]
+
+
+def family_llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=262, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID,
+    )  # fmt: skip
+
+
+# For the family test (test_families.py), one case per family declared in models/llama.py
+# (the Llama variants of KINDS are this module's); each decodes through the fused forward.
+FAMILY_CASES = [
+    FamilyCase("llama", family_llama_config, fused=True, quantized=("int8", "int4")),
+    FamilyCase("mistral-window", functools.partial(tiny_config, "mistral-window"), fused=True),
+    FamilyCase("qwen2", functools.partial(tiny_config, "qwen2"), fused=True),
+]
 
 
 @pytest.fixture(scope="module", params=KINDS)

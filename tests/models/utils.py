@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -200,31 +200,18 @@ def save_tiny_model(
     return model
 
 
-# HF name part -> GGUF block tensor name (the Llama family's llama.cpp names)
-_GGUF_BLOCK_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """The llama.cpp name of an HF tensor, by the family's declared GGUF names (inverted)."""
+    from pagedllm.models.gguf_loader import gguf_spec
 
-
-def _gguf_name(hf_name: str) -> str:
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+    spec = gguf_spec(arch)
+    base, _, kind = hf_name.rpartition(".")
+    top = {hf: gguf for gguf, hf in spec.global_names.items()}
+    if base in top:
+        return f"{top[base]}.{kind}"
+    _, _, layer, part = base.split(".", 3)
+    block = {hf: gguf for gguf, hf in spec.block_names.items()}
+    return f"blk.{layer}.{block[part]}.{kind}"
 
 
 def _llama_cpp_permute(w: Any, num_heads: int) -> Any:
@@ -235,18 +222,23 @@ def _llama_cpp_permute(w: Any, num_heads: int) -> Any:
 
 
 def save_tiny_gguf(
-    path: str | os.PathLike[str], hf_model: Any, tokenizer: Any, qtype: str = "Q8_0"
+    path: str | os.PathLike[str], hf_model: Any, tokenizer: Any, qtype: str = "Q8_0", arch: str = "llama"
 ) -> None:
-    """Write a Llama HF model and its (byte-level BPE) tokenizer as a llama.cpp-style GGUF.
+    """Write a Llama-shaped HF model and its (byte-level BPE) tokenizer as a llama.cpp-style
+    GGUF of the GGUF architecture `arch`, with that family's declared tensor names and Q/K
+    permutation (models/family.py's GGUFSpec).
 
     2-D projection weights are quantized to `qtype`, the embedding to Q8_0, norms stay F32.
     """
     import gguf
     import numpy as np
 
+    from pagedllm.models.gguf_loader import gguf_spec
+
+    spec = gguf_spec(arch)
     cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -276,18 +268,19 @@ def save_tiny_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = tensor.float().numpy()
-        if ".q_proj." in name:
+        if spec.permuted_qk and ".q_proj." in name:
             w = _llama_cpp_permute(w, cfg.num_attention_heads)
-        elif ".k_proj." in name:
+        elif spec.permuted_qk and ".k_proj." in name:
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        gguf_name = _gguf_name(name, arch)
         if w.ndim == 1:
-            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
             continue
         qt = gguf.GGMLQuantizationType["Q8_0" if "embed" in name else qtype]
         if qt == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(_gguf_name(name), w.astype(np.float16))
+            writer.add_tensor(gguf_name, w.astype(np.float16))
             continue
-        writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qt), raw_dtype=qt)
+        writer.add_tensor(gguf_name, gguf.quants.quantize(w, qt), raw_dtype=qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -319,4 +312,40 @@ def save_random_model(
                 param.copy_(std * torch.randn_like(param))
     model.save_pretrained(str(path))
     save_tiny_tokenizer(path)
+    return model
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """A tiny random checkpoint of a declared family, for the one family test
+    (tests/models/test_families.py), which collects `FAMILY_CASES` from every test module of
+    tests/models: a family's own test file lists its cases."""
+
+    name: str
+    config: Callable[[], Any]
+    """-> a transformers config (its vocab_size is set to the tiny tokenizer's)."""
+    fused: bool
+    """Decode steps run the compiled forward (models/fused_decode.py)."""
+    quantized: tuple[str, ...] = ()
+    """Weight formats (int8, int4) whose greedy output is compared with HF's on the same
+    quantized-then-dequantized weights."""
+
+
+def dequantized_like_ours(hf_model: Any, method: str) -> Any:
+    """A copy of an HF model holding the weights our `quantization=method` load computes with:
+    every Linear with in_features % GROUP_SIZE == 0 quantized to the method's bits and back,
+    the input embedding and LM head to 8 bits (as loader._prepare_quantization)."""
+    import copy
+
+    from pagedllm.kernels import GROUP_SIZE, quantize
+
+    bits = {"int8": 8, "int4": 4}[method]
+    model = copy.deepcopy(hf_model)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.in_features % GROUP_SIZE == 0:
+                module.weight.copy_(quantize(module.weight, 8 if module is head else bits).dequantize())
+        if embedding.weight is not head.weight and embedding.weight.shape[1] % GROUP_SIZE == 0:
+            embedding.weight.copy_(quantize(embedding.weight, 8).dequantize())
     return model

@@ -1,4 +1,5 @@
-// Every decoder layer of a Llama-shaped model in one compiled call, for decode steps.
+// Every decoder layer of a Llama-shaped model in one compiled call, for decode steps: the
+// layout models/fused_decode.py's DecodeLayout describes, with its kernel_refusal's values.
 //
 // At decode a layer's arithmetic on a few rows is small next to what surrounds it in Python:
 // a dozen module calls, tensor views and allocations, the KV write's index_copy_, each a few
@@ -10,7 +11,8 @@
 //
 // Per layer, over M rows (one decode token per request):
 //   residual += h (the first layer: residual = h); x = rms_norm(residual)
-//   qkv = x W_qkv^T (+ b); q, k = rotary(q, k); K/V rows written to the cache at slot_mapping
+//   qkv = x W_qkv^T (+ b); [q, k = rms_norm per head (q/k norm layouts only)]
+//   q, k = rotary(q, k); K/V rows written to the cache at slot_mapping
 //   a = decode attention over each request's cached context (block table or vattention slot)
 //   residual += a W_o^T (+ b); x = rms_norm(residual)
 //   h = silu(x W_gate^T) * (x W_up^T), then h W_down^T (+ b)
@@ -117,6 +119,7 @@ struct DecodeLinear {
 
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;  // float32 [hidden]
+  torch::Tensor q_norm, k_norm;         // float32 [head_dim], or both empty: no q/k norm
   DecodeLinear qkv, o, gate_up, down;
   torch::Tensor kv_cache;  // float32 [2, blocks, block_size, Hkv, D] or vattention's [2, slots, capacity, Hkv, D]
   int64_t window;          // sliding window, 0 = full attention
@@ -128,9 +131,10 @@ class LlamaDecodeLayers {
  public:
   LlamaDecodeLayers(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t intermediate, double eps, double scale, torch::Tensor cos_sin_cache,
-                    int64_t int16_max_rows, int64_t tile_max_rows)
+                    double qk_norm_eps, int64_t int16_max_rows, int64_t tile_max_rows)
       : hidden_(hidden), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), inter_(intermediate),
-        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), cos_sin_(cos_sin_cache),
+        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
+        qk_norm_eps_(static_cast<float>(qk_norm_eps)), cos_sin_(cos_sin_cache),
         int16_max_rows_(int16_max_rows), tile_max_rows_(tile_max_rows) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
     TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.is_contiguous() &&
@@ -140,7 +144,9 @@ class LlamaDecodeLayers {
 
   // Linears in order qkv, o, gate_up, down: bits (32, 8 or 4), weight (float32 or quantized
   // qweight), scales and zeros (empty where the format has none), bias (empty for none).
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor kv_cache, int64_t window,
+  // q_norm, k_norm: the per-head RMSNorm weights [head_dim], or both empty for none.
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
+                 torch::Tensor kv_cache, int64_t window,
                  std::vector<int64_t> bits, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
                  std::vector<torch::Tensor> zeros, std::vector<torch::Tensor> biases) {
     TORCH_CHECK(bits.size() == 4 && weights.size() == 4 && scales.size() == 4 && zeros.size() == 4 &&
@@ -148,6 +154,10 @@ class LlamaDecodeLayers {
     for (const auto& w : {input_norm, post_norm})
       TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == hidden_,
                   "norm weights must be float32 [hidden]");
+    TORCH_CHECK(q_norm.numel() == k_norm.numel(), "q_norm and k_norm come together");
+    for (const auto& w : {q_norm, k_norm})
+      TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == d_),
+                  "q/k norm weights must be float32 [head_dim] or empty");
     TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
                     kv_cache.size(0) == 2 && kv_cache.size(3) == hkv_ && kv_cache.size(4) == d_,
                 "kv_cache must be float32 [2, blocks, block_size, num_kv_heads, head_dim]");
@@ -158,7 +168,7 @@ class LlamaDecodeLayers {
     TORCH_CHECK(lin[1].N == hidden_ && lin[1].K == hq_ * d_, "o_proj shape");
     TORCH_CHECK(lin[2].N == 2 * inter_ && lin[2].K == hidden_, "gate_up_proj shape");
     TORCH_CHECK(lin[3].N == hidden_ && lin[3].K == inter_, "down_proj shape");
-    layers_.push_back(DecodeLayer{input_norm, post_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, window});
+    layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, window});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -211,6 +221,15 @@ class LlamaDecodeLayers {
       }
       rms_norm_rows<float>(res, H, layer.input_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
       layer.qkv(xn_.data(), M, qkv_.data(), int16_max_rows_, tile_max_rows_);
+      if (layer.q_norm.numel()) {  // in place, each head's D values of q then of k
+        const float* qw = layer.q_norm.data_ptr<float>();
+        const float* kw = layer.k_norm.data_ptr<float>();
+        for (int64_t t = 0; t < M; ++t) {
+          float* row = qkv_.data() + t * QKV;
+          rms_norm_rows<float>(row, d_, qw, row, d_, hq_, d_, qk_norm_eps_);
+          rms_norm_rows<float>(row + QD, d_, kw, row + QD, d_, hkv_, d_, qk_norm_eps_);
+        }
+      }
       rotate_rows<float>(qkv_.data(), QKV, q_.data(), hq_, d_, pos, cos_sin, M);
       rotate_rows<float>(qkv_.data() + QD, QKV, k_.data(), hkv_, d_, pos, cos_sin, M);
       // K/V rows into the cache (the same rows the per-module path's index_copy_ writes).
@@ -243,7 +262,7 @@ class LlamaDecodeLayers {
 
  private:
   int64_t hidden_, hq_, hkv_, d_, inter_;
-  float eps_, scale_;
+  float eps_, scale_, qk_norm_eps_;
   torch::Tensor cos_sin_;
   int64_t int16_max_rows_, tile_max_rows_;
   std::vector<DecodeLayer> layers_;
@@ -255,7 +274,8 @@ class LlamaDecodeLayers {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, int64_t, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, double, int64_t,
+                          int64_t>())
       .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
       .def("num_layers", &pagedllm::LlamaDecodeLayers::num_layers)
       .def("forward", &pagedllm::LlamaDecodeLayers::forward, "every decoder layer over a decode step's rows");
