@@ -4,14 +4,17 @@
 ``InjectedFault`` for every request whose id contains ``marker`` (clients choose ids with the
 ``request_id`` field; the sequences of n > 1 and the beams of a beam search carry it too);
 with ``@<n>``, from the n-th time that request passes the site on (a fault mid-way).
-Sites, each a per-request processing point but ``core_step``:
+Sites, each a per-request processing point but ``core_step`` and ``utility``:
 
 - ``detokenize``: front end, detokenizing one output of the request;
 - ``grammar``: engine core, filling the request's structured-output token bitmask;
 - ``sample``: model runner, applying the request's sampling parameters;
 - ``propose``: model runner, proposing the request's speculative drafts;
 - ``beam``: engine core, expanding the beams of a beam search (marker in the search's id);
-- ``core_step``: engine core, before each step in which the request runs (fails the batch).
+- ``core_step``: engine core, before each step in which the request runs (fails the batch);
+- ``add``: engine core, handling the message that adds the request (or beam search);
+- ``utility``: engine core, handling a utility message; the marker matches the utility's name
+  (``reset_prefix_cache``, ``kv_snapshot``) instead of a request id.
 
 Unset, every check is one dict lookup. Lives at the package top so every layer may call it.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-SITES = ("detokenize", "grammar", "sample", "propose", "beam", "core_step")
+SITES = ("detokenize", "grammar", "sample", "propose", "beam", "core_step", "add", "utility")
 
 
 class InjectedFault(RuntimeError):

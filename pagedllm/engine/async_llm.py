@@ -16,16 +16,18 @@ stream ends with ``RequestTimeoutError``. A request whose processing raises ends
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore
+from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore, UtilityError
 from pagedllm.engine.core_messages import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import KVSnapshot
@@ -37,6 +39,7 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KV_SNAPSHOT_MAX_AGE_S = 0.2
 """Dashboard viewers within this interval share one engine snapshot."""
@@ -139,8 +142,12 @@ class AsyncLLM:
         self._task: asyncio.Task | None = None
         self._expiry_task: asyncio.Task | None = None
         self._ready_event = asyncio.Event()
+        self._dead_event = asyncio.Event()  # set once the engine core died or failed to start
         self._kv_snapshot: tuple[float, KVSnapshot] | None = None  # (time taken, snapshot)
         self._kv_snapshot_fetch: asyncio.Future | None = None
+        # Tokenization and chat templating: off the event loop, one at a time (a fast
+        # tokenizer is not safe for concurrent calls, and it releases the GIL while encoding).
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
 
     # ---- life cycle --------------------------------------------------------------------
 
@@ -174,6 +181,19 @@ class AsyncLLM:
                 pass
         if self._client is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._client.shutdown)
+        self._tokenizer_thread.shutdown(wait=False)
+
+    # ---- tokenization (off the event loop) ----------------------------------------------
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking tokenizer or template call on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+    async def encode(self, text: str) -> list[int]:
+        """A prompt's token ids (a BOS as the model adds it), on the tokenizer thread."""
+        assert self.input_processor is not None
+        return await self.run_tokenizer(self.input_processor.encode, text)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -238,7 +258,7 @@ class AsyncLLM:
         stream = RequestStream(request_id, self, deadline)
         self._streams[request_id] = stream
         assert self._client is not None
-        self._client.add_request(request)
+        self._send(request_id, lambda client: client.add_request(request))
         return stream
 
     def add_beam_search(
@@ -267,9 +287,17 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._beam_searches[request_id] = (text, list(prompt_token_ids), time.monotonic())
         self._beam_widths[request_id] = params.beam_width
-        assert self._client is not None
-        self._client.add_beam_search(request_id, list(prompt_token_ids), params)
+        self._send(request_id, lambda client: client.add_beam_search(request_id, list(prompt_token_ids), params))
         return stream
+
+    def _send(self, request_id: str, send: Callable[[CoreClient], None]) -> None:
+        """Hand a queued request to the core; if the core is gone, undo it (a 503)."""
+        assert self._client is not None
+        try:
+            send(self._client)
+        except EngineDeadError as e:
+            self.abort(request_id)
+            raise EngineNotReadyError(f"the engine is dead: {e}") from None
 
     def _beam_search_output(self, eo: EngineCoreOutput, now: float) -> RequestOutput | BaseException:
         text, prompt_token_ids, arrival = self._beam_searches.pop(eo.request_id)
@@ -315,6 +343,10 @@ class AsyncLLM:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs; the request is aborted if iteration stops early."""
+        if prompt_token_ids is None:
+            self._check_ready()
+            assert self.input_processor is not None
+            prompt, prompt_token_ids = await self.run_tokenizer(self.input_processor.tokenize, prompt)
         stream = self.add_request(request_id, prompt, params, prompt_token_ids, cache_salt)
         try:
             async for output in stream:
@@ -344,8 +376,18 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         self._check_ready()
+        return await self._call_utility("reset_prefix_cache")
+
+    async def _call_utility(self, name: str) -> Any:
+        """A utility in the core; one that raised there is a RequestFaultError (a 500), a dead
+        core an EngineNotReadyError (a 503)."""
         assert self._client is not None
-        return await self._client.call_utility("reset_prefix_cache")
+        try:
+            return await self._client.call_utility(name)
+        except UtilityError as e:
+            raise RequestFaultError(str(e)) from None
+        except EngineDeadError as e:
+            raise EngineNotReadyError(f"the engine is dead: {e}") from None
 
     async def get_kv_snapshot(self) -> tuple[KVSnapshot, float]:
         """The engine's KV snapshot and its age in seconds. Fetched at most every
@@ -363,7 +405,7 @@ class AsyncLLM:
     async def _fetch_kv_snapshot(self) -> KVSnapshot:
         assert self._client is not None
         try:
-            snapshot = await asyncio.wait_for(self._client.call_utility("kv_snapshot"), KV_SNAPSHOT_TIMEOUT_S)
+            snapshot = await asyncio.wait_for(self._call_utility("kv_snapshot"), KV_SNAPSHOT_TIMEOUT_S)
         except asyncio.TimeoutError as e:
             raise EngineNotReadyError("the engine did not answer the KV snapshot request") from e
         finally:
@@ -399,6 +441,13 @@ class AsyncLLM:
             for stream in list(self._streams.values()):
                 stream.put(EngineNotReadyError(f"the engine is dead: {self.dead_error}"))
             self._streams.clear()
+            self._dead_event.set()
+
+    async def wait_dead(self) -> BaseException:
+        """Return the error once the engine core has died (or failed to start)."""
+        await self._dead_event.wait()
+        assert self.dead_error is not None
+        return self.dead_error
 
     async def _expire_requests(self) -> None:
         """Abort the requests past their deadline (checked every EXPIRY_CHECK_INTERVAL_S)."""

@@ -1,8 +1,11 @@
 """Front-end side of the engine-core process: spawn it, send requests, receive outputs.
 
 The front end binds two IPC sockets in a private temporary directory; the core process
-connects. Sends are non-blocking pushes from the event loop thread; outputs arrive on an
-asyncio socket.
+connects. Sends never block the event loop: the input socket has no high-water mark (admission
+control bounds what is in flight) and sends with NOBLOCK, which fails at once, as
+``EngineDeadError``, only when no core is connected (it died). Outputs arrive on an asyncio
+socket. The core's death is noticed at once: the loop watches the process sentinel (a file
+descriptor readable when the process ends), and a receive waits on both.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine-core process exited or failed to start."""
+
+
+class UtilityError(RuntimeError):
+    """A utility raised in the engine core (the core goes on)."""
 
 
 @dataclass
@@ -71,19 +78,45 @@ class CoreClient:
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._in = self._sync_ctx.socket(zmq.PUSH)  # to the core
+        self._in.setsockopt(zmq.SNDHWM, 0)  # no bound: a full queue would make sends fail or block
         self._in.bind(started.input_addr)
         self._out = self._async_ctx.socket(zmq.PULL)  # from the core
         self._out.bind(started.output_addr)
         self.proc = started.proc
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}
         self._closed = False
+        # Set (to an EngineDeadError) when the core process ends; the loop watches its sentinel.
+        self._loop = asyncio.get_running_loop()
+        self._core_exited: asyncio.Future = self._loop.create_future()
+        self._loop.add_reader(self.proc.sentinel, self._on_core_exit)
+
+    def _on_core_exit(self) -> None:
+        self._loop.remove_reader(self.proc.sentinel)
+        self.proc.join(1.0)  # reap it (it has exited), so exitcode is known
+        if not self._core_exited.done():
+            self._core_exited.set_exception(
+                EngineDeadError(f"the engine core process exited with code {self.proc.exitcode}"))
+            self._core_exited.exception()  # retrieved here: no "never retrieved" warning if unawaited
+        self._fail_utility_waiters(self._core_exited.exception())  # type: ignore[arg-type]
+
+    def _fail_utility_waiters(self, error: BaseException) -> None:
+        for waiters in self._utility_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(error)
+        self._utility_waiters.clear()
 
     # ---- front end -> core ------------------------------------------------------------
 
     def _send(self, kind: str, payload: Any = None) -> None:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
-        self._in.send(dumps(kind, payload), copy=False)
+        if self._core_exited.done():
+            raise self._core_exited.exception()  # type: ignore[misc]
+        try:
+            self._in.send(dumps(kind, payload), zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # with no high-water mark: no core is connected
+            raise EngineDeadError("the engine core is not connected (it exited)") from None
 
     def add_request(self, request: Request) -> None:
         self._send("add", request)
@@ -92,14 +125,19 @@ class CoreClient:
         self._send("add_beam_search", (request_id, prompt_token_ids, params))
 
     def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        """Abort in the core; nothing to do if the core is gone (it holds no request then)."""
         if request_ids and not self._closed:
-            self._send("abort", (list(request_ids), stopped))
+            try:
+                self._send("abort", (list(request_ids), stopped))
+            except EngineDeadError:
+                pass
 
     async def call_utility(self, name: str) -> Any:
-        """Run a named utility in the core (e.g. reset_prefix_cache) and await its result."""
+        """Run a named utility in the core (e.g. reset_prefix_cache) and await its result;
+        UtilityError if it raised there, EngineDeadError if the core is gone."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._utility_waiters.setdefault(name, []).append(future)
         self._send(name)
+        self._utility_waiters.setdefault(name, []).append(future)
         return await future
 
     # ---- core -> front end ------------------------------------------------------------
@@ -118,22 +156,33 @@ class CoreClient:
             if kind == "outputs":
                 return payload
             if kind == "utility":
-                name, result = payload
+                name, result, error = payload
                 waiters = self._utility_waiters.get(name)
                 if waiters:
                     fut = waiters.pop(0)
-                    if not fut.done():
+                    if fut.done():
+                        pass
+                    elif error is not None:
+                        fut.set_exception(UtilityError(f"the engine's {name} failed: {error}"))
+                    else:
                         fut.set_result(result)
             else:
                 logger.error("unexpected message kind %r from the engine core", kind)
 
     async def _recv(self) -> tuple[str, Any]:
-        """Receive one message, checking every second that the core process lives."""
-        while True:
-            if await self._out.poll(1000):
-                return loads(await self._out.recv())
-            if not self.proc.is_alive():
-                raise EngineDeadError(f"the engine core process exited with code {self.proc.exitcode}")
+        """Receive one message; raise EngineDeadError as soon as the core process exits (what
+        it sent before is received first)."""
+        if self._core_exited.done():
+            try:
+                return loads(await self._out.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                raise self._core_exited.exception() from None  # type: ignore[misc]
+        recv = self._out.recv()
+        await asyncio.wait((recv, self._core_exited), return_when=asyncio.FIRST_COMPLETED)
+        if recv.done():
+            return loads(recv.result())
+        recv.cancel()
+        return await self._recv()
 
     # ---- shutdown ---------------------------------------------------------------------
 
@@ -155,10 +204,8 @@ class CoreClient:
                 self.proc.kill()
                 self.proc.join()
         self._closed = True
-        for fut_list in self._utility_waiters.values():
-            for fut in fut_list:
-                if not fut.done():
-                    fut.set_exception(EngineDeadError("the engine is shut down"))
+        # shutdown runs in an executor thread: the futures belong to the loop.
+        self._loop.call_soon_threadsafe(self._fail_utility_waiters, EngineDeadError("the engine is shut down"))
         self._in.close(linger=0)
         self._out.close(linger=0)
         self._sync_ctx.term()

@@ -7,7 +7,10 @@
   ``kv_snapshot`` (the dashboard's KVSnapshot, taken between steps), ``shutdown``;
 - core -> front end: ``ready`` (ReadyInfo) or ``failed`` (a message) once at start-up, then
   ``outputs`` (CoreOutputs: engine outputs and, periodically, stats), ``utility``
-  ((name, result)).
+  ((name, result, error): error is None, or "Type: message" when the utility raised).
+
+A message that raises in the core fails its sender alone: an ``add`` answers with an
+``outputs`` entry for that request carrying ``error``; a utility with its error.
 """
 
 from __future__ import annotations

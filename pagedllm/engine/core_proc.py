@@ -7,6 +7,8 @@ The loop drains the input socket, steps while any request is unfinished, and blo
 socket when idle, waking every ``IDLE_STATS_INTERVAL_S`` to send stats, so gauges stay current.
 The process dies with its parent: PR_SET_PDEATHSIG on Linux, and a parent-pid check.
 
+A message that raises fails its sender alone: a request whose add raises is failed (the front
+end answers 500), a utility that raises answers its caller with the error; the loop goes on.
 A step that raises does not end the process: the requests of the failed batch (those running)
 are aborted with an ``error`` (the front end fails them), their blocks freed and the prefix
 cache dropped (blocks cached for the failed step may hold no KV); waiting and new requests go on.
@@ -19,6 +21,7 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm import faults
@@ -102,10 +105,18 @@ class EngineCoreProc:
         self._stop = False
         self._unscheduled: dict[str, Request] = {}  # added, not yet scheduled: for queue time
         self._queue_times: list[float] = []
-        # Dashboard: durations of recent steps and the mean full cost of a snapshot.
+        # Dashboard: durations of recent steps; seconds and calls per utility (a snapshot's cost).
         self._step_seconds: deque[float] = deque(maxlen=32)
-        self._snapshot_cost_total = 0.0
-        self._num_snapshots = 0
+        self._utility_seconds: dict[str, float] = {}
+        self._utility_calls: dict[str, int] = {}
+        self._handlers: dict[str, Callable[[Any], None]] = {
+            "add": self._add, "add_beam_search": self._add_beam_search, "abort": self._abort,
+            "shutdown": self._shutdown,
+        }
+        # Utilities: name -> a call whose result goes back to the caller.
+        self._utilities: dict[str, Callable[[], Any]] = {
+            "reset_prefix_cache": self.kv.reset_prefix_cache, "kv_snapshot": self._kv_snapshot,
+        }
         self._warm_up()
         info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks)
         out_sock.send(dumps("ready", info))
@@ -189,50 +200,83 @@ class EngineCoreProc:
             self._handle(kind, payload)
 
     def _handle(self, kind: str, payload: Any) -> None:
-        if kind == "add":
-            try:
-                self.core.add_request(payload)
-                self._unscheduled[payload.request_id] = payload
-            except ValueError as e:  # validated in the front end; still never crash the loop
-                logger.error("rejected request %s: %s", payload.request_id, e)
-                out = EngineCoreOutput(payload.request_id, [], "abort", None, 0)
-                self.out_sock.send(dumps("outputs", CoreOutputs([out])))
-        elif kind == "add_beam_search":
-            request_id, prompt_token_ids, params = payload
-            try:
-                self.core.add_beam_search(request_id, prompt_token_ids, params)
-            except ValueError as e:
-                logger.error("rejected beam search %s: %s", request_id, e)
-                out = EngineCoreOutput(request_id, [], "abort", None, 0, error=str(e))
-                self.out_sock.send(dumps("outputs", CoreOutputs([out])))
-        elif kind == "abort":
-            request_ids, stopped = payload
-            status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
-            self.core.finish_requests(request_ids, status)
-            for request_id in request_ids:
-                self._unscheduled.pop(request_id, None)
-        elif kind == "reset_prefix_cache":
-            self.out_sock.send(dumps("utility", ("reset_prefix_cache", self.kv.reset_prefix_cache())))
-        elif kind == "kv_snapshot":
-            self._send_kv_snapshot()
-        elif kind == "shutdown":
-            self._stop = True
-        else:
+        """Handle one message; one that raises fails its sender alone (a request's add: that
+        request; a utility: its caller), never the loop."""
+        if kind in self._utilities:
+            self._run_utility(kind)
+            return
+        handler = self._handlers.get(kind)
+        if handler is None:
             logger.error("unknown message kind %r", kind)
+            return
+        try:
+            handler(payload)
+        except Exception:  # noqa: BLE001 -- an abort or shutdown has no caller to tell
+            logger.exception("handling a %r message failed", kind)
 
-    def _send_kv_snapshot(self) -> None:
-        """Between steps: copy the block arrays and figures, and time the whole cost."""
+    def _add(self, request: Request) -> None:
+        try:
+            faults.maybe_raise("add", request.request_id)
+            self.core.add_request(request)
+        except Exception as e:  # noqa: BLE001 -- validated in the front end; still fail it alone
+            self._reject(request.request_id, e)
+            return
+        self._unscheduled[request.request_id] = request
+
+    def _add_beam_search(self, payload: tuple[str, list[int], Any]) -> None:
+        request_id, prompt_token_ids, params = payload
+        try:
+            faults.maybe_raise("add", request_id)
+            self.core.add_beam_search(request_id, prompt_token_ids, params)
+        except Exception as e:  # noqa: BLE001
+            self._reject(request_id, e)
+
+    def _reject(self, request_id: str, error: Exception) -> None:
+        """Fail a request whose add raised: drop what of it got in, tell the front end (a 500)."""
+        logger.error("could not add request %s: %s: %s", request_id, type(error).__name__, error)
+        try:
+            self.core.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        except Exception:  # noqa: BLE001 -- it may not have got in at all
+            logger.exception("cleaning up request %s after a failed add", request_id)
+        out = EngineCoreOutput(request_id, [], "abort", None, 0, error=f"{type(error).__name__}: {error}")
+        self.out_sock.send(dumps("outputs", CoreOutputs([out])))
+
+    def _abort(self, payload: tuple[list[str], bool]) -> None:
+        request_ids, stopped = payload
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        for request_id in request_ids:
+            self._unscheduled.pop(request_id, None)
+        self.core.finish_requests(request_ids, status)
+
+    def _shutdown(self, _: Any) -> None:
+        self._stop = True
+
+    def _run_utility(self, name: str) -> None:
+        """Run a utility and send ("utility", (name, result, error)): error is None or the
+        exception's "Type: message" (the front end fails the caller with it)."""
+        t0 = time.perf_counter()
+        try:
+            faults.maybe_raise("utility", name)
+            result, error = self._utilities[name](), None
+        except Exception as e:  # noqa: BLE001 -- fail the caller, keep serving
+            logger.exception("utility %s failed", name)
+            result, error = None, f"{type(e).__name__}: {e}"
+        self.out_sock.send(dumps("utility", (name, result, error)))
+        self._utility_seconds[name] = self._utility_seconds.get(name, 0.0) + time.perf_counter() - t0
+        self._utility_calls[name] = self._utility_calls.get(name, 0) + 1
+
+    def _kv_snapshot(self) -> Any:
+        """Between steps: copy the block arrays and figures; with the mean full cost (taking,
+        pickling, sending) of the snapshots before it."""
         t0 = time.perf_counter()
         snapshot = take_kv_snapshot(self.scheduler)
         snapshot.take_seconds = time.perf_counter() - t0
         snapshot.step_seconds_mean = (
             sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
         )
-        if self._num_snapshots:
-            snapshot.cost_seconds_mean = self._snapshot_cost_total / self._num_snapshots
-        self.out_sock.send(dumps("utility", ("kv_snapshot", snapshot)))
-        self._snapshot_cost_total += time.perf_counter() - t0
-        self._num_snapshots += 1
+        if self._utility_calls.get("kv_snapshot"):
+            snapshot.cost_seconds_mean = self._utility_seconds["kv_snapshot"] / self._utility_calls["kv_snapshot"]
+        return snapshot
 
     def _note_scheduled(self) -> None:
         if not self._unscheduled:

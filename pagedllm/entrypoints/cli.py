@@ -92,6 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        request_chat_template_timeout_s=args.request_chat_template_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
@@ -110,6 +112,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set PAGEDLLM_API_KEY)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template: a file path or the text")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="allow a chat_template in chat requests (arbitrary Jinja, rendered in a "
+                            "separate process under --request-chat-template-timeout); refused otherwise")
+    serve.add_argument("--request-chat-template-timeout", type=float, default=5.0,
+                       help="seconds a request's chat template may take to render")
     serve.add_argument("--uvicorn-log-level", default="info")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")

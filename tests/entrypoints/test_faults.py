@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 TINY_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB", "--max-num-seqs", "8"]
 # Per-request sites fail mid-way: from the 4th grammar bitmask fill, the 3rd sampling pass
 # and the 2nd beam expansion of a marked request on (pagedllm/faults.py).
+# Messages to the core fail alone: adding a marked request, and every reset_prefix_cache utility.
 FAULTS = ("detokenize:poison-detok,core_step:poison-core,grammar:poison-grammar@4,sample:poison-sample@3,"
-          "beam:poison-beam@2")
+          "beam:poison-beam@2,add:poison-add,utility:reset_prefix_cache")
 # Disaggregated decode side that fails (503) instead of recomputing when a KV pull fails.
 KV_FAIL_ARGS = ["--kv-transfer-config", json.dumps(
     {"kv_role": "kv_consumer", "kv_load_failure_policy": "fail", "kv_transfer_timeout_s": 2})]
@@ -220,6 +221,37 @@ def test_kv_load_failure_policy_fail_gives_503(faulty_server, tiny_llama_dir):
     # Keeps serving: the same prompt without the dead instance, computed here.
     again = httpx.post(url, json={"prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=120)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1, again.text
+    wait_all_blocks_free(faulty_server)
+
+
+def test_add_and_utility_faults_fail_alone(faulty_server):
+    """A core message that raises fails its caller alone: a request whose `add` raises gets a
+    500 in OpenAI's shape (streamed: an error event, then [DONE]), so does a utility call
+    (reset_prefix_cache); streams running beside them finish and the core serves on."""
+    url = faulty_server.url + "/v1/completions"
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            healthy = [asyncio.create_task(post(client, url, body(stream=True, max_tokens=64))) for _ in range(4)]
+            await asyncio.sleep(0.5)  # the streams are running when the faults come
+            faulted = await asyncio.gather(
+                post(client, url, body("poison-add-1")),
+                post(client, url, body("poison-add-2", stream=True)),
+                client.post(faulty_server.url + "/reset_prefix_cache"),
+            )
+            return faulted, await asyncio.gather(*healthy)
+
+    ((s1, r1), (s2, r2), reset), healthy = asyncio.run(run())
+    for error in (r1["error"], r2[-1]["error"], reset.json()["error"]):
+        assert set(error) >= {"message", "type", "param", "code"}, error
+    assert s1 == 500 and "InjectedFault: injected fault at add" in r1["error"]["message"], r1
+    assert s2 == 200 and r2[-1]["error"]["code"] == 500 and "at add" in r2[-1]["error"]["message"], r2
+    assert reset.status_code == 500 and "at utility" in reset.json()["error"]["message"], reset.text
+    for status, chunks in healthy:
+        assert status == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    after = httpx.post(url, json=body(max_tokens=8), timeout=120)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8, after.text
     wait_all_blocks_free(faulty_server)
 
 

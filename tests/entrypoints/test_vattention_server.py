@@ -101,6 +101,45 @@ def test_dashboard_state_shows_pages_per_request(vattn_server):
     assert out.usage.completion_tokens == 2
 
 
+def test_dashboard_state_under_load(vattn_server):
+    """/dashboard/state polled while 6 streams run: every poll answers 200, some show the
+    concurrent requests each in its own slot, and every stream finishes in full (a snapshot
+    that raised in the engine core used to end it)."""
+    import asyncio
+
+    client = openai.AsyncOpenAI(base_url=vattn_server.base_url, api_key=ENV_KEY, max_retries=0, timeout=120)
+    headers = {"Authorization": f"Bearer {ENV_KEY}"}
+
+    async def one(i: int) -> int:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Story number {i}: once upon a time", max_tokens=48, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        return sum([len(c.choices[0].text) > 0 async for c in stream if c.choices])
+
+    async def poll(http: httpx.AsyncClient, done: asyncio.Event) -> list[tuple[int, int]]:
+        seen = []  # (status, requests holding a slot)
+        while not done.is_set():
+            r = await http.get(vattn_server.url + "/dashboard/state", headers=headers)
+            running = sum(s["request"] is not None for s in r.json()["kv"]["slots"]) if r.status_code == 200 else -1
+            seen.append((r.status_code, running))
+            await asyncio.sleep(0.05)
+        return seen
+
+    async def run():
+        done = asyncio.Event()
+        async with httpx.AsyncClient(timeout=60) as http:
+            pollers = [asyncio.create_task(poll(http, done)) for _ in range(3)]
+            counts = await asyncio.gather(*(one(i) for i in range(6)))
+            done.set()
+            return counts, [x for p in pollers for x in await p]
+
+    counts, seen = asyncio.run(run())
+    assert all(status == 200 for status, _ in seen), seen
+    assert max(running for _, running in seen) >= 2, seen
+    assert all(c >= 40 for c in counts), counts  # about one non-empty chunk per token
+    wait_all_blocks_free(vattn_server)
+
+
 PAGES_DOM = """
 const rows = document.querySelectorAll('#backend-slots > div');
 return {

@@ -27,6 +27,7 @@ import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.engine.core_client import StartedCore
+from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
 from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -61,6 +62,10 @@ class ServerConfig:
     page (its data, /dashboard/state, needs it)."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
+    trust_request_chat_template: bool = False
+    """Allow a `chat_template` in chat requests (arbitrary Jinja; refused with a 400 otherwise)."""
+    request_chat_template_timeout_s: float = 5.0
+    """A request's template rendering longer than this is stopped (a 400)."""
     uvicorn_log_level: str = "info"
     """uvicorn's own log level."""
     max_waiting_requests: int | None = None
@@ -118,10 +123,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         engine.start()
         yield
         await engine.shutdown()
+        renderer.close()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name, config.chat_template)
+    renderer = ChatRenderer(engine, config.chat_template, config.trust_request_chat_template,
+                            config.request_chat_template_timeout_s)
+    chat = OpenAIServingChat(engine, model_name, renderer)
 
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key.encode())
@@ -215,11 +223,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            _, tokens = chat.render(body.messages, None, body.add_generation_prompt)
+            _, tokens = await chat.render(body.messages, None, body.add_generation_prompt)
         elif body.add_special_tokens:
-            tokens = engine.input_processor.encode(body.prompt or "")
+            tokens = await engine.encode(body.prompt or "")
         else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=False)
+            tokens = await engine.run_tokenizer(engine.tokenizer.encode, body.prompt, add_special_tokens=False)
         return {"count": len(tokens), "max_model_len": engine.model_config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -297,9 +305,7 @@ async def serve(
             server.should_exit = True
             return
         logger.info("pagedllm is serving %s on http://%s:%d", model_name, config.host, config.port)
-        while engine.dead_error is None:
-            await asyncio.sleep(1.0)
-        logger.error("the engine core died: %s; stopping the server", engine.dead_error)
+        logger.error("the engine core died: %s; stopping the server", await engine.wait_dead())
         server.should_exit = True
 
     watcher = asyncio.create_task(exit_if_engine_fails())

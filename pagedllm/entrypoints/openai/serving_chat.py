@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer, ChatTemplateError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -56,22 +57,19 @@ def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.chat_template = chat_template
+        self.renderer = renderer
 
-    def render(self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool):
-        processor = self.engine.input_processor
-        assert processor is not None
+    async def render(self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool):
+        """(prompt text, token ids), rendered off the event loop (see chat_renderer.py)."""
         if not req_messages:
             raise bad_request("messages must not be empty", "messages")
         try:
-            return processor.render_chat(
-                messages_to_dicts(req_messages), chat_template or self.chat_template, add_generation_prompt
-            )
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+            return await self.renderer.render(messages_to_dicts(req_messages), chat_template, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "chat_template" if chat_template is not None else "messages") from None
 
     def _check(self, req: ChatCompletionRequest) -> int | None:
         """Reject what we do not support; return the logprobs count for SamplingParams."""
@@ -87,7 +85,7 @@ class OpenAIServingChat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs)
         await check_structured_outputs(req, params)
-        text, ids = self.render(req.messages, req.chat_template, req.add_generation_prompt)
+        text, ids = await self.render(req.messages, req.chat_template, req.add_generation_prompt)
         assert self.engine.model_config is not None
         check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("chatcmpl")

@@ -35,8 +35,8 @@ class OpenAIServingCompletion:
         self.engine = engine
         self.model_name = model_name
 
-    def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) per prompt."""
+    async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt; tokenized off the event loop."""
         p = req.prompt
         if isinstance(p, str):
             raw: list = [p]
@@ -46,12 +46,10 @@ class OpenAIServingCompletion:
             raw = [p]
         else:
             raw = list(p)
-        processor = self.engine.input_processor
-        assert processor is not None
         prompts = []
         for item in raw:
             if isinstance(item, str):
-                prompts.append((item, processor.encode(item)))
+                prompts.append((item, await self.engine.encode(item)))
             else:
                 prompts.append((None, list(item)))
         return prompts
@@ -68,7 +66,7 @@ class OpenAIServingCompletion:
         self._check(req)
         params = sampling_params_from(req, req.max_tokens, req.logprobs)
         await check_structured_outputs(req, params)
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         assert self.engine.model_config is not None
         for _, ids in prompts:
             check_context_length(len(ids), req.max_tokens, self.engine.model_config.max_model_len)

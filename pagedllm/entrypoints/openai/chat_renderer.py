@@ -1,0 +1,138 @@
+"""Chat prompts rendered off the event loop, and per-request chat templates bounded in time.
+
+The server's template (``--chat-template`` or the model's) is trusted: it is rendered on the
+engine's tokenizer thread. A template sent in a request is arbitrary Jinja: it is refused
+unless the server runs with ``--trust-request-chat-template``, and then rendered in a separate
+process that is killed when it runs past ``request_chat_template_timeout_s`` (a thread cannot
+stop a Jinja loop, and counting calls inside a sandbox misses loops whose bodies call
+nothing). The process is spawned at the first such request and again after each kill; one
+render at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.process_utils import die_with_parent
+
+logger = logging.getLogger(__name__)
+
+SANDBOX_START_TIMEOUT_S = 120.0
+"""Spawning the render process and unpickling the tokenizer there (not part of the budget)."""
+
+
+class ChatTemplateError(ValueError):
+    """The messages or the template are refused (the server's 400)."""
+
+
+def _sandbox_main(conn: Any, tokenizer: Any, parent_pid: int) -> None:
+    """The render process: (messages, template, add_generation_prompt) in, ("ok", text) or
+    ("error", message) out, until the pipe closes."""
+    die_with_parent(parent_pid)
+    conn.send(("ready", None))
+    while True:
+        try:
+            messages, template, add_generation_prompt = conn.recv()
+        except EOFError:
+            return
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt)
+            conn.send(("ok", text))
+        except Exception as e:  # noqa: BLE001 -- jinja errors, raise_exception() in templates
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class TemplateSandbox:
+    """One render process for untrusted templates; blocking calls, run on its own thread."""
+
+    def __init__(self, tokenizer: Any, timeout_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self._proc: Any = None
+        self._conn: Any = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_sandbox_main, args=(child_conn, self.tokenizer, os.getpid()),
+                                 name="pagedllm-chat-template", daemon=True)
+        self._proc.start()
+        child_conn.close()
+        if not self._conn.poll(SANDBOX_START_TIMEOUT_S):
+            self.close()
+            raise RuntimeError("the chat-template process did not start")
+        self._conn.recv()
+
+    def render(self, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
+            self._conn.send((messages, template, add_generation_prompt))
+            if not self._conn.poll(self.timeout_s):
+                logger.warning("a request's chat template ran past %.1f s; killing its process", self.timeout_s)
+                self.close()
+                raise ChatTemplateError(
+                    f"the request's chat_template did not render within {self.timeout_s:g} s")
+            status, value = self._conn.recv()
+        if status != "ok":
+            raise ChatTemplateError(f"the chat template rejected the messages: {value}")
+        return value
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+        self._proc = self._conn = None
+
+
+class ChatRenderer:
+    """Messages -> (prompt text, token ids), never on the event loop."""
+
+    def __init__(self, engine: AsyncLLM, chat_template: str | None, trust_request_chat_template: bool,
+                 request_chat_template_timeout_s: float) -> None:
+        self.engine = engine
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+        self.request_chat_template_timeout_s = request_chat_template_timeout_s
+        self._sandbox: TemplateSandbox | None = None
+        self._sandbox_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-chat-template")
+
+    async def render(
+        self, messages: list[dict], request_chat_template: str | None, add_generation_prompt: bool
+    ) -> tuple[str, list[int]]:
+        """ChatTemplateError (a 400) if the template refuses the messages, or a request's
+        template is not allowed or runs out of time."""
+        processor = self.engine.input_processor
+        assert processor is not None
+        if not request_chat_template:
+            try:
+                return await self.engine.run_tokenizer(
+                    processor.render_chat, messages, self.chat_template, add_generation_prompt)
+            except ValueError as e:
+                raise ChatTemplateError(str(e)) from None
+        if not self.trust_request_chat_template:
+            raise ChatTemplateError(
+                "chat_template in a request is refused: this server runs the server's template only "
+                "(start it with --trust-request-chat-template to allow per-request templates)")
+        if self._sandbox is None:
+            self._sandbox = TemplateSandbox(self.engine.tokenizer, self.request_chat_template_timeout_s)
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(
+            self._sandbox_thread, self._sandbox.render, messages, request_chat_template, add_generation_prompt)
+        # The template writes any BOS itself: do not add special tokens again.
+        return text, await self.engine.run_tokenizer(processor.encode_rendered, text)
+
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+        self._sandbox_thread.shutdown(wait=False)
