@@ -85,6 +85,7 @@ class CoreClient:
         self.proc = started.proc
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}
         self._closed = False
+        self._stopping = False  # shutdown() has begun
         # Set (to an EngineDeadError) when the core process ends; the loop watches its sentinel.
         self._loop = asyncio.get_running_loop()
         self._core_exited: asyncio.Future = self._loop.create_future()
@@ -92,12 +93,14 @@ class CoreClient:
 
     def _on_core_exit(self) -> None:
         self._loop.remove_reader(self.proc.sentinel)
-        self.proc.join(1.0)  # reap it (it has exited), so exitcode is known
-        if not self._core_exited.done():
-            self._core_exited.set_exception(
-                EngineDeadError(f"the engine core process exited with code {self.proc.exitcode}"))
-            self._core_exited.exception()  # retrieved here: no "never retrieved" warning if unawaited
-        self._fail_utility_waiters(self._core_exited.exception())  # type: ignore[arg-type]
+        if self._stopping:  # shutdown() reaps it, on its thread: one waitpid only
+            error = EngineDeadError("the engine is shut down")
+        else:
+            self.proc.join(1.0)  # it has exited: reap it, so exitcode is known
+            error = EngineDeadError(f"the engine core process exited with code {self.proc.exitcode}")
+        self._core_exited.set_exception(error)
+        self._core_exited.exception()  # retrieved here: no "never retrieved" warning if unawaited
+        self._fail_utility_waiters(error)
 
     def _fail_utility_waiters(self, error: BaseException) -> None:
         for waiters in self._utility_waiters.values():
@@ -190,6 +193,7 @@ class CoreClient:
         """Stop the core (politely, then by force) and release the sockets."""
         if self._closed:
             return
+        self._stopping = True
         if self.proc.is_alive():
             try:
                 self._in.send(dumps("shutdown"), zmq.NOBLOCK)

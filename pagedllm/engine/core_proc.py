@@ -257,11 +257,11 @@ class EngineCoreProc:
         t0 = time.perf_counter()
         try:
             faults.maybe_raise("utility", name)
-            result, error = self._utilities[name](), None
+            message = dumps("utility", (name, self._utilities[name](), None))  # pickling may raise too
         except Exception as e:  # noqa: BLE001 -- fail the caller, keep serving
             logger.exception("utility %s failed", name)
-            result, error = None, f"{type(e).__name__}: {e}"
-        self.out_sock.send(dumps("utility", (name, result, error)))
+            message = dumps("utility", (name, None, f"{type(e).__name__}: {e}"))
+        self.out_sock.send(message)
         self._utility_seconds[name] = self._utility_seconds.get(name, 0.0) + time.perf_counter() - t0
         self._utility_calls[name] = self._utility_calls.get(name, 0) + 1
 
