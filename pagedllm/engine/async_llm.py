@@ -1,8 +1,10 @@
 """AsyncLLM: the server's engine. Tokenizes, validates and detokenizes in the front end;
 the scheduler and model run in the engine-core process (see core_proc.py).
 
-``add_request`` validates synchronously (a ValueError means a bad request) and returns a
-stream; ``generate`` wraps both and aborts the request if the consumer stops early (a client
+Tokenization runs on the tokenizer thread, off the event loop (``encode``, ``run_tokenizer``;
+``generate`` tokenizes there too); ``add_request`` tokenizes in place only when given no
+``prompt_token_ids``, so the server always passes them. ``add_request`` validates
+synchronously (a ValueError means a bad request) and returns a stream; ``generate`` wraps both and aborts the request if the consumer stops early (a client
 that disconnected), so its KV blocks are freed.
 
 Admission control: with ``max_waiting_requests`` set, at most ``max_num_seqs +
