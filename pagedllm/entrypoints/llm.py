@@ -25,9 +25,9 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``dtype``,
     ``seed``, ``enable_prefix_caching``, ``quantization``, ``speculative_config`` (a dict as
     vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
-    (a name in pagedllm/kv_backends/, with its own options: README, KV cache backends);
+    (a name in pagedllm/kv_backends/, with its own options: docs/vattention.md);
     ``attention_backend`` ("torch" or "reference"); ``tensor_parallel_size`` and ``distributed_executor_backend``
-    ("mp" or "ray": README, Tensor parallelism; call ``shutdown()`` to stop the workers).
+    ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
