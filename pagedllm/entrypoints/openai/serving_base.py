@@ -77,8 +77,9 @@ class BeamSearchRequest:
 
 
 # Sampling fields beam search does not use: a value other than the default is a 400, not dropped.
+# (A seed is accepted, as with greedy sampling: the search is deterministic, nothing to seed.)
 _NOT_FOR_BEAM_SEARCH = (
-    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids",
     "bad_words", "skip_special_tokens", "spaces_between_special_tokens", "cache_salt",
 )
