@@ -30,7 +30,8 @@ NUM_EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "12"))
 FUZZ_ARGS = ["--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory-bytes", "16MiB",
              "--max-num-seqs", "8", "--max-waiting-requests", "8"]
 POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
-COUNTS = {"cases": 0}
+STREAMING_PATHS = POST_PATHS[:2]
+COUNTS = {"cases": 0, "streams": 0}  # cases sent; 200 event streams whose body was checked
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def fuzz_server(tiny_llama_dir):
     srv = RemoteServer(FUZZ_ARGS, model=tiny_llama_dir, startup_timeout_s=600)
     yield srv
     srv.stop()
-    print(f"\nfuzz: {COUNTS['cases']} cases sent")
+    print(f"\nfuzz: {COUNTS['cases']} cases sent, {COUNTS['streams']} stream bodies checked")
 
 
 def check_error_shape(err: object, status: int, text: str) -> None:
@@ -72,6 +73,7 @@ def check_response(r: httpx.Response | object, label: str) -> None:
     if status >= 400:
         check_error_shape(r.json()["error"], status, r.text)
     elif _content_type(r).startswith("text/event-stream"):
+        COUNTS["streams"] += 1
         check_stream_body(r.text, label)
 
 
@@ -122,7 +124,14 @@ def test_fuzz_from_openapi_schema(fuzz_server, mode):
         def run(case):
             COUNTS["cases"] += 1
             response = case.call(base_url=fuzz_server.url, timeout=120)
-            check_response(response, f"{op.method.upper()} {op.path} body={str(case.body)[:500]}")
+            label = f"{op.method.upper()} {op.path} body={str(case.body)[:500]}"
+            check_response(response, label)
+            if response.status_code == 200 and op.path in STREAMING_PATHS and not case.body.get("stream"):
+                # The same valid request streamed: its events are checked too.
+                COUNTS["cases"] += 1
+                streamed = httpx.post(fuzz_server.url + op.path, content=json.dumps({**case.body, "stream": True}),
+                                      headers={"content-type": "application/json"}, timeout=120)
+                check_response(streamed, f"{label} (streamed)")
 
         run()
         assert_still_serving(fuzz_server)
