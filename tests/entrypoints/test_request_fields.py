@@ -320,8 +320,7 @@ def check_prompt_logprobs(ctx: Ctx) -> None:
         assert str(token) in position and len(position) >= 2
         for entry in position.values():
             assert set(entry) == {"logprob", "rank", "decoded_token"} and entry["logprob"] <= 0
-    assert "prompt_logprobs" not in ctx.greedy().choices[0].model_extra or \
-        ctx.greedy().choices[0].model_extra["prompt_logprobs"] is None
+    assert (ctx.greedy().choices[0].model_extra or {}).get("prompt_logprobs") is None  # only when asked
     chat = ctx.chat(prompt_logprobs=0, max_tokens=1)
     top = chat.model_extra["prompt_logprobs"]
     assert len(top) == chat.usage.prompt_tokens and top[0] is None and all(len(p) == 1 for p in top[1:])
