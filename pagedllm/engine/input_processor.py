@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Union
 
 from pagedllm.config import ModelConfig
@@ -10,6 +12,13 @@ from pagedllm.sampling_params import SamplingParams
 PromptType = Union[str, dict]
 """A string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; a dict may also carry a
 "cache_salt": requests with different salts never share cached prefix blocks."""
+
+
+@functools.cache
+def _template_call_params(tokenizer_type: type) -> frozenset[str]:
+    """apply_chat_template's own named parameters: not template variables."""
+    params = inspect.signature(tokenizer_type.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name != "self")
 
 
 class InputProcessor:
@@ -45,15 +54,30 @@ class InputProcessor:
         return ids
 
     def render_chat(
-        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
-        """Apply the chat template; the ids equal HF's `apply_chat_template(tokenize=True)`."""
+        """Apply the chat template; the ids equal HF's `apply_chat_template(tokenize=True)`.
+
+        chat_template_kwargs are variables for the template (e.g. `enable_thinking`); as in
+        vLLM, an `add_generation_prompt` among them overrides the argument. A key naming one of
+        apply_chat_template's own parameters is refused: it would change the call, not the template.
+        """
+        variables = dict(chat_template_kwargs or {})
+        add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
+        reserved = sorted(set(variables) & _template_call_params(type(self.tokenizer)))
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: they are parameters of the "
+                "template call, not template variables"
+            )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=chat_template,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=bool(add_generation_prompt),
+                **variables,
             )
         except Exception as e:  # jinja errors, raise_exception() in templates
             raise ValueError(f"the chat template rejected the messages: {e}") from e
