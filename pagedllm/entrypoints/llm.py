@@ -63,13 +63,15 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Chat: one conversation (a list of messages) or a list of conversations."""
+        """Chat: one conversation (a list of messages) or a list of conversations;
+        ``chat_template_kwargs`` are variables for the template (e.g. ``enable_thinking``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
         requests = []
         for conv in conversations:
-            text, ids = processor.render_chat(conv, chat_template, add_generation_prompt)
+            text, ids = processor.render_chat(conv, chat_template, add_generation_prompt, chat_template_kwargs)
             requests.append((text, ids))
         return self._run(requests, sampling_params, use_tqdm)
 
