@@ -42,6 +42,7 @@ from pagedllm.distributed.kv_transfer.base import (
     ReleaseSpec,
 )
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+from pagedllm.distributed.kv_transfer.wire import PULL, RELEASE, send_release
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
             held = self._held.get(transfer_id)
             if held is None and not give_up and transfer_id not in self._done:
                 return False
-            if kind == b"release":
+            if kind == RELEASE:
                 if held is not None and not held.in_flight:
                     self._end_hold(transfer_id)
                 return True
@@ -334,13 +335,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         return sock
 
     def _send_release(self, job: ReleaseSpec) -> None:
-        sock = self._dealer(job.remote_host, job.remote_port)
-        try:
-            sock.send_multipart([b"release", json.dumps({"transfer_id": job.transfer_id}).encode()])
-            # Give zmq a moment to deliver; a producer that is gone frees on its timeout.
-            sock.setsockopt(zmq.LINGER, 1000)
-        finally:
-            sock.close()
+        send_release(self._ctx, job.remote_host, job.remote_port, job.transfer_id)
 
     def _pull(self, job: LoadSpec) -> int:
         """Fetch the blocks and copy them into place; returns bytes received."""
@@ -350,7 +345,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         sock = self._dealer(job.remote_host, job.remote_port)
         try:
             request = {"transfer_id": job.transfer_id, "hashes": [h.hex() for h in job.block_hashes]}
-            sock.send_multipart([b"pull", json.dumps(request).encode()])
+            sock.send_multipart([PULL, json.dumps(request).encode()])
             if not sock.poll(int(self.config.kv_transfer_timeout_s * 1000)):
                 # Queued pulls from a dead instance fail fast instead of each waiting in turn.
                 self._dead_until[address] = time.monotonic() + _DEAD_PEER_S
