@@ -103,6 +103,7 @@ def test_failed_decode_is_retried_elsewhere_recomputing(make_client, failure):
     (raise_(httpx.ConnectError("refused")), 503, "unreachable"),
     (raise_(httpx.ReadTimeout("slow")), 504, "timed out"),
     (lambda r: httpx.Response(500, text="Internal Server Error"), 502, "answered 500"),
+    (lambda r: httpx.Response(503, json={"error": {"message": "overloaded"}}), 503, "answered 503: overloaded"),
 ])
 def test_no_decode_left_gives_an_openai_error(make_client, failure, status, text):
     client, released = make_client(Instances(p=prefill_ok, d1=failure, d2=failure))

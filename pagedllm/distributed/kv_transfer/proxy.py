@@ -77,7 +77,8 @@ def _upstream_error(url: str, status: int, content: bytes) -> DecodeFailed:
         message = json.loads(content)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = content[:200].decode(errors="replace")
-    return DecodeFailed(f"decode instance {url} answered {status}: {message}", 502)
+    # An overloaded instance's 503 stays a 503 (the client may retry); any other 5xx is a 502.
+    return DecodeFailed(f"decode instance {url} answered {status}: {message}", 503 if status == 503 else 502)
 
 
 def release_hold(ctx: zmq.Context, params: dict[str, Any]) -> None:
