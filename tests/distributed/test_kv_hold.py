@@ -5,7 +5,8 @@ producer's answer (far larger than loopback's socket buffers) is half sent. The 
 keep A's transfer out of ``finished_sending`` (the scheduler frees a hold only on that) past
 the old 1 s-class tracker wait, answer consumer B's pull meanwhile, and, A never resuming,
 abort the send after ``kv_send_timeout_s`` and only then free the blocks. A, resumed at the
-end, reports its pull failed (no partial KV lands)."""
+end, reports its pull failed (no partial KV lands). Killed instead of resumed, A's connection
+is known dead at once and the blocks come back without waiting for the abort."""
 
 from __future__ import annotations
 
@@ -61,23 +62,40 @@ def caches(fill: float) -> list[torch.Tensor]:
     return [torch.full(shape, fill + layer) for layer in range(LAYERS)]
 
 
-def test_stalled_consumer_keeps_its_blocks_held_and_others_still_pull():
-    port = free_port()
-    hashes = hash_request_tokens(list(range(NUM_BLOCKS * BLOCK_SIZE)), BLOCK_SIZE)
-    producer = ZmqConnectorWorker(
-        KVTransferConfig(kv_role="kv_producer", kv_port=port, kv_hold_timeout_s=60,
-                         kv_send_timeout_s=SEND_TIMEOUT_S), caches(1.0))
-    consumer_b = ZmqConnectorWorker(KVTransferConfig(kv_role="kv_consumer", kv_transfer_timeout_s=3.0), caches(0.0))
+def start_stalled_pull(port: int, hashes: list) -> subprocess.Popen:
+    """Consumer A in its own process, stopped (SIGSTOP) once its pull of "big" is on the wire;
+    the producer has not registered "big" yet, so it answers only when the test does."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-c", CONSUMER], cwd=REPO_ROOT, env=env, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    job = {"port": port, "shape": [2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM], "layers": LAYERS,
+           "hashes": [bytes(h).hex() for h in (hashes[i] for i in BIG)]}
+    child.stdin.write(json.dumps(job) + "\n")
+    child.stdin.flush()
+    assert child.stdout.readline().strip() == "sent"
+    os.kill(child.pid, signal.SIGSTOP)
+    return child
+
+
+def end(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+
+
+def make_producer(port: int) -> ZmqConnectorWorker:
+    return ZmqConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port, kv_hold_timeout_s=60,
+                                               kv_send_timeout_s=SEND_TIMEOUT_S), caches(1.0))
+
+
+def test_stalled_consumer_keeps_its_blocks_held_and_others_still_pull():
+    port = free_port()
+    hashes = hash_request_tokens(list(range(NUM_BLOCKS * BLOCK_SIZE)), BLOCK_SIZE)
+    producer = make_producer(port)
+    consumer_b = ZmqConnectorWorker(KVTransferConfig(kv_role="kv_consumer", kv_transfer_timeout_s=3.0), caches(0.0))
+    child = start_stalled_pull(port, hashes)
     try:
-        job = {"port": port, "shape": [2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM], "layers": LAYERS,
-               "hashes": [bytes(h).hex() for h in (hashes[i] for i in BIG)]}
-        child.stdin.write(json.dumps(job) + "\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "sent"
-        os.kill(child.pid, signal.SIGSTOP)
         producer.start_load_kv(KVConnectorMetadata(sends=[
             SendSpec("big", [hashes[i] for i in BIG], BIG), SendSpec("small", [hashes[i] for i in SMALL], SMALL)]))
         t_sent = time.monotonic()
@@ -109,9 +127,27 @@ def test_stalled_consumer_keeps_its_blocks_held_and_others_still_pull():
         assert result["finished"] == [] and "a" in result["failed"], result
         assert child.wait(30) == 0
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-            child.wait()
+        end(child)
         producer.shutdown()
         consumer_b.shutdown()
+
+
+def test_killed_consumer_frees_its_blocks_once_zmq_drops_the_answer():
+    """A dead connection (kill -9 of the stopped consumer: its kernel resets the TCP
+    connection) ends the send well before kv_send_timeout_s."""
+    port = free_port()
+    hashes = hash_request_tokens(list(range(NUM_BLOCKS * BLOCK_SIZE)), BLOCK_SIZE)
+    producer = make_producer(port)
+    child = start_stalled_pull(port, hashes)
+    try:
+        producer.start_load_kv(KVConnectorMetadata(sends=[SendSpec("big", [hashes[i] for i in BIG], BIG)]))
+        time.sleep(1.0)
+        assert "big" not in producer.get_finished().finished_sending
+        t_kill = time.monotonic()
+        child.kill()
+        child.wait()
+        wait_output(producer, timeout_s=SEND_TIMEOUT_S - 2, finished_sending={"big"})
+        assert time.monotonic() - t_kill < SEND_TIMEOUT_S - 2 and producer.get_stats()["aborted_sends"] == 0
+    finally:
+        end(child)
+        producer.shutdown()
