@@ -215,6 +215,11 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                 if self._stop.is_set():
                     return
                 logger.exception("KV transfer server error")
+                if self._router.closed:  # a rebind after an abort failed: try again (it waits)
+                    try:
+                        self._router = self._bind_router()
+                    except zmq.ZMQError:
+                        pass
 
     def _reap_sends(self) -> bool:
         """End the holds whose sends zmq has let go of; True if a send is past its deadline."""
