@@ -44,7 +44,7 @@ class EngineArgs:
     """Reuse the KV blocks of shared prompt prefixes (default: on where the KV backend
     supports it)."""
     kv_cache_backend: str = "paged"
-    """A name in pagedllm/kv_backends/: "paged" or "vattention" (docs/vattention.md)."""
+    """A name in pagedllm/kv_backends/: "paged" or "vattention" (docs/kv_backends.md)."""
     vattention_hugepages: bool = False
     """vattention: back the slots with transparent huge pages (2 MiB accounting pages)."""
     vattention_deferred_reclaim: bool = True

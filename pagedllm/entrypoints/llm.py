@@ -25,7 +25,7 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``dtype``,
     ``seed``, ``enable_prefix_caching``, ``quantization``, ``speculative_config`` (a dict as
     vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
-    (a name in pagedllm/kv_backends/, with its own options: docs/vattention.md);
+    (a name in pagedllm/kv_backends/, with its own options: docs/kv_backends.md);
     ``attention_backend`` ("torch" or "reference"); ``tensor_parallel_size`` and ``distributed_executor_backend``
     ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers).
     """
