@@ -44,7 +44,7 @@ class EngineArgs:
     """Reuse the KV blocks of shared prompt prefixes (default: on where the KV backend
     supports it)."""
     kv_cache_backend: str = "paged"
-    """A name in pagedllm/kv_backends/: "paged" or "vattention" (README: KV cache backends)."""
+    """A name in pagedllm/kv_backends/: "paged" or "vattention" (docs/kv_backends.md)."""
     vattention_hugepages: bool = False
     """vattention: back the slots with transparent huge pages (2 MiB accounting pages)."""
     vattention_deferred_reclaim: bool = True
@@ -62,7 +62,7 @@ class EngineArgs:
     speculative_config: dict | None = None
     """Speculative decoding as vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
     tensor_parallel_size: int = 1
-    """Tensor-parallel ranks (README: Tensor parallelism)."""
+    """Tensor-parallel ranks (docs/tensor_parallel.md)."""
     distributed_executor_backend: str | None = None
     """uni, mp or ray; default uni for one rank, mp for more."""
 

@@ -1,10 +1,13 @@
 """Prompts in: tokenize, apply chat templates, validate against the model's limits.
 
 These calls are blocking (a 200,000-character prompt takes a third of a second to encode); the
-server runs them on AsyncLLM's tokenizer thread, never on the event loop."""
+server runs them on AsyncLLM's tokenizer thread, never on the event loop, and a request's own
+chat template in a separate process (``entrypoints/openai/chat_renderer.py``)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Union
 
 from pagedllm.config import ModelConfig
@@ -13,6 +16,13 @@ from pagedllm.sampling_params import SamplingParams
 PromptType = Union[str, dict]
 """A string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; a dict may also carry a
 "cache_salt": requests with different salts never share cached prefix blocks."""
+
+
+@functools.cache
+def _template_call_params(tokenizer_type: type) -> frozenset[str]:
+    """apply_chat_template's own named parameters: not template variables."""
+    params = inspect.signature(tokenizer_type.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name != "self")
 
 
 class InputProcessor:
@@ -48,18 +58,11 @@ class InputProcessor:
         return ids
 
     def render_chat(
-        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """Apply the chat template; the ids equal HF's `apply_chat_template(tokenize=True)`."""
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
-        except Exception as e:  # jinja errors, raise_exception() in templates
-            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        text = render_chat_text(self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs)
         return text, self.encode_rendered(text)
 
     def encode_rendered(self, text: str) -> list[int]:
@@ -93,3 +96,33 @@ class InputProcessor:
         if params.max_tokens is None:
             return room
         return min(params.max_tokens, room)
+
+
+def render_chat_text(
+    tokenizer: Any, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The chat template applied to the messages (ValueError if it refuses them).
+
+    chat_template_kwargs are variables for the template (e.g. `enable_thinking`); as in
+    vLLM, an `add_generation_prompt` among them overrides the argument. A key naming one of
+    apply_chat_template's own parameters is refused: it would change the call, not the template.
+    """
+    variables = dict(chat_template_kwargs or {})
+    add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
+    reserved = sorted(set(variables) & _template_call_params(type(tokenizer)))
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: they are parameters of the "
+            "template call, not template variables"
+        )
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=bool(add_generation_prompt),
+            **variables,
+        )
+    except Exception as e:  # jinja errors, raise_exception() in templates
+        raise ValueError(f"the chat template rejected the messages: {e}") from e

@@ -37,7 +37,9 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+            IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
             if params.detokenize else None
         )
         self.output_token_ids: list[int] = []

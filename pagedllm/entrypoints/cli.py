@@ -132,7 +132,7 @@ def cmd_proxy(args: argparse.Namespace) -> None:
     """`pagedllm proxy`: disaggregated prefill/decode over running `pagedllm serve` instances."""
     from pagedllm.distributed.kv_transfer.proxy import run_proxy
 
-    run_proxy(args.prefill, args.decode, args.host, args.port, args.uvicorn_log_level)
+    run_proxy(args.prefill, args.decode, args.host, args.port, args.uvicorn_log_level, args.timeout)
 
 
 def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
@@ -144,6 +144,9 @@ def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8000)
     proxy.add_argument("--uvicorn-log-level", default="info")
+    proxy.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                       help="seconds to wait for an instance's next bytes; a decode instance past it "
+                            "is replaced by the next (before any byte is relayed) or ends the stream with an error")
     proxy.set_defaults(func=cmd_proxy)
 
 

@@ -25,9 +25,9 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``dtype``,
     ``seed``, ``enable_prefix_caching``, ``quantization``, ``speculative_config`` (a dict as
     vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
-    (a name in pagedllm/kv_backends/, with its own options: README, KV cache backends);
+    (a name in pagedllm/kv_backends/, with its own options: docs/kv_backends.md);
     ``attention_backend`` ("torch" or "reference"); ``tensor_parallel_size`` and ``distributed_executor_backend``
-    ("mp" or "ray": README, Tensor parallelism; call ``shutdown()`` to stop the workers).
+    ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
@@ -63,13 +63,15 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Chat: one conversation (a list of messages) or a list of conversations."""
+        """Chat: one conversation (a list of messages) or a list of conversations;
+        ``chat_template_kwargs`` are variables for the template (e.g. ``enable_thinking``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
         requests = []
         for conv in conversations:
-            text, ids = processor.render_chat(conv, chat_template, add_generation_prompt)
+            text, ids = processor.render_chat(conv, chat_template, add_generation_prompt, chat_template_kwargs)
             requests.append((text, ids))
         return self._run(requests, sampling_params, use_tqdm)
 

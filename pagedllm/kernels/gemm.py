@@ -24,7 +24,10 @@ def chunked_gemm(
     k = x.shape[1]
     rows = min(num_rows, _CHUNK_ROWS)
     if _scratch is None or _scratch.numel() < rows * k:
-        _scratch = torch.empty(rows * k)
+        # A normal tensor even when first needed under inference mode: the buffer outlives the
+        # call, and an inference tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            _scratch = torch.empty(rows * k)
     y = torch.empty(x.shape[0], num_rows)
     for start in range(0, num_rows, rows):
         size = min(rows, num_rows - start)

@@ -156,7 +156,7 @@ def load_model(
 
 def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str:
     """The weight format: the requested one, or by default "gguf" for a GGUF file whose
-    weights are all of a type it keeps (fastest at decode, least memory; see README), else
+    weights are all of a type it keeps (fastest at decode, least memory; see docs/quantization.md), else
     "none". ValueError for an unknown name or "gguf" without a GGUF file."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(

@@ -35,3 +35,42 @@ def test_find_stop_string_only_in_new_text():
     assert find_stop_string("zab and END", 10, params) == ("ab", 1)  # earliest wins
     inc = SamplingParams(stop=["END"], include_stop_str_in_output=True)
     assert find_stop_string("xxEND", 3, inc) == ("END", 5)
+
+
+def _wordpiece_tokenizer():
+    """A tiny WordPiece tokenizer (its decoder joins tokens with spaces) with added tokens:
+    special [A], [B] and a plain added <x>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.decoder = decoders.WordPiece()
+    raw.add_special_tokens(["[A]", "[B]"])
+    raw.add_tokens(["<x>"])
+    return PreTrainedTokenizerFast(tokenizer_object=raw)
+
+
+def _streamed(tokenizer, ids: list[int], **kwargs) -> str:
+    detok = IncrementalDetokenizer(tokenizer, [], **kwargs)
+    return "".join([detok.update([t]) for t in ids] + [detok.flush()])
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens(spaces):
+    tokenizer = _wordpiece_tokenizer()
+    ids = tokenizer.encode("hello [A][B] worlds <x><x>", add_special_tokens=False)
+    assert ids == [1, 4, 5, 2, 3, 6, 6]
+    kept = _streamed(tokenizer, ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    # True: the decoder's own spacing; False: no space between two adjacent added tokens.
+    assert kept == ("hello [A] [B] worlds <x> <x>" if spaces else "hello [A][B] worlds <x><x>")
+    # With special tokens skipped the option does nothing (as in vLLM).
+    skipped = _streamed(tokenizer, ids, skip_special_tokens=True, spaces_between_special_tokens=spaces)
+    assert skipped == tokenizer.decode(ids, skip_special_tokens=True) == "hello worlds <x> <x>"
+
+
+def test_spaces_between_special_tokens_change_nothing_byte_level(default_tokenizer):
+    ids = default_tokenizer.encode("Hi<|im_end|><|im_start|>assistant\n ok<|im_end|>", add_special_tokens=False)
+    plain = default_tokenizer.decode(ids, skip_special_tokens=False)
+    for spaces in (True, False):
+        assert _streamed(default_tokenizer, ids, skip_special_tokens=False, spaces_between_special_tokens=spaces) == plain

@@ -33,6 +33,17 @@ def test_chat_token_ids_equal_hf_template(default_llm, default_tokenizer):
             assert ours.prompt_token_ids[:2] != [bos, bos], "double BOS"
 
 
+def test_chat_template_kwargs_reach_the_template(default_llm, default_tokenizer):
+    template = "{% if greeting %}{{ greeting }} {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    params = SamplingParams(max_tokens=1)
+    plain = default_llm.chat(_chat("Hi"), params, use_tqdm=False, chat_template=template)[0]
+    greeted = default_llm.chat(
+        _chat("Hi"), params, use_tqdm=False, chat_template=template, chat_template_kwargs={"greeting": "Hello!"}
+    )[0]
+    assert plain.prompt_token_ids == default_tokenizer.encode("Hi", add_special_tokens=False)
+    assert greeted.prompt_token_ids == default_tokenizer.encode("Hello! Hi", add_special_tokens=False)
+
+
 def test_greedy_chat_matches_hf(default_llm, hf_default_model):
     eos = set(default_llm.llm_engine.model_config.eos_token_ids)
     params = SamplingParams(max_tokens=64, temperature=0.0)

@@ -30,7 +30,8 @@ NUM_EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "12"))
 FUZZ_ARGS = ["--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory-bytes", "16MiB",
              "--max-num-seqs", "8", "--max-waiting-requests", "8"]
 POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
-COUNTS = {"cases": 0}
+STREAMING_PATHS = POST_PATHS[:2]
+COUNTS = {"cases": 0, "streams": 0}  # cases sent; 200 event streams whose body was checked
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +39,69 @@ def fuzz_server(tiny_llama_dir):
     srv = RemoteServer(FUZZ_ARGS, model=tiny_llama_dir, startup_timeout_s=600)
     yield srv
     srv.stop()
-    print(f"\nfuzz: {COUNTS['cases']} cases sent")
+    print(f"\nfuzz: {COUNTS['cases']} cases sent, {COUNTS['streams']} stream bodies checked")
+
+
+def check_error_shape(err: object, status: int, text: str) -> None:
+    assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, text
+    assert err["code"] == status and err["message"], text
+
+
+def check_stream_body(text: str, label: str) -> None:
+    """A 200 event stream: JSON events, then `[DONE]` last. An error event inside it fails the
+    case unless it says the request was invalid (a 4xx code found after the stream began)."""
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", f"{label}: the stream does not end with [DONE]: {text[-2000:]}"
+    for event in events[:-1]:
+        obj = json.loads(event)
+        if "error" in obj:
+            err = obj["error"]
+            check_error_shape(err, err.get("code") if isinstance(err, dict) else None, event)
+            assert 400 <= err["code"] < 500, f"{label}: error event in a 200 stream: {event[:2000]}"
+        else:
+            assert obj.get("object") in ("text_completion", "chat.completion.chunk"), f"{label}: {event[:2000]}"
+
+
+def _content_type(r: httpx.Response | object) -> str:
+    value = r.headers.get("content-type", "")  # schemathesis' responses hold a list per header
+    return (value[0] if value else "") if isinstance(value, list) else value
 
 
 def check_response(r: httpx.Response | object, label: str) -> None:
     status = r.status_code
     assert status < 500, f"{label}: {status} {r.text[:2000]}"
     if status >= 400:
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"], r.text
+        check_error_shape(r.json()["error"], status, r.text)
+    elif _content_type(r).startswith("text/event-stream"):
+        COUNTS["streams"] += 1
+        check_stream_body(r.text, label)
+
+
+def _sse(*events: object) -> httpx.Response:
+    body = "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+    return httpx.Response(200, text=body, headers={"content-type": "text/event-stream; charset=utf-8"})
+
+
+CHUNK = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}
+
+
+@pytest.mark.parametrize("events", [
+    [CHUNK, {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}, "[DONE]"],
+    [CHUNK, {"error": {"message": "busy", "type": "ServiceUnavailableError", "param": None, "code": 503}}, "[DONE]"],
+    [CHUNK],  # cut short: no [DONE]
+    [CHUNK, {"error": "not OpenAI's shape"}, "[DONE]"],
+    ["not json", "[DONE]"],
+], ids=["500-event", "503-event", "no-done", "bad-error-shape", "not-json"])
+def test_stream_bodies_are_checked(events):
+    """The check reads a 200 stream's body: a server error inside it fails the case."""
+    with pytest.raises((AssertionError, ValueError)):
+        check_response(_sse(*events), "case")
+
+
+def test_valid_streams_pass_the_check():
+    check_response(_sse(CHUNK, CHUNK, "[DONE]"), "case")
+    invalid = {"error": {"message": "bad stop", "type": "BadRequestError", "param": "stop", "code": 400}}
+    check_response(_sse(CHUNK, invalid, "[DONE]"), "case")  # an invalid request found mid-stream
 
 
 def assert_still_serving(server) -> None:
@@ -69,7 +124,14 @@ def test_fuzz_from_openapi_schema(fuzz_server, mode):
         def run(case):
             COUNTS["cases"] += 1
             response = case.call(base_url=fuzz_server.url, timeout=120)
-            check_response(response, f"{op.method.upper()} {op.path} body={str(case.body)[:500]}")
+            label = f"{op.method.upper()} {op.path} body={str(case.body)[:500]}"
+            check_response(response, label)
+            if response.status_code == 200 and op.path in STREAMING_PATHS and not case.body.get("stream"):
+                # The same valid request streamed: its events are checked too.
+                COUNTS["cases"] += 1
+                streamed = httpx.post(fuzz_server.url + op.path, content=json.dumps({**case.body, "stream": True}),
+                                      headers={"content-type": "application/json"}, timeout=120)
+                check_response(streamed, f"{label} (streamed)")
 
         run()
         assert_still_serving(fuzz_server)

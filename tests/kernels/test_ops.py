@@ -176,12 +176,30 @@ def test_bf16_linear(mode: str, rows: int) -> None:
 def test_fused_decode_layers(mode: str, tmp_path: Path) -> None:
     """The fused decode forward where it built, the module path where not: same decode."""
     from pagedllm.models.loader import load_model
-    from tests.models.test_fused_decode import _compare_decode_steps
+    from tests.models.test_fused_decode import compare_decode_steps
     from tests.models.test_llama import tiny_config
     from tests.models.utils import bind_kv_caches, save_tiny_model
 
     save_tiny_model(tmp_path, tiny_config("llama"))
     loaded = load_model(str(tmp_path), quantization="int4")
     bind_kv_caches(loaded.model, num_blocks=17, block_size=4)
-    fused_calls = _compare_decode_steps(loaded, 2, steps=3, atol=0.0)
+    fused_calls = compare_decode_steps(loaded, 2, steps=3, atol=0.0)
     assert fused_calls == (3 if _expect(mode, "decode_layers") else 0)
+
+
+def test_chunked_gemm_buffer_first_made_under_inference_mode() -> None:
+    """The reused expansion buffer, first allocated inside inference mode (the runner), stays
+    writable for a later call outside it (an inference tensor would refuse the in-place fill)."""
+    from pagedllm.kernels import gemm
+
+    gemm._scratch = None
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+
+    def fill(start: int, buf: torch.Tensor) -> None:
+        buf.copy_(w[start : start + buf.shape[0]])
+
+    with torch.inference_mode():
+        inside = gemm.chunked_gemm(x, 5, fill)
+    outside = gemm.chunked_gemm(x, 5, fill)
+    torch.testing.assert_close(inside, x @ w.t())
+    torch.testing.assert_close(outside, x @ w.t())

@@ -18,7 +18,7 @@ QUANTIZED_DECODE_TOL = 2e-2
 
 @pytest.fixture(scope="module", params=["paged", "vattention"])
 def tiny_llm(tiny_llama_dir, request):
-    """The same engine over each KV cache backend (README: KV cache backends)."""
+    """The same engine over each KV cache backend (docs/kv_backends.md)."""
     return LLM(tiny_llama_dir, dtype="float32", max_model_len=512, block_size=16,
                kv_cache_memory_bytes="16MiB", max_num_batched_tokens=128, max_num_seqs=32,
                kv_cache_backend=request.param)

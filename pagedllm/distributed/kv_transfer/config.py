@@ -32,6 +32,10 @@ class KVTransferConfig:
     """The producer frees blocks held for a transfer that nobody pulled within this time."""
     kv_transfer_timeout_s: float = 10.0
     """A consumer gives up on a pull that got no answer within this time."""
+    kv_send_timeout_s: float = 60.0
+    """The producer aborts answers to pulls still unsent after this long (a consumer stopped or
+    unreachable): it reopens its KV socket, which drops every answer in flight, and frees their
+    blocks once zmq has let go of them."""
 
     def __post_init__(self) -> None:
         if self.kv_role not in _ROLES:
@@ -44,7 +48,7 @@ class KVTransferConfig:
             raise ValueError(
                 f"kv_load_failure_policy={self.kv_load_failure_policy!r} must be 'recompute' or 'fail'"
             )
-        for name in ("kv_hold_timeout_s", "kv_transfer_timeout_s"):
+        for name in ("kv_hold_timeout_s", "kv_transfer_timeout_s", "kv_send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
 

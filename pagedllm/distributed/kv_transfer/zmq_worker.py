@@ -4,8 +4,13 @@ Producer: a ROUTER socket on ``tcp://kv_host:kv_port``, served by a background t
 A held transfer is registered as {hash: block id}. A pull names the transfer and the hashes
 it wants; the answer is one multipart message: a JSON header, then one frame per run of
 consecutive block ids, per layer tensor, for K then V. Each frame is a view of the cache
-tensor (no copy); the thread waits on zmq's tracker before releasing the blocks, so they are
-not reused while zmq still reads them.
+tensor (no copy), so a hold ends only once zmq's tracker says zmq let go of the frames; the
+thread checks trackers each turn and never waits on one, so a stalled consumer does not hold
+up other pulls. Invariant: a transfer's blocks are reported freed (``finished_sending``) only
+while no send of them is in flight. An answer still unsent after ``kv_send_timeout_s`` (a
+consumer stopped, or gone without a reset) is aborted: the thread closes and rebinds the
+ROUTER, zmq drops the answers in flight, their trackers complete, and only then are their
+blocks freed. Their consumers time out and recompute.
 
 Consumer: a background thread takes loads in order; each opens a DEALER to the producer,
 sends the pull, waits up to ``kv_transfer_timeout_s`` and copies the frames into the
@@ -37,20 +42,36 @@ from pagedllm.distributed.kv_transfer.base import (
     ReleaseSpec,
 )
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+from pagedllm.distributed.kv_transfer.wire import PULL, RELEASE, send_release
 
 logger = logging.getLogger(__name__)
 
 _REGISTRATION_WAIT_S = 5.0  # a pull may outrun the registration of its transfer by a step
-_TRACKER_TIMEOUT_S = 60.0
+_REBIND_WAIT_S = 5.0  # the closed ROUTER's listener goes away asynchronously
 _NUM_DONE_REMEMBERED = 4096  # ended transfers, to refuse a late pull at once
 _DEAD_PEER_S = 5.0  # after a pull timed out, later pulls from that address fail at once
 
 
 @dataclass
+class _Send:
+    """An answer handed to zmq, which may still read the blocks' memory."""
+
+    tracker: zmq.MessageTracker
+    deadline: float  # abort it if still unsent by then
+    num_blocks: int
+    num_bytes: int
+    aborted: bool = False
+
+
+@dataclass
 class _Held:
     blocks: dict[bytes, int]  # hash -> block id
-    deadline: float
-    in_flight: bool = False
+    deadline: float  # freed unpulled after this (not while a send is in flight)
+    send: _Send | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.send is not None
 
 
 def block_runs(indices_ids: list[int]) -> list[tuple[int, int]]:
@@ -77,16 +98,14 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         self._done: OrderedDict[str, None] = OrderedDict()
         self._output = KVConnectorOutput()
         self._stats = {"blocks_sent": 0, "bytes_sent": 0, "blocks_received": 0, "bytes_received": 0,
-                       "seconds": 0.0, "failed_loads": 0, "expired_holds": 0}
+                       "seconds": 0.0, "failed_loads": 0, "expired_holds": 0, "aborted_sends": 0}
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._threads: list[threading.Thread] = []
         self._jobs: queue.Queue[LoadSpec | ReleaseSpec | None] = queue.Queue()
         self._dead_until: dict[tuple[str, int], float] = {}  # loader thread only
         if config.is_producer:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(f"tcp://{config.kv_host}:{config.kv_port}")
+            self._router = self._bind_router()
             self._start(self._serve_loop, "kv-transfer-server")
             logger.info("KV transfer server on tcp://%s:%d (%s)", config.kv_host, config.kv_port, config.kv_role)
         if config.is_consumer:
@@ -155,27 +174,84 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
 
     # ---- producer: serve held blocks -------------------------------------------------------
 
+    def _bind_router(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        address = f"tcp://{self.config.kv_host}:{self.config.kv_port}"
+        deadline = time.monotonic() + _REBIND_WAIT_S
+        while True:
+            try:
+                sock.bind(address)
+                return sock
+            except zmq.ZMQError:
+                if time.monotonic() > deadline:
+                    sock.close()
+                    raise
+                time.sleep(0.05)
+
     def _serve_loop(self) -> None:
         pending: list[tuple[float, list[bytes]]] = []  # pulls for transfers not registered yet
         while not self._stop.is_set():
             try:
-                if self._router.poll(20 if pending else 200):
+                with self._lock:
+                    busy = pending or any(h.in_flight for h in self._held.values())
+                if self._router.poll(20 if busy else 200):
                     msg = self._router.recv_multipart()
                     pending.append((time.monotonic() + _REGISTRATION_WAIT_S, msg))
                 still = []
                 for deadline, msg in pending:
                     try:
                         handled = self._handle(msg, give_up=time.monotonic() > deadline)
-                    except (ValueError, KeyError, IndexError, zmq.NotDone):  # a malformed pull
+                    except (ValueError, KeyError, IndexError):  # a malformed pull
                         logger.exception("KV transfer server dropped a message")
                         handled = True
                     if not handled:
                         still.append((deadline, msg))
                 pending = still
+                if self._reap_sends():
+                    self._abort_sends()
+                    pending = []  # their identities belonged to the closed socket
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 logger.exception("KV transfer server error")
+                if self._router.closed:  # a rebind after an abort failed: try again (it waits)
+                    try:
+                        self._router = self._bind_router()
+                    except zmq.ZMQError:
+                        pass
+
+    def _reap_sends(self) -> bool:
+        """End the holds whose sends zmq has let go of; True if a send is past its deadline."""
+        now = time.monotonic()
+        overdue = False
+        with self._lock:
+            for transfer_id, held in list(self._held.items()):
+                send = held.send
+                if send is None:
+                    continue
+                if send.tracker.done:
+                    if send.aborted:
+                        self._stats["aborted_sends"] += 1
+                    else:
+                        self._stats["blocks_sent"] += send.num_blocks
+                        self._stats["bytes_sent"] += send.num_bytes
+                    self._end_hold(transfer_id)
+                elif not send.aborted and now > send.deadline:
+                    overdue = True
+        return overdue
+
+    def _abort_sends(self) -> None:
+        """Drop every answer in flight by closing the ROUTER (zmq then releases their frames,
+        and ``_reap_sends`` frees the blocks once each tracker says so) and bind a new one."""
+        with self._lock:
+            sends = [h.send for h in self._held.values() if h.send is not None]
+            for send in sends:
+                send.aborted = True
+        logger.warning("KV transfer server: %d answers unsent after %.0f s (a consumer stalled or gone); "
+                       "reopening the socket to drop them", len(sends), self.config.kv_send_timeout_s)
+        self._router.close(linger=0)
+        self._router = self._bind_router()
 
     def _handle(self, msg: list[bytes], give_up: bool) -> bool:
         """Answer one message; False to retry later (transfer not registered yet)."""
@@ -186,7 +262,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
             held = self._held.get(transfer_id)
             if held is None and not give_up and transfer_id not in self._done:
                 return False
-            if kind == b"release":
+            if kind == RELEASE:
                 if held is not None and not held.in_flight:
                     self._end_hold(transfer_id)
                 return True
@@ -199,20 +275,17 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
             if missing:
                 self._reply_error(identity, transfer_id, f"{len(missing)} requested blocks are not held")
                 return True
-            held.in_flight = True
             block_ids = [held.blocks[h] for h in hashes]
-        try:
-            self._send_blocks(identity, transfer_id, block_ids)
-        finally:
-            with self._lock:
-                self._end_hold(transfer_id)
+            # Marked in flight before zmq sees the frames: from here only _reap_sends frees them.
+            held.send = self._send_blocks(identity, transfer_id, block_ids)
         return True
 
     def _reply_error(self, identity: bytes, transfer_id: str, error: str) -> None:
         header = {"ok": False, "error": error, "transfer_id": transfer_id}
         self._router.send_multipart([identity, json.dumps(header).encode()])
 
-    def _send_blocks(self, identity: bytes, transfer_id: str, block_ids: list[int]) -> None:
+    def _send_blocks(self, identity: bytes, transfer_id: str, block_ids: list[int]) -> _Send:
+        """Hand zmq one answer whose frames are views of the blocks (no copy)."""
         runs = block_runs(block_ids)
         header = {
             "ok": True, "transfer_id": transfer_id, "runs": runs, "block_size": self.block_size,
@@ -227,11 +300,9 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                     # A contiguous slice of the pool: the frame reads the tensor's memory.
                     frames.append(cache[kv, first : first + count].view(torch.uint8).numpy())
         tracker = self._router.send_multipart(frames, copy=False, track=True)
-        tracker.wait(_TRACKER_TIMEOUT_S)  # zmq no longer reads the blocks: they may be freed
         num_bytes = sum(f.nbytes for f in frames[2:])
-        with self._lock:
-            self._stats["blocks_sent"] += len(block_ids)
-            self._stats["bytes_sent"] += num_bytes
+        deadline = time.monotonic() + self.config.kv_send_timeout_s
+        return _Send(tracker, deadline, len(block_ids), num_bytes)
 
     # ---- consumer: pull blocks -------------------------------------------------------------
 
@@ -269,13 +340,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         return sock
 
     def _send_release(self, job: ReleaseSpec) -> None:
-        sock = self._dealer(job.remote_host, job.remote_port)
-        try:
-            sock.send_multipart([b"release", json.dumps({"transfer_id": job.transfer_id}).encode()])
-            # Give zmq a moment to deliver; a producer that is gone frees on its timeout.
-            sock.setsockopt(zmq.LINGER, 1000)
-        finally:
-            sock.close()
+        send_release(self._ctx, job.remote_host, job.remote_port, job.transfer_id)
 
     def _pull(self, job: LoadSpec) -> int:
         """Fetch the blocks and copy them into place; returns bytes received."""
@@ -285,7 +350,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         sock = self._dealer(job.remote_host, job.remote_port)
         try:
             request = {"transfer_id": job.transfer_id, "hashes": [h.hex() for h in job.block_hashes]}
-            sock.send_multipart([b"pull", json.dumps(request).encode()])
+            sock.send_multipart([PULL, json.dumps(request).encode()])
             if not sock.poll(int(self.config.kv_transfer_timeout_s * 1000)):
                 # Queued pulls from a dead instance fail fast instead of each waiting in turn.
                 self._dead_until[address] = time.monotonic() + _DEAD_PEER_S

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.input_processor import render_chat_text
 from pagedllm.process_utils import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -33,21 +34,21 @@ class ChatTemplateError(ValueError):
 
 
 def _sandbox_main(conn: Any, tokenizer: Any, parent_pid: int) -> None:
-    """The render process: (messages, template, add_generation_prompt) in, ("ok", text) or
-    ("error", message) out, until the pipe closes."""
+    """The render process: (messages, template, add_generation_prompt, chat_template_kwargs) in,
+    ("ok", text) or ("error", message) out, until the pipe closes."""
     die_with_parent(parent_pid)
     conn.send(("ready", None))
     while True:
         try:
-            messages, template, add_generation_prompt = conn.recv()
+            messages, template, add_generation_prompt, chat_template_kwargs = conn.recv()
         except EOFError:
             return
         try:
-            text = tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt)
-            conn.send(("ok", text))
-        except Exception as e:  # noqa: BLE001 -- jinja errors, raise_exception() in templates
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(("ok", render_chat_text(tokenizer, messages, template, add_generation_prompt, chat_template_kwargs)))
+        except ValueError as e:  # the template refused the messages (its message says so)
+            conn.send(("error", str(e)))
+        except Exception as e:  # noqa: BLE001 -- anything else a template can raise
+            conn.send(("error", f"the chat template failed: {type(e).__name__}: {e}"))
 
 
 class TemplateSandbox:
@@ -72,11 +73,12 @@ class TemplateSandbox:
             raise RuntimeError("the chat-template process did not start")
         self._conn.recv()
 
-    def render(self, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], template: str, add_generation_prompt: bool,
+               chat_template_kwargs: dict[str, Any] | None) -> str:
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            self._conn.send((messages, template, add_generation_prompt))
+            self._conn.send((messages, template, add_generation_prompt, chat_template_kwargs))
             if not self._conn.poll(self.timeout_s):
                 logger.warning("a request's chat template ran past %.1f s; killing its process", self.timeout_s)
                 self.close()
@@ -84,7 +86,7 @@ class TemplateSandbox:
                     f"the request's chat_template did not render within {self.timeout_s:g} s")
             status, value = self._conn.recv()
         if status != "ok":
-            raise ChatTemplateError(f"the chat template rejected the messages: {value}")
+            raise ChatTemplateError(value)
         return value
 
     def close(self) -> None:
@@ -108,7 +110,8 @@ class ChatRenderer:
         self._sandbox_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-chat-template")
 
     async def render(
-        self, messages: list[dict], request_chat_template: str | None, add_generation_prompt: bool
+        self, messages: list[dict], request_chat_template: str | None, add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """ChatTemplateError (a 400) if the template refuses the messages, or a request's
         template is not allowed or runs out of time."""
@@ -117,7 +120,7 @@ class ChatRenderer:
         if not request_chat_template:
             try:
                 return await self.engine.run_tokenizer(
-                    processor.render_chat, messages, self.chat_template, add_generation_prompt)
+                    processor.render_chat, messages, self.chat_template, add_generation_prompt, chat_template_kwargs)
             except ValueError as e:
                 raise ChatTemplateError(str(e)) from None
         if not self.trust_request_chat_template:
@@ -128,7 +131,8 @@ class ChatRenderer:
             self._sandbox = TemplateSandbox(self.engine.tokenizer, self.request_chat_template_timeout_s)
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(
-            self._sandbox_thread, self._sandbox.render, messages, request_chat_template, add_generation_prompt)
+            self._sandbox_thread, self._sandbox.render, messages, request_chat_template, add_generation_prompt,
+            chat_template_kwargs)
         # The template writes any BOS itself: do not add special tokens again.
         return text, await self.engine.run_tokenizer(processor.encode_rendered, text)
 

@@ -4,7 +4,7 @@ The state joins the engine's KV snapshot (the KV backend's view: a block map, or
 and resident pages per request; and the queue figures, taken between steps and shared by
 viewers for ``KV_SNAPSHOT_MAX_AGE_S``) with the front end's own records
 (token rates, prefix-cache hit rate, TTFT and inter-token latency percentiles, time series).
-The fields are documented in the README ("Dashboard").
+The fields are documented in docs/dashboard.md.
 """
 
 from __future__ import annotations

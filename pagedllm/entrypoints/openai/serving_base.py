@@ -20,8 +20,11 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingFields,
     TopLogprob,
+    UsageInfo,
 )
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -73,12 +76,24 @@ class BeamSearchRequest:
         return replace(self.params, max_tokens=max(1, max_model_len - num_prompt_tokens - 1))
 
 
+# Sampling fields beam search does not use: a value other than the default is a 400, not dropped.
+# (A seed is accepted, as with greedy sampling: the search is deterministic, nothing to seed.)
+_NOT_FOR_BEAM_SEARCH = (
+    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids",
+    "bad_words", "skip_special_tokens", "spaces_between_special_tokens", "cache_salt",
+)
+
+
 def beam_search_params_from(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> BeamSearchRequest:
     """use_beam_search=true as vLLM reads it: n is the beam width, n beams come back."""
     for name, unsupported in (("logprobs", logprobs is not None), ("stop", bool(req.stop)),
                               ("prompt_logprobs", req.prompt_logprobs is not None)):
         if unsupported:
             raise bad_request(f"{name} is not supported with use_beam_search=true", name)
+    for name in _NOT_FOR_BEAM_SEARCH:
+        if getattr(req, name) != type(req).model_fields[name].default:
+            raise bad_request(f"{name} is not used by beam search: leave it out with use_beam_search=true", name)
     try:
         params = BeamSearchParams(
             beam_width=req.n, max_tokens=max_tokens if max_tokens is not None else 1,
@@ -144,6 +159,26 @@ async def check_structured_outputs(req: SamplingFields, params: SamplingParams |
         raise bad_request(str(e), _structured_source(req)) from None
 
 
+def check_stream_fields(req: SamplingFields) -> None:
+    """Fields that only mean something in a stream, or not in one, as vLLM checks them."""
+    options = req.stream_options
+    if options is not None and not req.stream:
+        raise bad_request("stream_options can only be given with stream=true", "stream_options")
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        raise bad_request("stream_options.continuous_usage_stats needs include_usage=true", "stream_options")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not available with stream=true", "prompt_logprobs")
+
+
+def continuous_usage(req: SamplingFields) -> bool:
+    """Usage on every chunk of a stream (vLLM's stream_options.continuous_usage_stats)."""
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+
+def usage_info(num_prompt: int, num_completion: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
+
+
 def sampling_params_from(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams | BeamSearchRequest:
@@ -152,8 +187,14 @@ def sampling_params_from(
     structured_outputs = structured_outputs_from(req)
     if req.use_beam_search and structured_outputs is not None:
         raise bad_request("structured outputs cannot be combined with beam search", "use_beam_search")
+    check_stream_fields(req)
     if req.use_beam_search:
         return beam_search_params_from(req, max_tokens, logprobs)
+    if req.length_penalty != 1.0:
+        raise bad_request(
+            f"length_penalty={req.length_penalty} applies only to beam search (use_beam_search=true)",
+            "length_penalty",
+        )
     logit_bias = None
     if req.logit_bias is not None:
         try:
@@ -259,6 +300,19 @@ def chat_logprobs(
         logprob = _finite(chosen.logprob) if chosen is not None else _MIN_LOGPROB
         content.append(ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
     return content
+
+
+def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs: per prompt token {token id: {logprob, rank, decoded_token}}, None first."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None if position is None else {
+            token_id: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in position.items()
+        }
+        for position in out.prompt_logprobs
+    ]
 
 
 # ---- running prompts ---------------------------------------------------------------------

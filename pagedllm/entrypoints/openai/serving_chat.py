@@ -29,10 +29,13 @@ from pagedllm.entrypoints.openai.serving_base import (
     check_context_length,
     check_structured_outputs,
     choice_logprob_slice,
+    continuous_usage,
     final_outputs,
     merge_streams,
+    prompt_logprobs_of,
     sampling_params_from,
     sse,
+    usage_info,
     usage_of,
 )
 
@@ -62,14 +65,22 @@ class OpenAIServingChat:
         self.model_name = model_name
         self.renderer = renderer
 
-    async def render(self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool):
+    async def render(
+        self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
         """(prompt text, token ids), rendered off the event loop (see chat_renderer.py)."""
         if not req_messages:
             raise bad_request("messages must not be empty", "messages")
         try:
-            return await self.renderer.render(messages_to_dicts(req_messages), chat_template, add_generation_prompt)
+            return await self.renderer.render(
+                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs)
         except ChatTemplateError as e:
-            raise bad_request(str(e), "chat_template" if chat_template is not None else "messages") from None
+            if str(e).startswith("chat_template_kwargs"):
+                param = "chat_template_kwargs"
+            else:
+                param = "chat_template" if chat_template else "messages"
+            raise bad_request(str(e), param) from None
 
     def _check(self, req: ChatCompletionRequest) -> int | None:
         """Reject what we do not support; return the logprobs count for SamplingParams."""
@@ -85,13 +96,14 @@ class OpenAIServingChat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs)
         await check_structured_outputs(req, params)
-        text, ids = await self.render(req.messages, req.chat_template, req.add_generation_prompt)
+        text, ids = await self.render(req.messages, req.chat_template, req.add_generation_prompt,
+                                      req.chat_template_kwargs)
         assert self.engine.model_config is not None
         check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("chatcmpl")
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params)
         if req.stream:
-            return self._stream(req, request_id, streams)
+            return self._stream(req, request_id, streams, len(ids))
         try:
             (out,) = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
@@ -105,26 +117,29 @@ class OpenAIServingChat:
                 index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             ))
-        num_prompt, num_completion = usage_of([out])
-        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                          total_tokens=num_prompt + num_completion)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=usage_info(*usage_of([out])), prompt_logprobs=prompt_logprobs_of(out),
                                       kv_transfer_params=out.kv_transfer_params)
 
     def _decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def _chunk(self, request_id: str, choice: ChatStreamChoice) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
+    def _chunk(self, request_id: str, choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage))
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
+    async def _stream(
+        self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int
+    ) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         out = None
+        # Continuous usage, as vLLM: the prompt and the chunk's choice's tokens so far.
+        num_prompt = num_prompt_tokens if continuous_usage(req) else None
         try:
             for index in range(req.n):  # the role first, for every choice
-                yield self._chunk(request_id, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+                yield self._chunk(request_id, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
+                                  None if num_prompt is None else usage_info(num_prompt, 0))
             async for _, out in merge_streams(streams):
                 for c in out.outputs:
                     delta = c.text[sent_text.get(c.index, 0):]
@@ -139,11 +154,9 @@ class OpenAIServingChat:
                     yield self._chunk(request_id, ChatStreamChoice(
                         index=c.index, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
                         logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    ))
+                    ), None if num_prompt is None else usage_info(num_prompt, len(c.token_ids)))
             if out is not None and req.stream_options is not None and req.stream_options.include_usage:
-                num_prompt, num_completion = usage_of([out])
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
+                usage = usage_info(*usage_of([out]))
                 yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage))
         except (EngineNotReadyError, RequestFaultError) as e:
             yield sse(engine_error(e).to_response())

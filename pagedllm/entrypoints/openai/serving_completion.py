@@ -9,7 +9,6 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
     random_id,
 )
 from pagedllm.entrypoints.openai.serving_base import (
@@ -21,10 +20,13 @@ from pagedllm.entrypoints.openai.serving_base import (
     check_structured_outputs,
     choice_logprob_slice,
     completion_logprobs,
+    continuous_usage,
     final_outputs,
     merge_streams,
+    prompt_logprobs_of,
     sampling_params_from,
     sse,
+    usage_info,
     usage_of,
 )
 from pagedllm.outputs import RequestOutput
@@ -93,17 +95,16 @@ class OpenAIServingCompletion:
         choices = []
         for i, out in enumerate(outputs):
             prefix = self._prompt_text(prompts[i]) if req.echo else ""
+            prompt_logprobs = prompt_logprobs_of(out)  # every choice of a prompt carries its prompt's
             for c in out.outputs:
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
                     logprobs = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, self._decode, len(prefix))
                 choices.append(CompletionChoice(
                     index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs,
                 ))
-        num_prompt, num_completion = usage_of(outputs)
-        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                          total_tokens=num_prompt + num_completion)
+        usage = usage_info(*usage_of(outputs))
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
                                   kv_transfer_params=outputs[0].kv_transfer_params if outputs else None)
 
@@ -111,6 +112,7 @@ class OpenAIServingCompletion:
         sent_text: dict[int, int] = {}  # choice index -> chars sent
         sent_tokens: dict[int, int] = {}
         last: dict[int, RequestOutput] = {}
+        continuous = continuous_usage(req)
         try:
             async for i, out in merge_streams(streams):
                 last[i] = out
@@ -131,15 +133,15 @@ class OpenAIServingCompletion:
                     sent_tokens[index] = len(c.token_ids)
                     if not delta and c.finish_reason is None:
                         continue
+                    # Continuous usage, as vLLM: this choice's prompt and its tokens so far.
+                    usage = usage_info(len(out.prompt_token_ids), len(c.token_ids)) if continuous else None
                     chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=logprobs,
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    )])
+                    )], usage=usage)
                     yield sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
-                num_prompt, num_completion = usage_of(list(last.values()))
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
+                usage = usage_info(*usage_of(list(last.values())))
                 yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
         except (EngineNotReadyError, RequestFaultError) as e:
             yield sse(engine_error(e).to_response())

@@ -1,0 +1,39 @@
+"""Chat rendering: chat_template_kwargs are the template's variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.config import ModelConfig
+from pagedllm.engine.input_processor import InputProcessor
+
+TEMPLATE = "{% if greeting %}{{ greeting }} {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+MESSAGES = [{"role": "user", "content": "How are you?"}]
+
+
+@pytest.fixture
+def processor(default_tokenizer):
+    config = ModelConfig(model="m", architecture="LlamaForCausalLM", dtype="float32", max_model_len=64,
+                         vocab_size=len(default_tokenizer), num_layers=1, num_kv_heads=1, head_dim=8,
+                         eos_token_ids=(2,))
+    return InputProcessor(default_tokenizer, config)
+
+
+def test_chat_template_kwargs_reach_the_template(processor):
+    assert processor.render_chat(MESSAGES, TEMPLATE)[0] == "How are you?"
+    text, ids = processor.render_chat(MESSAGES, TEMPLATE, chat_template_kwargs={"greeting": "Bonjour!"})
+    assert text == "Bonjour! How are you?"
+    assert ids == processor.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_add_generation_prompt_among_the_kwargs_overrides(processor):
+    with_prompt = processor.render_chat(MESSAGES)[0]
+    assert with_prompt.endswith("<|im_start|>assistant\n")
+    without = processor.render_chat(MESSAGES, chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert without == with_prompt[: -len("<|im_start|>assistant\n")]
+
+
+@pytest.mark.parametrize("key", ["tokenize", "chat_template", "return_dict"])
+def test_call_parameters_are_refused(processor, key):
+    with pytest.raises(ValueError, match=f"chat_template_kwargs may not set {key}"):
+        processor.render_chat(MESSAGES, chat_template_kwargs={key: True})
