@@ -35,6 +35,9 @@ class EngineCoreOutput:
     retryable: bool = False
     """The failure is one of resources, not of the request (a KV pull that failed): the server
     answers 503 with Retry-After; otherwise (a step that raised) 500."""
+    invalid: bool = False
+    """The failure is the request's own (a constraint no token of the vocabulary can follow):
+    the server answers 400."""
 
     @property
     def finished(self) -> bool:

@@ -71,6 +71,11 @@ class RequestFaultError(RuntimeError):
     """Processing this request raised (a fault in the engine); other requests are unaffected."""
 
 
+class RequestRejectedError(RequestFaultError):
+    """The engine found the request cannot be served as asked, the request's own fault (a
+    constraint no token of the vocabulary can follow): the server answers 400."""
+
+
 EXPIRY_CHECK_INTERVAL_S = 0.2
 
 
@@ -483,10 +488,11 @@ class AsyncLLM:
         if failed:  # the core failed these requests (beam searches carry their own errors below)
             for eo in failed:
                 user_id = self.output_processor.user_request_id(eo.request_id)
-                if eo.retryable:  # a KV pull that failed under policy "fail": a 503
+                if eo.retryable or eo.invalid:
+                    # A KV pull that failed under policy "fail": a 503; the request's own fault: a 400.
                     stream = self._streams.get(user_id)
                     if stream is not None:
-                        stream.put(KVTransferFailedError(eo.error))
+                        stream.put(KVTransferFailedError(eo.error) if eo.retryable else RequestRejectedError(eo.error))
                     self.abort(user_id)
                 else:  # a step that raised: a 500
                     self._fail(user_id, RuntimeError(eo.error))

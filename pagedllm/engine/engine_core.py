@@ -83,12 +83,13 @@ class EngineCore:
         outputs = self._admit_compiled() if self._awaiting_grammar else []
         scheduler_output = self.scheduler.schedule()
         failed: dict[str, str] = {}  # requests whose own processing raised: they fail alone
+        rejected: set[str] = set()  # of those, the ones at fault themselves (a 400)
         so_manager = self.structured_output
         if so_manager is not None and so_manager.num_matchers:
             # Finished (not preempted) requests drop their matchers.
             so_manager.remove(r for r in scheduler_output.finished_req_ids if r not in self.scheduler.requests)
             scheduler_output.grammar_bitmask = so_manager.grammar_bitmask(
-                self._sampling_req_ids(scheduler_output), failed
+                self._sampling_req_ids(scheduler_output), failed, rejected
             )
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
@@ -102,10 +103,12 @@ class EngineCore:
         if scheduler_output.grammar_bitmask is not None:
             self._advance_matchers(step_outputs, failed)
         if failed:
-            step_outputs = self._fail_requests(failed, step_outputs)
+            step_outputs = self._fail_requests(failed, step_outputs, rejected)
         return outputs + self.beam_search.process(step_outputs)
 
-    def _fail_requests(self, failed: dict[str, str], step_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    def _fail_requests(
+        self, failed: dict[str, str], step_outputs: list[EngineCoreOutput], rejected: set[str] = frozenset()
+    ) -> list[EngineCoreOutput]:
         """Finish the requests whose own processing raised this step, each with an error
         output (a beam fails its whole search); what they sampled this step is dropped. The
         rest of the batch goes on."""
@@ -126,7 +129,9 @@ class EngineCore:
             self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
             if self.structured_output is not None:
                 self.structured_output.remove([request_id])
-            outputs.append(EngineCoreOutput(request_id, [], "abort", None, 0, error=message))
+            outputs.append(
+                EngineCoreOutput(request_id, [], "abort", None, 0, error=message, invalid=request_id in rejected)
+            )
         for search_id, message in searches.items():
             logger.error("beam search %s failed: %s; the others go on", search_id, message)
             outputs.append(self.beam_search.fail(search_id, message))
@@ -171,11 +176,11 @@ class EngineCore:
             try:
                 compiled = future.result()
                 self.scheduler.check_request(request)
-            except ValueError as e:
+            except ValueError as e:  # the request's own: its grammar, or too long for the pool
                 logger.error("request %s: %s", request_id, e)
                 for seq in sequences:
                     seq.status = RequestStatus.FINISHED_ABORTED
-                    outputs.append(EngineCoreOutput(seq.request_id, [], "abort", None, 0))
+                    outputs.append(EngineCoreOutput(seq.request_id, [], "abort", None, 0, error=str(e), invalid=True))
                 continue
             assert self.structured_output is not None
             self.structured_output.add_matchers([s.request_id for s in sequences], compiled)

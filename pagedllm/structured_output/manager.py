@@ -63,9 +63,21 @@ class StructuredOutputManager:
         return future
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
+        import xgrammar as xgr
+
         t0 = time.perf_counter()
         compiled = compile_spec(self._get_compiler(), spec)
         logger.debug("compiled a %s grammar in %.3f s", spec.key[0], time.perf_counter() - t0)
+        # A grammar valid as text may still admit no token of this vocabulary at its start
+        # (e.g. a character no token spells): the request's own fault, refused before it runs.
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not matcher.is_terminated() and not bool(bitmask.any()):
+            raise ValueError(
+                f"the {spec.key[0]} constraint admits no token of this model's vocabulary at its start; "
+                "change the constraint"
+            )
         return compiled
 
     def _get_compiler(self) -> Any:
@@ -108,11 +120,13 @@ class StructuredOutputManager:
     # ---- one step ----------------------------------------------------------------------
 
     def grammar_bitmask(
-        self, sampling_req_ids: list[str], failed: dict[str, str]
+        self, sampling_req_ids: list[str], failed: dict[str, str], rejected: set[str] | None = None
     ) -> GrammarBitmask | None:
         """Masks for the constrained requests among ``sampling_req_ids`` (those that sample
         this step), in that order; None if none is constrained. A request whose matcher raises
-        gets no row and lands in ``failed`` (id -> message); its matcher is dropped."""
+        gets no row and lands in ``failed`` (id -> message); its matcher is dropped. One whose
+        grammar admits no token here (a dead end in this vocabulary) lands in ``failed`` and
+        in ``rejected`` too: the request's own fault, not the engine's."""
         req_ids = [r for r in sampling_req_ids if r in self._matchers]
         if not req_ids:
             return None
@@ -123,7 +137,17 @@ class StructuredOutputManager:
         for row, request_id in enumerate(req_ids):
             try:
                 faults.maybe_raise("grammar", request_id)
-                self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+                matcher = self._matchers[request_id]
+                matcher.fill_next_token_bitmask(bitmask, row)
+                if not matcher.is_terminated() and not bool(bitmask[row].any()):
+                    del self._matchers[request_id]
+                    failed[request_id] = (
+                        "the structured-output constraint admits no token of this model's vocabulary "
+                        "after the text generated so far; change the constraint"
+                    )
+                    if rejected is not None:
+                        rejected.add(request_id)
+                    continue
                 rows.append(row)
             except Exception as e:  # noqa: BLE001 -- one grammar's fault fails its request alone
                 logger.error("request %s: filling its grammar bitmask failed: %s", request_id, e)

@@ -129,3 +129,24 @@ def test_invalid_structured_outputs_are_400(server, client, label, extra, param,
     ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0.0)
     assert ok.choices[0].message.content
     wait_all_blocks_free(server)
+
+
+@pytest.mark.parametrize("regex", ["\U00040000", "a\U00040000"], ids=["at-start", "after-a-token"])
+def test_constraint_no_token_can_follow_is_400(server, client, regex):
+    """A regex valid as text that this vocabulary cannot spell (found by the fuzz test): the
+    request's own fault, a 400 (an error event then [DONE] in a stream), not a 500."""
+    body = {"model": MODEL, "prompt": "0", "max_tokens": 6, "temperature": 0.0, "guided_regex": regex}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "admits no token" in r.json()["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    if r.status_code == 200:
+        assert events[-1] == "[DONE]", events
+        errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+        assert len(errors) == 1 and errors[0]["code"] == 400 and "admits no token" in errors[0]["message"], events
+    else:
+        assert r.status_code == 400
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0.0)
+    assert ok.choices[0].text
+    wait_all_blocks_free(server)

@@ -13,7 +13,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError, RequestStream
+from pagedllm.engine.async_llm import (
+    AsyncLLM,
+    EngineNotReadyError,
+    RequestFaultError,
+    RequestRejectedError,
+    RequestStream,
+)
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
@@ -48,9 +54,12 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def engine_error(e: EngineNotReadyError | RequestFaultError) -> OpenAIError:
-    """Not ready, dead, overloaded or timed out: 503 with Retry-After; a failed request: 500."""
+    """Not ready, dead, overloaded or timed out: 503 with Retry-After; a request the engine
+    found it cannot serve as asked: 400; a failed request: 500."""
     if isinstance(e, EngineNotReadyError):
         return OpenAIError(str(e), 503, "ServiceUnavailableError", retry_after_s=e.retry_after_s)
+    if isinstance(e, RequestRejectedError):
+        return OpenAIError(str(e), 400, "BadRequestError")
     return OpenAIError(str(e), 500, "InternalServerError")
 
 
