@@ -49,3 +49,18 @@ def sliding_windows_of(hf_config: Any) -> tuple[int | None, ...]:
     """Every layer's window (ArchConfig.sliding_windows)."""
     return tuple(sliding_window_of(hf_config, i) for i in range(hf_config.num_hidden_layers))
 
+
+
+def decoder_sizes(hf_config: Any) -> dict[str, int]:
+    """The ArchConfig size fields of a decoder config under HF's common names (Llama, Qwen,
+    Gemma and the like; GPT-2 and OPT name them otherwise)."""
+    return dict(
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=num_kv_heads_of(hf_config),
+        head_dim=head_dim_of(hf_config),
+        intermediate_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+    )

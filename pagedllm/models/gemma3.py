@@ -23,7 +23,13 @@ from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.layers.utils import default_dtype
-from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_window_of, sliding_windows_of
+from pagedllm.models.config_utils import (
+    decoder_sizes,
+    head_dim_of,
+    num_kv_heads_of,
+    sliding_window_of,
+    sliding_windows_of,
+)
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.utils import load_named_weights
 
@@ -185,14 +191,7 @@ class Gemma3ForCausalLM(nn.Module):
 def _gemma3_arch_config(hf: Any) -> ArchConfig:
     bias = bool(getattr(hf, "attention_bias", False))
     return ArchConfig(
-        hidden_size=hf.hidden_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=num_kv_heads_of(hf),
-        head_dim=head_dim_of(hf),
-        intermediate_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size,
-        max_position_embeddings=hf.max_position_embeddings,
+        **decoder_sizes(hf),
         norm_eps=hf.rms_norm_eps,
         norm_offset=1.0,
         norm_placement="sandwich",

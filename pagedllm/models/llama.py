@@ -23,7 +23,7 @@ from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.layers.utils import default_dtype
-from pagedllm.models.config_utils import head_dim_of, num_kv_heads_of, sliding_windows_of
+from pagedllm.models.config_utils import decoder_sizes, sliding_windows_of
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.fused_decode import DecodeLayout, FusedDecoderLayers
 from pagedllm.models.utils import load_named_weights
@@ -194,14 +194,7 @@ def llama_arch_config(hf: Any, **overrides: Any) -> ArchConfig:
     """The ArchConfig of a Llama-shaped HF config; `overrides` state a family's differences."""
     bias = bool(getattr(hf, "attention_bias", False))
     fields: dict[str, Any] = dict(
-        hidden_size=hf.hidden_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=num_kv_heads_of(hf),
-        head_dim=head_dim_of(hf),
-        intermediate_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size,
-        max_position_embeddings=hf.max_position_embeddings,
+        **decoder_sizes(hf),
         norm_eps=hf.rms_norm_eps,
         qkv_bias=bias,
         o_bias=bias,
