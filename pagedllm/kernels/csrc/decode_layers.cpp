@@ -13,7 +13,7 @@
 //   residual += h (the first layer: residual = h); x = rms_norm(residual)
 //   qkv = x W_qkv^T (+ b); [q, k = rms_norm per head (q/k norm layouts only)]
 //   q, k = rotary(q, k); K/V rows written to the cache at slot_mapping
-//   a = decode attention over each request's cached context (block table or vattention slot)
+//   a = decode attention over each request's cached context (block table or contiguous slot)
 //   residual += a W_o^T (+ b); x = rms_norm(residual)
 //   h = silu(x W_gate^T) * (x W_up^T), then h W_down^T (+ b)
 // The caller applies the final norm to (h, residual), as the per-module model does.
@@ -121,7 +121,7 @@ struct DecodeLayer {
   torch::Tensor input_norm, post_norm;  // float32 [hidden]
   torch::Tensor q_norm, k_norm;         // float32 [head_dim], or both empty: no q/k norm
   DecodeLinear qkv, o, gate_up, down;
-  torch::Tensor kv_cache;  // float32 [2, blocks, block_size, Hkv, D] or vattention's [2, slots, capacity, Hkv, D]
+  torch::Tensor kv_cache;  // float32 [2, blocks, block_size, Hkv, D] or the contiguous-slot layout [2, slots, capacity, Hkv, D]
   int64_t window;          // sliding window, 0 = full attention
 };
 
@@ -175,7 +175,7 @@ class LlamaDecodeLayers {
 
   // hidden: float32 [M, hidden] (the embeddings); residual: [M, hidden] or empty (the first
   // layer starts the residual stream); positions, slot_mapping, seq_lens: int64 [M]; paged
-  // caches read through block_tables (int64 [M, max_blocks]), vattention ones through slots
+  // caches read through block_tables (int64 [M, max_blocks]), contiguous-slot ones through slots
   // (int64 [M], block_tables then ignored). Returns (h, residual) after the last layer.
   std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor residual, torch::Tensor positions,
                                      torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,

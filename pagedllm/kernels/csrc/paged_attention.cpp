@@ -30,7 +30,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   return out;
 }
 
-// The vattention layout: kv_cache [2, num_slots, capacity, Hkv, D], request b's tokens
+// The contiguous-slot layout (one slot per request): kv_cache [2, num_slots, capacity, Hkv, D], request b's tokens
 // contiguous at slot slots[b]; no block table. Returns [B, Hq, D].
 torch::Tensor contiguous_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor slots,
                                           torch::Tensor seq_lens, double scale, int64_t window) {
@@ -58,5 +58,5 @@ torch::Tensor contiguous_decode_attention(torch::Tensor q, torch::Tensor kv_cach
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
   m.def("contiguous_decode_attention", &contiguous_decode_attention,
-        "decode attention over per-request contiguous KV slots (vattention)");
+        "decode attention over per-request contiguous KV slots");
 }
