@@ -59,10 +59,11 @@ class InputProcessor:
 
     def render_chat(
         self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """Apply the chat template; the ids equal HF's `apply_chat_template(tokenize=True)`."""
-        text = render_chat_text(self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs)
+        text = render_chat_text(self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs,
+                                tools)
         return text, self.encode_rendered(text)
 
     def encode_rendered(self, text: str) -> list[int]:
@@ -100,9 +101,10 @@ class InputProcessor:
 
 def render_chat_text(
     tokenizer: Any, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
 ) -> str:
-    """The chat template applied to the messages (ValueError if it refuses them).
+    """The chat template applied to the messages (ValueError if it refuses them); ``tools``
+    (OpenAI's tool objects) are the template's ``tools`` variable.
 
     chat_template_kwargs are variables for the template (e.g. `enable_thinking`); as in
     vLLM, an `add_generation_prompt` among them overrides the argument. A key naming one of
@@ -120,6 +122,7 @@ def render_chat_text(
         return tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=bool(add_generation_prompt),
             **variables,

@@ -73,8 +73,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import os
 
     engine_args = EngineArgs.from_cli_args(args)
+    from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
+
     try:
         engine_args.parse_kv_transfer_config()  # fail before loading anything
+        tool_calls = ToolCallConfig(args.enable_auto_tool_choice, args.tool_call_parser)
     except ValueError as e:
         raise SystemExit(f"pagedllm serve: {e}") from None
     # Start-up: the core loads the model on one CPU while this process imports the server
@@ -94,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         chat_template=load_chat_template(args.chat_template),
         trust_request_chat_template=args.trust_request_chat_template,
         request_chat_template_timeout_s=args.request_chat_template_timeout,
+        tool_calls=tool_calls,
         uvicorn_log_level=args.uvicorn_log_level,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
@@ -103,6 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from pagedllm.entrypoints.openai.tool_parsers import tool_parser_names
+
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     _add_engine_args(serve)
     # Online defaults, as vLLM's for its API server on CPUs.
@@ -117,6 +123,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                             "separate process under --request-chat-template-timeout); refused otherwise")
     serve.add_argument("--request-chat-template-timeout", type=float, default=5.0,
                        help="seconds a request's chat template may take to render")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto": calls are parsed from the model\'s text (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                       help="the model's tool-call format (docs/tool_calling.md)")
     serve.add_argument("--uvicorn-log-level", default="info")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvicorn
@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class ServerConfig:
     """Allow a `chat_template` in chat requests (arbitrary Jinja; refused with a 400 otherwise)."""
     request_chat_template_timeout_s: float = 5.0
     """A request's template rendering longer than this is stopped (a 400)."""
+    tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
+    """--enable-auto-tool-choice and --tool-call-parser (docs/tool_calling.md)."""
     uvicorn_log_level: str = "info"
     """uvicorn's own log level."""
     max_waiting_requests: int | None = None
@@ -129,7 +132,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     completion = OpenAIServingCompletion(engine, model_name)
     renderer = ChatRenderer(engine, config.chat_template, config.trust_request_chat_template,
                             config.request_chat_template_timeout_s)
-    chat = OpenAIServingChat(engine, model_name, renderer)
+    chat = OpenAIServingChat(engine, model_name, renderer, config.tool_calls)
 
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key.encode())

@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.input_processor import render_chat_text
+from pagedllm.entrypoints.openai.tool_parsers.chat_template import choose_chat_template
 from pagedllm.process_utils import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -34,17 +35,18 @@ class ChatTemplateError(ValueError):
 
 
 def _sandbox_main(conn: Any, tokenizer: Any, parent_pid: int) -> None:
-    """The render process: (messages, template, add_generation_prompt, chat_template_kwargs) in,
-    ("ok", text) or ("error", message) out, until the pipe closes."""
+    """The render process: (messages, template, add_generation_prompt, chat_template_kwargs,
+    tools) in, ("ok", text) or ("error", message) out, until the pipe closes."""
     die_with_parent(parent_pid)
     conn.send(("ready", None))
     while True:
         try:
-            messages, template, add_generation_prompt, chat_template_kwargs = conn.recv()
+            messages, template, add_generation_prompt, chat_template_kwargs, tools = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ok", render_chat_text(tokenizer, messages, template, add_generation_prompt, chat_template_kwargs)))
+            conn.send(("ok", render_chat_text(tokenizer, messages, template, add_generation_prompt, chat_template_kwargs,
+                                              tools)))
         except ValueError as e:  # the template refused the messages (its message says so)
             conn.send(("error", str(e)))
         except Exception as e:  # noqa: BLE001 -- anything else a template can raise
@@ -74,11 +76,11 @@ class TemplateSandbox:
         self._conn.recv()
 
     def render(self, messages: list[dict], template: str, add_generation_prompt: bool,
-               chat_template_kwargs: dict[str, Any] | None) -> str:
+               chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> str:
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            self._conn.send((messages, template, add_generation_prompt, chat_template_kwargs))
+            self._conn.send((messages, template, add_generation_prompt, chat_template_kwargs, tools))
             if not self._conn.poll(self.timeout_s):
                 logger.warning("a request's chat template ran past %.1f s; killing its process", self.timeout_s)
                 self.close()
@@ -111,16 +113,18 @@ class ChatRenderer:
 
     async def render(
         self, messages: list[dict], request_chat_template: str | None, add_generation_prompt: bool,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """ChatTemplateError (a 400) if the template refuses the messages, or a request's
-        template is not allowed or runs out of time."""
+        template is not allowed or runs out of time. Tools or tool messages under a model
+        template that knows no tools use the shipped tool template (tool_parsers/chat_template.py)."""
         processor = self.engine.input_processor
         assert processor is not None
         if not request_chat_template:
+            template = choose_chat_template(self.chat_template, self.engine.tokenizer.chat_template, messages, tools)
             try:
                 return await self.engine.run_tokenizer(
-                    processor.render_chat, messages, self.chat_template, add_generation_prompt, chat_template_kwargs)
+                    processor.render_chat, messages, template, add_generation_prompt, chat_template_kwargs, tools)
             except ValueError as e:
                 raise ChatTemplateError(str(e)) from None
         if not self.trust_request_chat_template:
@@ -132,7 +136,7 @@ class ChatRenderer:
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(
             self._sandbox_thread, self._sandbox.render, messages, request_chat_template, add_generation_prompt,
-            chat_template_kwargs)
+            chat_template_kwargs, tools)
         # The template writes any BOS itself: do not add special tokens again.
         return text, await self.engine.run_tokenizer(processor.encode_rendered, text)
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -92,6 +92,28 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object (absent: the function takes none)."""
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -101,12 +123,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # OpenAI fields we do not support (400 when set)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" with tools (needs --enable-auto-tool-choice), else "none"."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call (exactly one under "required" or a named function)."""
+    # OpenAI's legacy function calling, not supported (400 when set)
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
 
 
 class UsageInfo(BaseModel):
@@ -185,9 +209,44 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class _OmitNone(BaseModel):
+    """Serialised without its unset (None) fields, as OpenAI streams tool-call deltas."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    """A call's first delta has id, type and function.name; later ones only arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -212,6 +271,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -38,8 +38,21 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage_info,
     usage_of,
 )
+from pagedllm.entrypoints.openai.serving_tools import (
+    constrain_tool_calls,
+    request_tools,
+    tool_call_handler,
+    tool_delta,
+    tool_message,
+)
+from pagedllm.entrypoints.openai.tool_parsers.handler import (
+    ToolCallConfig,
+    ToolCallHandler,
+    finish_reason_with_calls,
+)
+from pagedllm.entrypoints.openai.tool_parsers.stream import ToolStreamState
 
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+_UNSUPPORTED = ("functions", "function_call")
 
 
 def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
@@ -60,21 +73,23 @@ def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer,
+                 tool_config: ToolCallConfig | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.renderer = renderer
+        self.tool_config = tool_config or ToolCallConfig()
 
     async def render(
         self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
     ):
         """(prompt text, token ids), rendered off the event loop (see chat_renderer.py)."""
         if not req_messages:
             raise bad_request("messages must not be empty", "messages")
         try:
             return await self.renderer.render(
-                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs)
+                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs, tools)
         except ChatTemplateError as e:
             if str(e).startswith("chat_template_kwargs"):
                 param = "chat_template_kwargs"
@@ -86,7 +101,7 @@ class OpenAIServingChat:
         """Reject what we do not support; return the logprobs count for SamplingParams."""
         for name in _UNSUPPORTED:
             if getattr(req, name) is not None:
-                raise bad_request(f"{name} is not supported yet (no tool calling)", name)
+                raise bad_request(f"{name} is not supported (legacy function calling): use tools", name)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
@@ -96,14 +111,16 @@ class OpenAIServingChat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs)
         await check_structured_outputs(req, params)
+        tools = tool_call_handler(req, self.tool_config)
+        params = await constrain_tool_calls(tools, params)
         text, ids = await self.render(req.messages, req.chat_template, req.add_generation_prompt,
-                                      req.chat_template_kwargs)
+                                      req.chat_template_kwargs, request_tools(req))
         assert self.engine.model_config is not None
         check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("chatcmpl")
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params)
         if req.stream:
-            return self._stream(req, request_id, streams, len(ids))
+            return self._stream(req, request_id, streams, len(ids), tools)
         try:
             (out,) = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
@@ -113,9 +130,10 @@ class OpenAIServingChat:
             logprobs = None
             if num_logprobs is not None and c.logprobs is not None:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, num_logprobs, self._decode))
+            message, made_calls = tool_message(tools, c.text)
             choices.append(ChatChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                index=c.index, message=message, logprobs=logprobs,
+                finish_reason=finish_reason_with_calls(c.finish_reason, made_calls), stop_reason=c.stop_reason,
             ))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage_info(*usage_of([out])), prompt_logprobs=prompt_logprobs_of(out),
@@ -128,9 +146,11 @@ class OpenAIServingChat:
         return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage))
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int
+        self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int,
+        tools: ToolCallHandler | None = None,
     ) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
+        tool_states: dict[int, ToolStreamState] = {}  # per choice index
         sent_tokens: dict[int, int] = {}
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         out = None
@@ -142,8 +162,15 @@ class OpenAIServingChat:
                                   None if num_prompt is None else usage_info(num_prompt, 0))
             async for _, out in merge_streams(streams):
                 for c in out.outputs:
-                    delta = c.text[sent_text.get(c.index, 0):]
-                    if not delta and c.finish_reason is None:
+                    finish_reason = c.finish_reason
+                    if tools is None:
+                        text_delta = c.text[sent_text.get(c.index, 0):]
+                        message = DeltaMessage(content=text_delta) if text_delta else DeltaMessage()
+                    else:
+                        state = tool_states.setdefault(c.index, tools.stream())
+                        message = tool_delta(state.update(c.text, final=finish_reason is not None))
+                        finish_reason = finish_reason_with_calls(finish_reason, state.made_calls)
+                    if message.content is None and message.tool_calls is None and finish_reason is None:
                         continue
                     logprobs = None
                     if num_logprobs is not None and c.logprobs is not None:
@@ -152,8 +179,8 @@ class OpenAIServingChat:
                     sent_text[c.index] = len(c.text)
                     sent_tokens[c.index] = len(c.token_ids)
                     yield self._chunk(request_id, ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                        logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        index=c.index, delta=message,
+                        logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason,
                     ), None if num_prompt is None else usage_info(num_prompt, len(c.token_ids)))
             if out is not None and req.stream_options is not None and req.stream_options.include_usage:
                 usage = usage_info(*usage_of([out]))
