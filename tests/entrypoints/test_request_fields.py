@@ -438,6 +438,32 @@ def _unsupported(name: str, value: object) -> Callable[[Ctx], None]:
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}}}
+
+
+def check_tools(ctx: Ctx) -> None:
+    # tool_choice "none": the tools reach the prompt (the tool template), the answer is text.
+    with_tools = ctx.chat(tools=[PICK], tool_choice="none", max_tokens=1)
+    assert with_tools.usage.prompt_tokens > ctx.chat(max_tokens=1).usage.prompt_tokens
+    assert with_tools.choices[0].message.tool_calls is None
+    # Without a tool_choice tools mean "auto", which this server (no --enable-auto-tool-choice) refuses.
+    ctx.refused(CHAT, {"messages": YES, "tools": [PICK]}, "tool_choice", "--enable-auto-tool-choice")
+
+
+def check_tool_choice(ctx: Ctx) -> None:
+    out = ctx.chat(tools=[TOOL, PICK], tool_choice={"type": "function", "function": {"name": "pick"}}, max_tokens=12)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["color"] in ("red", "green")
+    assert out.choices[0].finish_reason == "tool_calls"
+
+
+def check_parallel_tool_calls(ctx: Ctx) -> None:
+    out = ctx.chat(tools=[PICK], tool_choice="required", parallel_tool_calls=False, max_tokens=24)
+    (call,) = out.choices[0].message.tool_calls  # exactly one call: the grammar closes the list
+    assert call.function.name == "pick"
+
+
 FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "model": check_model, "prompt": check_prompt, "max_tokens": check_max_tokens,
     "max_completion_tokens": check_max_completion_tokens, "n": check_n, "stop": check_stop,
@@ -461,10 +487,10 @@ FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "messages": check_messages, "chat.logprobs": check_chat_logprobs, "top_logprobs": check_top_logprobs,
     "add_generation_prompt": check_add_generation_prompt, "chat_template": check_chat_template,
     "chat_template_kwargs": check_chat_template_kwargs,
-    "tools": _unsupported("tools", [TOOL]), "tool_choice": _unsupported("tool_choice", "auto"),
+    "tools": check_tools, "tool_choice": check_tool_choice,
     "functions": _unsupported("functions", [TOOL["function"]]),
     "function_call": _unsupported("function_call", "auto"),
-    "parallel_tool_calls": _unsupported("parallel_tool_calls", False),
+    "parallel_tool_calls": check_parallel_tool_calls,
 }
 
 

@@ -4,7 +4,8 @@ does not start with ``[`` is content.
 
 The complete text is read with ``ast``. While it streams, a small scanner (quotes, escapes,
 bracket depth) finds the finished keyword arguments of each call; each is read with
-``ast.literal_eval``, so a call's arguments grow one finished argument at a time.
+``ast.literal_eval``, so a call's arguments grow one finished argument at a time, and a call
+is announced only once its first argument has been read (or it closes without any).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class PythonicToolParser(ToolParser):
         calls = []
         for name, args, closed in _open_calls(stripped):
             kwargs = [_keyword(a) for a in args]
-            if not name.isidentifier() or any(k is None for k in kwargs):
+            # A call shows once an argument is read (or it closes): `f(x=oops` is no call.
+            if not name.isidentifier() or any(k is None for k in kwargs) or not (kwargs or closed):
                 break
             value = dict(kwargs)  # type: ignore[arg-type]
             arguments = json.dumps(value, ensure_ascii=False) if closed else settled_prefix(value)
