@@ -39,10 +39,11 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage_of,
 )
 from pagedllm.entrypoints.openai.serving_tools import (
+    choice_stream,
     constrain_tool_calls,
     request_tools,
     tool_call_handler,
-    tool_delta,
+    delta_message,
     tool_message,
 )
 from pagedllm.entrypoints.openai.tool_parsers.handler import (
@@ -50,7 +51,7 @@ from pagedllm.entrypoints.openai.tool_parsers.handler import (
     ToolCallHandler,
     finish_reason_with_calls,
 )
-from pagedllm.entrypoints.openai.tool_parsers.stream import ToolStreamState
+from pagedllm.entrypoints.openai.tool_parsers.stream import TextStreamState, ToolStreamState
 
 _UNSUPPORTED = ("functions", "function_call")
 
@@ -149,8 +150,7 @@ class OpenAIServingChat:
         self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int,
         tools: ToolCallHandler | None = None,
     ) -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        tool_states: dict[int, ToolStreamState] = {}  # per choice index
+        choice_states: dict[int, TextStreamState | ToolStreamState] = {}  # per choice index
         sent_tokens: dict[int, int] = {}
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         out = None
@@ -162,21 +162,15 @@ class OpenAIServingChat:
                                   None if num_prompt is None else usage_info(num_prompt, 0))
             async for _, out in merge_streams(streams):
                 for c in out.outputs:
-                    finish_reason = c.finish_reason
-                    if tools is None:
-                        text_delta = c.text[sent_text.get(c.index, 0):]
-                        message = DeltaMessage(content=text_delta) if text_delta else DeltaMessage()
-                    else:
-                        state = tool_states.setdefault(c.index, tools.stream())
-                        message = tool_delta(state.update(c.text, final=finish_reason is not None))
-                        finish_reason = finish_reason_with_calls(finish_reason, state.made_calls)
+                    state = choice_states.setdefault(c.index, choice_stream(tools))
+                    message = delta_message(state.update(c.text, final=c.finish_reason is not None))
+                    finish_reason = finish_reason_with_calls(c.finish_reason, state.made_calls)
                     if message.content is None and message.tool_calls is None and finish_reason is None:
                         continue
                     logprobs = None
                     if num_logprobs is not None and c.logprobs is not None:
                         ids, lps = choice_logprob_slice(c, sent_tokens.get(c.index, 0))
                         logprobs = ChatChoiceLogprobs(content=chat_logprobs(ids, lps, num_logprobs, self._decode))
-                    sent_text[c.index] = len(c.text)
                     sent_tokens[c.index] = len(c.token_ids)
                     yield self._chunk(request_id, ChatStreamChoice(
                         index=c.index, delta=message,

@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_base import BeamSearchRequest, bad_request
 from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig, ToolCallHandler, ToolChoiceError
-from pagedllm.entrypoints.openai.tool_parsers.stream import StreamDelta
+from pagedllm.entrypoints.openai.tool_parsers.stream import StreamDelta, TextStreamState, ToolStreamState
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -72,7 +72,12 @@ def tool_message(tools: ToolCallHandler | None, text: str) -> tuple[ChatResponse
     return ChatResponseMessage(content=result.content, tool_calls=calls or None), bool(calls)
 
 
-def tool_delta(delta: StreamDelta) -> DeltaMessage:
+def choice_stream(tools: ToolCallHandler | None) -> TextStreamState | ToolStreamState:
+    """A streamed choice's state: ``update(text so far, final)`` gives its next delta."""
+    return TextStreamState() if tools is None else tools.stream()
+
+
+def delta_message(delta: StreamDelta) -> DeltaMessage:
     calls = [
         DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                       function=DeltaFunctionCall(name=d.name, arguments=d.arguments))

@@ -36,6 +36,20 @@ class StreamDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
+class TextStreamState:
+    """A choice streamed as plain text (no tool calling): the new text is the delta."""
+
+    made_calls = False
+
+    def __init__(self) -> None:
+        self.num_sent = 0
+
+    def update(self, text: str, final: bool) -> StreamDelta:
+        delta = StreamDelta(content=text[self.num_sent:])
+        self.num_sent = len(text)
+        return delta
+
+
 class ToolStreamState:
     """One choice's stream: what has been sent so far."""
 
