@@ -64,14 +64,20 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Chat: one conversation (a list of messages) or a list of conversations;
-        ``chat_template_kwargs`` are variables for the template (e.g. ``enable_thinking``)."""
+        ``chat_template_kwargs`` are variables for the template (e.g. ``enable_thinking``);
+        ``tools`` (OpenAI's tool objects) are shown to the model through the template, the
+        shipped tool template when the model's knows no tools (docs/tool_calling.md)."""
+        from pagedllm.entrypoints.openai.tool_parsers.chat_template import choose_chat_template
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
         requests = []
         for conv in conversations:
-            text, ids = processor.render_chat(conv, chat_template, add_generation_prompt, chat_template_kwargs)
+            template = choose_chat_template(chat_template, processor.tokenizer.chat_template, conv, tools)
+            text, ids = processor.render_chat(conv, template, add_generation_prompt, chat_template_kwargs, tools)
             requests.append((text, ids))
         return self._run(requests, sampling_params, use_tqdm)
 

@@ -44,6 +44,18 @@ def test_chat_template_kwargs_reach_the_template(default_llm, default_tokenizer)
     assert greeted.prompt_token_ids == default_tokenizer.encode("Hello! Hi", add_special_tokens=False)
 
 
+def test_chat_with_tools_uses_the_tool_template(default_llm):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    history = [*_chat("Weather in Paris?"),
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    (out,) = default_llm.chat(history, SamplingParams(max_tokens=1), use_tqdm=False, tools=[tool])
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in out.prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' in out.prompt
+    assert '"tool_call_id": "call_1", "content": "sunny"' in out.prompt
+
+
 def test_greedy_chat_matches_hf(default_llm, hf_default_model):
     eos = set(default_llm.llm_engine.model_config.eos_token_ids)
     params = SamplingParams(max_tokens=64, temperature=0.0)
