@@ -117,6 +117,25 @@ def test_required_streamed_with_n(client):
     assert choices[0]["calls"][0]["id"] != choices[1]["calls"][0]["id"]
 
 
+# The model's text under "auto", fixed by a regex (the 135M model will not write calls on
+# its own), so the hermes parser runs on the real server, plain and streamed.
+AUTO_TEXT = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 22}}\n</tool_call>'
+AUTO_REGEX = "".join("\\" + ch if ch in '.{}[]()' else ch for ch in AUTO_TEXT)
+
+
+def test_auto_parses_the_models_calls(client):
+    body = {"structured_outputs": {"regex": AUTO_REGEX}}
+    plain = chat(client, extra_body=body).choices[0]
+    assert plain.finish_reason == "tool_calls" and plain.message.content == "Sure.\n"
+    (call,) = plain.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 1, "b": 22})
+    streamed = collect_stream(chat(client, extra_body=body, stream=True))[0]
+    assert streamed["content"] == "Sure.\n" and streamed["finish_reason"] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [("add", call.function.arguments)]
+    none = chat(client, extra_body=body, tool_choice="none").choices[0]
+    assert (none.message.content, none.message.tool_calls, none.finish_reason) == (AUTO_TEXT, None, "stop")
+
+
 def test_tool_choice_none_renders_tools_and_answers_text(client):
     with_tools = chat(client, tool_choice="none", max_tokens=8)
     without = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8)
