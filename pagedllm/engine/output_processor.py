@@ -260,7 +260,13 @@ class OutputProcessor:
     def _update_text(self, state: RequestState, eo: EngineCoreOutput) -> None:
         assert state.detokenizer is not None
         faults.maybe_raise("detokenize", state.request_id)
-        new_text = state.detokenizer.update(eo.new_token_ids)
+        new_ids = eo.new_token_ids
+        if eo.finish_reason == "stop" and new_ids and not state.params.include_stop_str_in_output:
+            # The core stopped on a stop token (EOS or stop_token_ids), the last one here: as in
+            # vLLM, its text is left out of the output (with skip_special_tokens=False it would
+            # read "<|im_end|>"); the token id stays in token_ids.
+            new_ids = new_ids[:-1]
+        new_text = state.detokenizer.update(new_ids)
         if eo.finish_reason is not None:
             new_text += state.detokenizer.flush()
         state.text += new_text

@@ -74,3 +74,22 @@ def test_spaces_between_special_tokens_change_nothing_byte_level(default_tokeniz
     plain = default_tokenizer.decode(ids, skip_special_tokens=False)
     for spaces in (True, False):
         assert _streamed(default_tokenizer, ids, skip_special_tokens=False, spaces_between_special_tokens=spaces) == plain
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_left_out_unless_asked(default_tokenizer, include):
+    """A request the core stopped on a stop token: the token id is output, its text only with
+    include_stop_str_in_output (as vLLM), even when special tokens are not skipped."""
+    from pagedllm.core.outputs import EngineCoreOutput
+    from pagedllm.engine.output_processor import OutputProcessor, RequestState
+
+    ids = default_tokenizer.encode("Hi there", add_special_tokens=False)
+    eos = default_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
+    processor = OutputProcessor(default_tokenizer)
+    processor.add_request(RequestState("r", None, [1, 2], params, default_tokenizer, 0.0))
+    processor.process_outputs([EngineCoreOutput("r", ids, None, None, 0)])
+    done = processor.process_outputs([EngineCoreOutput("r", [eos], "stop", None, 0)])
+    out = done.request_outputs[0].outputs[0]
+    assert out.token_ids == ids + [eos]
+    assert out.text == "Hi there" + ("<|im_end|>" if include else "")
