@@ -182,3 +182,22 @@ def test_custom_jsonl_and_template(tmp_path):
     assert all(isinstance(s, SampleRequest) and "<user>" not in s.prompt for s in chat)  # the server templates
     with pytest.raises(ValueError):
         DATASETS["custom"](context(dataset_name="custom", num_prompts=2))  # no --dataset-path
+
+
+def test_vllm_command_line_parses():
+    from pagedllm.entrypoints.cli import build_parser
+
+    argv = ("bench serve --backend openai-chat --host 127.0.0.1 --port 8001 --model m --dataset-name sharegpt "
+            "--dataset-path d.json --num-prompts 10 --num-warmups 2 --percentile-metrics ttft,e2el "
+            "--metric-percentiles 50,99 --goodput ttft:500 tpot:50 --burstiness 0.5 --request-rate 4 "
+            "--random-prefix-len 8 --random-input-len 32 --random-output-len 8 --random-range-ratio 0.1 "
+            "--prefix-repetition-prefix-len 64 --prefix-repetition-suffix-len 8 --prefix-repetition-num-prefixes 2 "
+            "--prefix-repetition-output-len 4 --max-concurrency 4 --ignore-eos --temperature 0.7 --top-k 5 "
+            "--save-result --result-filename r.json --disable-tqdm --seed 3").split()
+    args = build_parser().parse_args(argv)
+    assert args.backend == "openai-chat" and args.goodput == ["ttft:500", "tpot:50"] and args.num_warmups == 2
+    assert args.burstiness == 0.5 and args.top_k == 5 and args.temperature == 0.7 and args.random_prefix_len == 8
+    serve = build_parser().parse_args(["serve", "--metrics-names", "vllm"])
+    assert serve.metrics_names == "vllm"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--metrics-names", "prometheus"])
