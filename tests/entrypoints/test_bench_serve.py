@@ -78,11 +78,20 @@ def test_sharegpt_file(server, tmp_path):
     assert s["total_output_tokens"] == 9 and s["total_input_tokens"] > 3 * 8
 
 
-def test_custom_jsonl_with_chat_template(server, tmp_path):
+def test_custom_jsonl_with_chat_template_from_the_command_line(server, tmp_path, capsys):
+    from pagedllm.entrypoints.cli import main
+
     path = tmp_path / "custom.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Say hello.", "Count to three.", "Name a fruit."]))
-    s = bench(server, dataset_name="custom", dataset_path=str(path), custom_output_len=3, ignore_eos=True,
-              save_detailed=True)
+    out = tmp_path / "result.json"
+    main(["bench", "serve", "--base-url", server.url, "--dataset-name", "custom", "--dataset-path", str(path),
+          "--num-prompts", "3", "--custom-output-len", "3", "--ignore-eos", "--max-concurrency", "2",
+          "--save-result", "--save-detailed", "--result-filename", str(out), "--metric-percentiles", "50,99",
+          "--goodput", "ttft:60000"])
+    printed = capsys.readouterr().out
+    assert "Request goodput (req/s):" in printed and "P50 TTFT (ms):" in printed and "P99 E2EL (ms):" in printed
+    s = json.loads(out.read_text())
+    assert VLLM_FIELDS <= set(s) and s["failed"] == 0, s["errors"]
     # The completions backend sends the chat template around each prompt: longer than the text.
     assert s["completed"] == 3 and all(n > 10 for n in s["input_lens"])
-    assert s["total_output_tokens"] == 9
+    assert s["total_output_tokens"] == 9 and s["request_goodput"] == pytest.approx(s["request_throughput"])
