@@ -144,18 +144,83 @@ def load_samples(args: argparse.Namespace, base_url: str, model: str, headers: d
     return samples, args.tokenizer or "server"
 
 
+@dataclass
+class _Sender:
+    """How this run's requests go: one endpoint, one model, the same sampling fields."""
+
+    client: object  # httpx.AsyncClient
+    url: str
+    headers: dict
+    backend: Backend
+    model: str
+    sampling: dict
+    ignore_eos: bool
+
+    async def send(self, s: SampleRequest) -> RequestResult:
+        body = self.backend.body(s, self.model, s.expected_output_len) | self.sampling | {
+            "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return await send_one(self.client, self.url, body, s.prompt_len, self.headers, self.backend.chunk_text)
+
+    async def check(self, first: SampleRequest) -> None:
+        """The test request; a server that rejects ignore_eos (llama.cpp's) gets none."""
+        test = await self.send(first)
+        if not test.success and self.ignore_eos:
+            logger.warning("the server rejected ignore_eos (%s); sending without it", test.error)
+            self.ignore_eos = False
+            test = await self.send(first)
+        if not test.success:
+            raise RuntimeError(f"test request failed: {test.error}")
+
+
+async def _drive(sender: _Sender, samples: list[SampleRequest], args: argparse.Namespace, limit: int
+                 ) -> tuple[list[RequestResult], float, float]:
+    """Warm-ups, then every sample at its arrival time under the concurrency limit:
+    (results, duration, start)."""
+    sem = asyncio.Semaphore(limit)
+
+    async def limited(s: SampleRequest) -> RequestResult:
+        async with sem:
+            return await sender.send(s)
+
+    if args.num_warmups:
+        await asyncio.gather(*[limited(samples[0]) for _ in range(args.num_warmups)])
+    delays = arrival_times(len(samples), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
+    start = time.perf_counter()
+    tasks = []
+    for s, delay in zip(samples, delays):
+        wait = start + delay - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(limited(s)))
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - start, start
+
+
+def _metadata(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata {item!r}: give KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
 async def run_benchmark(args: argparse.Namespace) -> dict:
+    """Run the benchmark; vLLM's result fields (and a few of pagedllm's: the run's options)."""
     import httpx
 
     apply_length_overrides(args)
     percentile_metrics = parse_percentile_metrics(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
     goodput = parse_goodput(args.goodput)
+    metadata = _metadata(args.metadata)
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         raise ValueError("--max-concurrency must be > 0")
     backend = BACKENDS[args.backend]
     base_url = _base_url(args)
-    url = base_url + (args.endpoint or backend.endpoint)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = args.max_concurrency or args.num_prompts
@@ -164,55 +229,21 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         model_id = args.model or await _first_model(client, base_url, headers)
         model = args.served_model_name or model_id
         samples, tokenizer_id = await asyncio.to_thread(load_samples, args, base_url, model, headers)
-        sampling = {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k) is not None}
-        # vLLM's rule: the random dataset runs every request to its length.
-        ignore_eos = (args.ignore_eos or args.dataset_name == "random") and not args.no_ignore_eos
-
-        def body(s: SampleRequest, ignore: bool) -> dict:
-            b = backend.body(s, model, s.expected_output_len) | sampling | {
-                "stream": True, "stream_options": {"include_usage": True}}
-            return b | {"ignore_eos": True} if ignore else b
-
-        async def one(s: SampleRequest, ignore: bool) -> RequestResult:
-            return await send_one(client, url, body(s, ignore), s.prompt_len, headers, backend.chunk_text)
-
-        test = await one(samples[0], ignore_eos)
-        if not test.success and ignore_eos:
-            logger.warning("the server rejected ignore_eos (%s); sending without it", test.error)
-            ignore_eos = False
-            test = await one(samples[0], False)
-        if not test.success:
-            raise RuntimeError(f"test request failed: {test.error}")
-        sem = asyncio.Semaphore(limit)
-
-        async def limited(s: SampleRequest) -> RequestResult:
-            async with sem:
-                return await one(s, ignore_eos)
-
-        if args.num_warmups:
-            await asyncio.gather(*[limited(samples[0]) for _ in range(args.num_warmups)])
-        delays = arrival_times(len(samples), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
-        start = time.perf_counter()
-        tasks = []
-        for s, delay in zip(samples, delays):
-            wait = start + delay - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(limited(s)))
-        results = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - start
+        sender = _Sender(
+            client, base_url + (args.endpoint or backend.endpoint), headers, backend, model,
+            {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k) is not None},
+            # vLLM's rule: the random dataset runs every request to its length.
+            (args.ignore_eos or args.dataset_name == "random") and not args.no_ignore_eos,
+        )
+        await sender.check(samples[0])
+        results, duration, start = await _drive(sender, samples, args, limit)
     summary = {
         "date": time.strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "endpoint_type": args.backend,
         "label": args.label, "model_id": model_id, "tokenizer_id": tokenizer_id, "num_prompts": len(samples),
         "dataset_name": args.dataset_name, "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
-        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "ignore_eos": ignore_eos,
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "ignore_eos": sender.ignore_eos,
         "num_warmups": args.num_warmups, "seed": args.seed, "goodput": goodput or None,
-    }
-    for item in args.metadata or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--metadata {item!r}: give KEY=VALUE")
-        summary[key.strip()] = value.strip()
+    } | metadata
     summary |= summarize(results, duration, percentile_metrics, percentiles, goodput)
     summary["percentile_metrics"], summary["metric_percentiles"] = percentile_metrics, percentiles
     summary["errors"] = [r.error for r in results]

@@ -201,3 +201,16 @@ def test_vllm_command_line_parses():
     assert serve.metrics_names == "vllm"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--metrics-names", "prometheus"])
+
+
+def test_local_tokenizer_by_pagedllm_model_name(default_tokenizer):
+    from pagedllm.benchmarks.serve_datasets import to_text
+    from pagedllm.benchmarks.serve_tokenizer import LocalTokenizer
+    from pagedllm.engine.arg_utils import DEFAULT_MODEL
+
+    tok = LocalTokenizer(DEFAULT_MODEL)
+    assert tok.vocab_size == default_tokenizer.vocab_size and default_tokenizer.eos_token_id in tok.special_ids
+    assert tok.encode("Hello world") == default_tokenizer.encode("Hello world", add_special_tokens=False)
+    assert "Hello" in tok.chat_prompt("Hello") and tok.chat_prompt("Hello") != "Hello"
+    text, n = to_text(tok, list(range(1000, 1040)))
+    assert n == len(tok.encode(text)) <= 40
