@@ -135,7 +135,9 @@ def sample_prefix_repetition(ctx: DatasetContext) -> list[SampleRequest]:
 
 
 def _special_ids(ctx: DatasetContext) -> frozenset[int]:
-    return ctx.tokenizer().special_ids if ctx.as_text else frozenset()
+    """Ids to leave out of synthetic prompts: a local tokenizer's specials (the server's are
+    not served: ids below FIRST_PLAIN_TOKEN_ID stay out either way)."""
+    return ctx.tokenizer().special_ids if ctx.as_text or ctx.args.tokenizer else frozenset()
 
 
 def load_records(path: str) -> list[dict]:
