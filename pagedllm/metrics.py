@@ -1,50 +1,102 @@
-"""Prometheus metrics under vLLM's names with a ``pagedllm:`` prefix, and the stats log line.
+"""Prometheus metrics under vLLM's names, and the stats log line.
+
+The names are vLLM's with a ``pagedllm:`` prefix and the label ``model_name`` by default;
+``--metrics-names vllm`` serves every metric under ``vllm:`` with vLLM's labels
+(``model_name``, ``engine``) and vLLM's deprecated aliases that dashboards and autoscalers still
+query (``vllm:gpu_cache_usage_perc``), so vLLM's Grafana dashboards work unchanged
+(docs/metrics.md maps the names). Bucket edges are vLLM's.
 
 Gauges come from the engine core's periodic stats (sent even while idle, so they stay
-current); counters and latency histograms are recorded in the front end as outputs arrive.
-Each EngineMetrics has its own registry, so several engines in one process do not collide.
+current); counters and latency histograms are recorded in the front end as outputs arrive,
+the per-request ones (phase times, token counts) when a request finishes. Each
+EngineMetrics has its own registry, so several engines in one process do not collide.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.engine.core_messages import CoreStats
 from pagedllm.engine.dashboard import DashboardHistory
+from pagedllm.engine.request_stats import FinishedRequestStats
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "pagedllm:"
 LOG_INTERVAL_S = 5.0
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+@dataclass(frozen=True)
+class MetricsNaming:
+    prefix: str
+    engine_label: bool
+    """Add vLLM's ``engine`` label (the engine index; one engine here: "0")."""
+    vllm_aliases: bool
+    """Also export vLLM's deprecated names that dashboards still query."""
+
+
+METRICS_NAMINGS: dict[str, MetricsNaming] = {
+    "pagedllm": MetricsNaming("pagedllm:", engine_label=False, vllm_aliases=False),
+    "vllm": MetricsNaming("vllm:", engine_label=True, vllm_aliases=True),
+}
+PREFIX = METRICS_NAMINGS["pagedllm"].prefix
+
+# vLLM's bucket edges, metric by metric.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0)
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    edges: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(edges)
+            edges.append(m * scale)
+        scale *= 10
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, naming: str = "pagedllm") -> None:
+        if naming not in METRICS_NAMINGS:
+            raise ValueError(f"metrics naming {naming!r} is not one of {', '.join(METRICS_NAMINGS)}")
+        self.naming = METRICS_NAMINGS[naming]
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self._labels = {"model_name": model_name} | ({"engine": "0"} if self.naming.engine_label else {})
+        labels = list(self._labels)
+        prefix = self.naming.prefix
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r)
+            return Gauge(prefix + name, doc, labels, registry=r)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels + list(extra), registry=r)
+            return Counter(prefix + name, doc, labels + list(extra), registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=r)
 
+        self._histogram = histogram
         self.model_name = model_name
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.")
+        # vLLM's name before 0.10; KEDA/HPA rules and the example Grafana dashboard still use it.
+        self.gpu_cache_usage_perc = gauge(
+            "gpu_cache_usage_perc", "KV cache usage, 1 means 100 percent (vLLM's deprecated name)."
+        ) if self.naming.vllm_aliases else None
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "KV blocks free (cached or not).")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "Usable KV blocks in the pool.")
         # KV memory on every backend (blocks held, or pages charged).
@@ -61,13 +113,35 @@ class EngineMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens.")
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+            "time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
+            "inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        # vLLM's older name of the same observations (its example dashboard's TPOT panel).
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Time between output tokens (vLLM's older name).", _ITL_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Per request: decode time over its output tokens but the first.",
+            _ITL_BUCKETS)
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduling to first token.", _REQUEST_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "First scheduling to last token.", _REQUEST_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", _ITERATION_TOKEN_BUCKETS)
+        self.request_params_n = histogram("request_params_n", "The n request parameter.", _N_BUCKETS)
+        # Token-count histograms and the cache config: once the engine is ready (their buckets
+        # reach max_model_len; the config is the loaded engine's).
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
+        self.request_max_num_generation_tokens: Histogram | None = None
+        self.request_params_max_tokens: Histogram | None = None
+        self.cache_config_info: Gauge | None = None
         # Disaggregated prefill: the KV connector's counters (cumulative in the core).
         self.kv_transfer = {
             key: gauge(f"kv_transfer_{key}", f"KV transfer: {key.replace('_', ' ')} since start.")
@@ -82,16 +156,21 @@ class EngineMetrics:
             "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens at each draft position.", ("position",))
         # Create every labelled child now, so each series is exported from the start.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                       self.gpu_cache_usage_perc,
                        self.kv_cache_free_blocks, self.kv_cache_total_blocks, self.prompt_tokens,
                        self.kv_cache_resident_bytes, self.kv_cache_token_bytes,
                        self.kv_cache_fragmentation_ratio,
                        self.generation_tokens, self.num_preemptions, self.prefix_cache_queries,
                        self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
-                       self.e2e_request_latency, self.request_queue_time, self.spec_decode_num_drafts,
+                       self.time_per_output_token, self.request_time_per_output_token,
+                       self.e2e_request_latency, self.request_queue_time, self.request_prefill_time,
+                       self.request_decode_time, self.request_inference_time, self.iteration_tokens,
+                       self.request_params_n, self.spec_decode_num_drafts,
                        self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens):
-            self._l(metric)
+            if metric is not None:
+                self._l(metric)
         for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name=model_name, finished_reason=reason)
+            self.request_success.labels(**self._labels, finished_reason=reason)
         self._last_preemptions = 0
         self.last_stats: CoreStats | None = None
         self._log_prompt_tokens = 0
@@ -106,8 +185,37 @@ class EngineMetrics:
         self._logged_idle = False
         self.history = DashboardHistory()  # recent records for GET /dashboard/state
 
-    def _l(self, metric):  # the child for this engine's model name
-        return metric.labels(model_name=self.model_name)
+    def engine_ready(self, max_model_len: int, cache_info: dict[str, Any]) -> None:
+        """Create what needs the loaded engine: the token-count histograms (1-2-5 buckets up
+        to max_model_len, as vLLM) and the cache config info (a gauge at 1, its labels the
+        config, as vLLM's ``cache_config_info``)."""
+        if self.request_prompt_tokens is not None:
+            return
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets)
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Generated tokens per finished request (all its sequences).",
+            token_buckets)
+        self.request_max_num_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens", "Most tokens one sequence of a finished request generated.",
+            token_buckets)
+        self.request_params_max_tokens = self._histogram(
+            "request_params_max_tokens", "The max_tokens request parameter.", token_buckets)
+        for metric in (self.request_prompt_tokens, self.request_generation_tokens,
+                       self.request_max_num_generation_tokens, self.request_params_max_tokens):
+            self._l(metric)
+        info = {k: str(v) for k, v in cache_info.items()}
+        if self.naming.engine_label:
+            info["engine"] = "0"
+        self.cache_config_info = Gauge(
+            self.naming.prefix + "cache_config_info", "Information of the engine's KV cache config.",
+            list(info), registry=self.registry,
+        )
+        self.cache_config_info.labels(**info).set(1)
+
+    def _l(self, metric):  # the child for this engine's labels
+        return metric.labels(**self._labels)
 
     # ---- from the engine core ---------------------------------------------------------
 
@@ -117,6 +225,8 @@ class EngineMetrics:
         self._l(self.num_requests_running).set(s.num_running)
         self._l(self.num_requests_waiting).set(s.num_waiting)
         self._l(self.kv_cache_usage_perc).set(s.kv_cache_usage)
+        if self.gpu_cache_usage_perc is not None:
+            self._l(self.gpu_cache_usage_perc).set(s.kv_cache_usage)
         self._l(self.kv_cache_free_blocks).set(stats.num_free_blocks)
         self._l(self.kv_cache_total_blocks).set(stats.num_total_blocks)
         self._l(self.kv_cache_resident_bytes).set(s.kv_resident_bytes)
@@ -132,6 +242,8 @@ class EngineMetrics:
         self._log_hits += pc.hits
         for t in stats.queue_times:
             self._l(self.request_queue_time).observe(t)
+        for n in stats.iteration_tokens:
+            self._l(self.iteration_tokens).observe(n)
         self.history.observe_stats(s.num_running, s.num_waiting, s.kv_cache_usage, pc.queries, pc.hits)
         for key, value in (stats.kv_transfer or {}).items():
             if key in self.kv_transfer:
@@ -145,7 +257,7 @@ class EngineMetrics:
         self._l(self.spec_decode_num_draft_tokens).inc(spec.num_draft_tokens)
         self._l(self.spec_decode_num_accepted_tokens).inc(spec.num_accepted_tokens)
         for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
-            self.spec_decode_num_accepted_tokens_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(n)
+            self.spec_decode_num_accepted_tokens_per_pos.labels(**self._labels, position=str(pos)).inc(n)
         self._log_drafts += spec.num_drafts
         self._log_draft_tokens += spec.num_draft_tokens
         self._log_accepted_tokens += spec.num_accepted_tokens
@@ -163,11 +275,34 @@ class EngineMetrics:
         self._log_generation_tokens += num_tokens
         if itl is not None:
             self._l(self.inter_token_latency).observe(itl)
+            self._l(self.time_per_output_token).observe(itl)
         self.history.observe_tokens(num_tokens, itl)
 
-    def observe_finished(self, finish_reason: str, e2e: float) -> None:
-        self.request_success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()
+    def observe_aborted(self) -> None:
+        """A request aborted in the front end (client gone, time limit): counted, not timed."""
+        self.request_success.labels(**self._labels, finished_reason="abort").inc()
+
+    def observe_finished(self, finish_reason: str, e2e: float, stats: FinishedRequestStats | None = None) -> None:
+        """A finished request; ``stats`` (its phases and token counts) where they are known.
+        The queue time is observed when the core schedules a request (``record_stats``)."""
+        self.request_success.labels(**self._labels, finished_reason=finish_reason).inc()
         self._l(self.e2e_request_latency).observe(e2e)
+        if stats is None:
+            return
+        for metric, value in ((self.request_prefill_time, stats.prefill_time),
+                              (self.request_decode_time, stats.decode_time),
+                              (self.request_inference_time, stats.inference_time),
+                              (self.request_time_per_output_token, stats.mean_time_per_output_token)):
+            if value is not None:
+                self._l(metric).observe(value)
+        self._l(self.request_params_n).observe(stats.n)
+        if self.request_prompt_tokens is None:
+            return  # finished before engine_ready: only in tests that skip it
+        self._l(self.request_prompt_tokens).observe(stats.num_prompt_tokens)
+        self._l(self.request_generation_tokens).observe(stats.num_generation_tokens)
+        self._l(self.request_max_num_generation_tokens).observe(stats.max_num_generation_tokens)
+        if stats.max_tokens_param is not None:
+            self._l(self.request_params_max_tokens).observe(stats.max_tokens_param)
 
     # ---- output ------------------------------------------------------------------------
 

@@ -38,6 +38,9 @@ class EngineCoreOutput:
     invalid: bool = False
     """The failure is the request's own (a constraint no token of the vocabulary can follow):
     the server answers 400."""
+    scheduled_time: float | None = None
+    """Set by the engine-core process on a request's first output: ``time.monotonic()`` at
+    the start of the step that first scheduled it (the front end's clock too: one machine)."""
 
     @property
     def finished(self) -> bool:

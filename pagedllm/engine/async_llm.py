@@ -35,6 +35,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import KVSnapshot
 from pagedllm.engine.llm_engine import make_requests
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request_stats import RequestStatsTracker
 from pagedllm.kv_backends import get_kv_backend
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -121,6 +122,7 @@ class AsyncLLM:
     def __init__(
         self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
         request_timeout_s: float | None = None, started_core: StartedCore | None = None,
+        metrics_names: str = "pagedllm",
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
@@ -130,7 +132,8 @@ class AsyncLLM:
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout_s = request_timeout_s
-        self.metrics = EngineMetrics(model_name)
+        self.metrics = EngineMetrics(model_name, metrics_names)
+        self._request_stats = RequestStatsTracker()  # phase times of user requests in flight
         self.ready = False
         self.shutting_down = False
         self.dead_error: BaseException | None = None
@@ -264,6 +267,7 @@ class AsyncLLM:
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         stream = RequestStream(request_id, self, deadline)
         self._streams[request_id] = stream
+        self._request_stats.add(request_id, params.max_tokens)
         assert self._client is not None
         self._send(request_id, lambda client: client.add_request(request))
         return stream
@@ -366,8 +370,9 @@ class AsyncLLM:
         self._streams.pop(request_id, None)
         self._last_token_time.pop(request_id, None)
         self._beam_widths.pop(request_id, None)
+        self._request_stats.drop(request_id)
         if self._beam_searches.pop(request_id, None) is not None:
-            self.metrics.request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+            self.metrics.observe_aborted()
             if self._client is not None and not self.shutting_down:
                 self._client.abort_requests([request_id])
             return
@@ -377,7 +382,7 @@ class AsyncLLM:
         for core_id in core_ids:
             self._last_token_time.pop(core_id, None)
         if self.output_processor.abort_requests([request_id]):
-            self.metrics.request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+            self.metrics.observe_aborted()
             if self._client is not None and not self.shutting_down:
                 self._client.abort_requests(core_ids)
 
@@ -433,6 +438,7 @@ class AsyncLLM:
             self.model_config, self.config, self.tokenizer = info.model_config, info.config, info.tokenizer
             self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.config.speculative_config)
             self.output_processor = OutputProcessor(self.tokenizer)
+            self.metrics.engine_ready(self.model_config.max_model_len, _cache_info(info))
             self.ready = True
             self._ready_event.set()
             logger.info("engine ready: %s, max_model_len=%d", self.model_name, self.model_config.max_model_len)
@@ -505,13 +511,19 @@ class AsyncLLM:
                 if stream is not None:
                     stream.put(result)
             state = states.get(eo.request_id)
-            if state is None or not eo.new_token_ids:
+            if state is None:
+                continue
+            user_id = self.output_processor.user_request_id(eo.request_id)
+            if eo.scheduled_time is not None:
+                self._request_stats.scheduled(user_id, eo.scheduled_time)
+            if not eo.new_token_ids:
                 continue
             last = self._last_token_time.get(eo.request_id)
             if last is None:
                 self.metrics.observe_first_token(now - state.arrival_time, len(state.prompt_token_ids))
             self.metrics.observe_tokens(len(eo.new_token_ids), None if last is None else now - last)
             self._last_token_time[eo.request_id] = now
+            self._request_stats.tokens(user_id, now)
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         for eo in core_outputs.outputs:  # finished sequences (n > 1 included) leave the ITL map
             if eo.request_id not in states:
@@ -526,12 +538,25 @@ class AsyncLLM:
                 self._streams.pop(out.request_id, None)
                 self._last_token_time.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason or "abort"
-                self.metrics.observe_finished(reason, now - out.metrics["arrival_time"])
+                stats = self._request_stats.finish(out, reason, now)
+                self.metrics.observe_finished(reason, stats.e2e_latency, stats)
             if stream is not None:
                 stream.put(out)
         if core_outputs.stats is not None:
             self.metrics.record_stats(core_outputs.stats)
         self.metrics.maybe_log(now)
+
+
+def _cache_info(info: Any) -> dict[str, Any]:
+    """The KV cache config as vLLM's ``cache_config_info`` labels (``num_gpu_blocks``: the
+    pool's usable blocks, whatever the device), with this engine's own fields after them."""
+    cache = info.config.cache_config
+    return {
+        "block_size": cache.block_size, "cache_dtype": info.model_config.dtype,
+        "enable_prefix_caching": cache.enable_prefix_caching, "num_gpu_blocks": info.num_total_blocks,
+        "num_cpu_blocks": None, "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+        "kv_cache_backend": cache.kv_cache_backend,
+    }
 
 
 def _limit_front_end_threads() -> None:

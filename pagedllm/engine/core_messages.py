@@ -43,6 +43,8 @@ class CoreStats:
     """Seconds from arrival to first scheduling, for requests first scheduled since the last stats."""
     kv_transfer: dict[str, float] | None = None
     """Disaggregated prefill: the KV connector's counters since start (None without one)."""
+    iteration_tokens: list[int] = field(default_factory=list)
+    """Tokens scheduled by each engine step since the last stats (steps with work only)."""
 
 
 @dataclass

@@ -105,6 +105,9 @@ class EngineCoreProc:
         self._stop = False
         self._unscheduled: dict[str, Request] = {}  # added, not yet scheduled: for queue time
         self._queue_times: list[float] = []
+        # Scheduled, first output not yet sent: the step start that first scheduled each.
+        self._scheduled_at: dict[str, float] = {}
+        self._iteration_tokens: list[int] = []  # tokens per step since the last stats
         # Dashboard: durations of recent steps; seconds and calls per utility (a snapshot's cost).
         self._step_seconds: deque[float] = deque(maxlen=32)
         self._utility_seconds: dict[str, float] = {}
@@ -155,11 +158,15 @@ class EngineCoreProc:
                 logger.warning("front end process is gone; engine core exits")
                 return
             outputs = []
+            step_start = time.monotonic()
             if self._has_work() or kv_pending:
                 t0 = time.perf_counter()
                 outputs = self._step()
                 self._step_seconds.append(time.perf_counter() - t0)
-            self._note_scheduled()
+                if self.core.last_num_scheduled_tokens:
+                    self._iteration_tokens.append(self.core.last_num_scheduled_tokens)
+            self._note_scheduled(step_start)
+            self._stamp_scheduled(outputs)
             now = time.monotonic()
             busy = self._has_work()
             stats = None
@@ -246,6 +253,7 @@ class EngineCoreProc:
         status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
         for request_id in request_ids:
             self._unscheduled.pop(request_id, None)
+            self._scheduled_at.pop(request_id, None)
         self.core.finish_requests(request_ids, status)
 
     def _shutdown(self, _: Any) -> None:
@@ -278,21 +286,36 @@ class EngineCoreProc:
             snapshot.cost_seconds_mean = self._utility_seconds["kv_snapshot"] / self._utility_calls["kv_snapshot"]
         return snapshot
 
-    def _note_scheduled(self) -> None:
+    def _note_scheduled(self, step_start: float) -> None:
+        """Requests that left WAITING in the step begun at ``step_start`` were scheduled then
+        (aborted ones left in _abort; one the core failed before scheduling is not counted)."""
         if not self._unscheduled:
             return
-        now = time.monotonic()
         for request_id, request in list(self._unscheduled.items()):
-            if request.status != RequestStatus.WAITING:
-                del self._unscheduled[request_id]  # aborted ones left in _handle
-                self._queue_times.append(now - request.arrival_time)
+            if request.status == RequestStatus.WAITING:
+                continue
+            del self._unscheduled[request_id]
+            if request.status != RequestStatus.FINISHED_ABORTED:
+                self._queue_times.append(step_start - request.arrival_time)
+                self._scheduled_at[request_id] = step_start
+
+    def _stamp_scheduled(self, outputs: list[EngineCoreOutput]) -> None:
+        """A request's first output carries when it was first scheduled (its prefill time)."""
+        if not self._scheduled_at:
+            return
+        for out in outputs:
+            scheduled = self._scheduled_at.pop(out.request_id, None)
+            if scheduled is not None:
+                out.scheduled_time = scheduled
 
     def _make_stats(self) -> CoreStats:
         queue_times, self._queue_times = self._queue_times, []
+        iteration_tokens, self._iteration_tokens = self._iteration_tokens, []
         return CoreStats(
             scheduler_stats=self.core.get_stats(),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.num_total_blocks,
             queue_times=queue_times,
+            iteration_tokens=iteration_tokens,
             kv_transfer=self.core.kv_connector.get_stats() if self.core.kv_connector is not None else None,
         )

@@ -40,6 +40,8 @@ class EngineCore:
         self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
         # Disaggregated prefill: the KV connector's worker side (KVConnectorWorkerBase) or None.
         self.kv_connector = kv_connector
+        self.last_num_scheduled_tokens = 0
+        """Tokens the last ``step()`` scheduled (for the tokens-per-step histogram)."""
 
     def add_request(self, request: Request) -> None:
         spec = request.sampling_params.structured_outputs
@@ -82,6 +84,7 @@ class EngineCore:
         """Schedule, run the model, and fold the sampled tokens back into the requests."""
         outputs = self._admit_compiled() if self._awaiting_grammar else []
         scheduler_output = self.scheduler.schedule()
+        self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         failed: dict[str, str] = {}  # requests whose own processing raised: they fail alone
         rejected: set[str] = set()  # of those, the ones at fault themselves (a 400)
         so_manager = self.structured_output

@@ -102,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
+        metrics_names=args.metrics_names,
     )
     run_server(engine_args, config, started_core)
 
@@ -135,6 +136,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--timeout-keep-alive", type=float, default=30.0,
                        help="seconds an idle HTTP keep-alive connection stays open (keep it above "
                             "your clients' pool expiry, 5 s for httpx/openai)")
+    serve.add_argument("--metrics-names", choices=("pagedllm", "vllm"), default="pagedllm",
+                       help="names on /metrics: pagedllm:* (label model_name), or vLLM's vllm:* with "
+                            "its labels (model_name, engine), for vLLM's dashboards and autoscalers")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -75,6 +75,9 @@ class ServerConfig:
     """Sequences allowed to wait beyond max_num_seqs; more get a 503 with Retry-After (None: no bound)."""
     request_timeout_s: float | None = None
     """A request unfinished this long after arrival is aborted with a 503 (None: no limit)."""
+    metrics_names: str = "pagedllm"
+    """Prometheus names on /metrics: "pagedllm" (``pagedllm:`` prefix, label model_name) or
+    "vllm" (``vllm:`` names with vLLM's labels, for vLLM's dashboards and autoscalers)."""
     timeout_keep_alive_s: float = 30.0
     """Seconds an idle keep-alive connection stays open. Longer than the pool expiry of common
     clients (httpx and so the openai client: 5 s) so a client never reuses a connection at the
@@ -289,7 +292,8 @@ async def serve(
 ) -> None:
     model_name = config.served_model_name or engine_args.model
     engine = AsyncLLM(
-        engine_args, model_name, config.max_waiting_requests, config.request_timeout_s, started_core
+        engine_args, model_name, config.max_waiting_requests, config.request_timeout_s, started_core,
+        metrics_names=config.metrics_names,
     )
     app = build_app(engine, config, model_name)
     uv_config = uvicorn.Config(
