@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -73,7 +74,28 @@ class LLM:
         for conv in conversations:
             text, ids = processor.render_chat(conv, chat_template, add_generation_prompt, chat_template_kwargs)
             requests.append((text, ids))
+        if self.llm_engine.reasoning_parser is not None:
+            sampling_params = self._reasoning_states(requests, sampling_params, chat_template_kwargs)
         return self._run(requests, sampling_params, use_tqdm)
+
+    def _reasoning_states(
+        self, requests: list[tuple[str, list[int]]], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> SamplingParams | Sequence[SamplingParams] | None:
+        """Per conversation, whether its grammar waits for the reasoning's end: the prompt and
+        ``chat_template_kwargs`` (``enable_thinking``) decide, which the engine core cannot see."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(requests)
+        parser = self.llm_engine.reasoning_parser
+        assert parser is not None
+        result = []
+        for (text, _), params in zip(requests, sampling_params):
+            spec = params.structured_outputs
+            if spec is not None and spec.reasoning_ended is None:
+                ended = not parser.starts_in_reasoning(text, chat_template_kwargs)
+                params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, reasoning_ended=ended))
+            result.append(params)
+        return result
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams

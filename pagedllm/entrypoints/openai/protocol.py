@@ -101,6 +101,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    """With a reasoning parser: return ``reasoning_content`` (False: drop it, as vLLM)."""
     # OpenAI fields we do not support (400 when set)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -188,6 +190,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """With a reasoning parser: the model's thinking, apart from ``content``."""
 
 
 class ChatChoice(BaseModel):
@@ -212,6 +216,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

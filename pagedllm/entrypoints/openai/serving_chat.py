@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the chat template, then one request; streaming as OpenAI does
-(a role chunk, content deltas, a finish chunk, optionally a usage chunk)."""
+(a role chunk, content deltas, a finish chunk, optionally a usage chunk). With a reasoning
+parser each choice's text is split into reasoning_content and content (chat_reasoning.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.entrypoints.openai.chat_reasoning import RequestReasoning, ServerReasoning
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer, ChatTemplateError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -60,10 +62,13 @@ def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer) -> None:
+    def __init__(
+        self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer, reasoning_parser: str | None = None
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.renderer = renderer
+        self.reasoning = ServerReasoning(engine, reasoning_parser)
 
     async def render(
         self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool,
@@ -100,10 +105,12 @@ class OpenAIServingChat:
                                       req.chat_template_kwargs)
         assert self.engine.model_config is not None
         check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
+        reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning)
+        reasoning.apply_to(params)
         request_id = req.request_id or random_id("chatcmpl")
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params)
         if req.stream:
-            return self._stream(req, request_id, streams, len(ids))
+            return self._stream(req, request_id, streams, len(ids), reasoning)
         try:
             (out,) = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
@@ -113,8 +120,10 @@ class OpenAIServingChat:
             logprobs = None
             if num_logprobs is not None and c.logprobs is not None:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, num_logprobs, self._decode))
+            split = reasoning.split(c.text)
             choices.append(ChatChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                index=c.index, message=ChatResponseMessage(content=split.content, reasoning_content=split.reasoning),
+                logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             ))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -128,8 +137,10 @@ class OpenAIServingChat:
         return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage))
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int
+        self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int,
+        reasoning: RequestReasoning,
     ) -> AsyncIterator[str]:
+        splitters = {index: reasoning.stream() for index in range(req.n)}
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -142,17 +153,18 @@ class OpenAIServingChat:
                                   None if num_prompt is None else usage_info(num_prompt, 0))
             async for _, out in merge_streams(streams):
                 for c in out.outputs:
-                    delta = c.text[sent_text.get(c.index, 0):]
-                    if not delta and c.finish_reason is None:
-                        continue
+                    part = splitters[c.index].feed(c.text[sent_text.get(c.index, 0):], c.finish_reason is not None)
+                    sent_text[c.index] = len(c.text)
+                    if not part.reasoning and not part.content and c.finish_reason is None:
+                        continue  # nothing settled yet (a marker may be arriving)
                     logprobs = None
                     if num_logprobs is not None and c.logprobs is not None:
                         ids, lps = choice_logprob_slice(c, sent_tokens.get(c.index, 0))
                         logprobs = ChatChoiceLogprobs(content=chat_logprobs(ids, lps, num_logprobs, self._decode))
-                    sent_text[c.index] = len(c.text)
                     sent_tokens[c.index] = len(c.token_ids)
                     yield self._chunk(request_id, ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                        index=c.index,
+                        delta=DeltaMessage(content=part.content or None, reasoning_content=part.reasoning or None),
                         logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     ), None if num_prompt is None else usage_info(num_prompt, len(c.token_ids)))
             if out is not None and req.stream_options is not None and req.stream_options.include_usage:
