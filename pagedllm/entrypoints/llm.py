@@ -28,7 +28,9 @@ class LLM:
     vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
     (a name in pagedllm/kv_backends/, with its own options: docs/kv_backends.md);
     ``attention_backend`` ("torch" or "reference"); ``tensor_parallel_size`` and ``distributed_executor_backend``
-    ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers).
+    ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers);
+    ``reasoning_parser`` ("deepseek_r1", "qwen3": structured outputs start after the reasoning,
+    docs/reasoning.md).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:

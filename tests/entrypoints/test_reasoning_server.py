@@ -86,6 +86,16 @@ def test_include_reasoning_false(client):
     assert both(client, max_tokens=8, extra_body={"include_reasoning": False}) == (None, "hello world</", "length")
 
 
+def test_each_streamed_choice_is_split_on_its_own(client):
+    parts: dict[int, dict[str, str]] = {0: {"r": "", "c": ""}, 1: {"r": "", "c": ""}}
+    for chunk in client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=CHAT, temperature=0.0, max_tokens=8, n=2, stream=True):
+        for choice in chunk.choices:
+            parts[choice.index]["r"] += getattr(choice.delta, "reasoning_content", None) or ""
+            parts[choice.index]["c"] += choice.delta.content or ""
+    assert parts[0] == parts[1] == {"r": REASONING, "c": "hello world</"}
+
+
 def test_json_schema_applies_after_the_reasoning(client):
     reasoning, content, finish = both(client, max_tokens=40, response_format=RESPONSE_FORMAT)
     assert (reasoning, finish) == (REASONING, "stop")
