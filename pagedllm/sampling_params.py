@@ -31,6 +31,11 @@ class StructuredOutputsParams:
     """An EBNF grammar (GBNF style) whose start rule is ``root``."""
     json_object: bool | None = None
     """Any JSON object."""
+    reasoning_ended: bool | None = None
+    """Only with a reasoning parser on the engine: whether the reasoning is over before the
+    output starts. True: the grammar constrains from the first output token; False: from the
+    token after the reasoning's end marker; None: decided from the prompt (the chat server
+    decides from the prompt and chat_template_kwargs). Not part of the grammar (``key``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):

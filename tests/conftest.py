@@ -91,3 +91,13 @@ def hf_tiny_llama(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def think_model_dir(tmp_path_factory, default_tokenizer):
+    """A tiny Llama that writes "hello world</think>" over and over (tests/reasoning/think_model.py)."""
+    from tests.reasoning.think_model import save_think_model
+
+    path = tmp_path_factory.mktemp("think-model")
+    save_think_model(path, default_tokenizer)
+    return str(path)

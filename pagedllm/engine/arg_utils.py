@@ -18,6 +18,7 @@ from pagedllm.config import (
     parse_bytes,
 )
 from pagedllm.kv_backends import KV_BACKEND_NAMES, get_kv_backend
+from pagedllm.reasoning import REASONING_PARSER_NAMES, get_reasoning_parser
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,15 @@ class EngineArgs:
     """Tensor-parallel ranks (docs/tensor_parallel.md)."""
     distributed_executor_backend: str | None = None
     """uni, mp or ray; default uni for one rank, mp for more."""
+    reasoning_parser: str | None = None
+    """A name in pagedllm/reasoning/parsers/ (deepseek_r1, qwen3): structured outputs start
+    after the reasoning's end marker, and the chat server returns ``reasoning_content``
+    (docs/reasoning.md)."""
 
     def __post_init__(self) -> None:
         ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming the choices
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -102,6 +109,10 @@ class EngineArgs:
         )
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
+        parser.add_argument(
+            "--reasoning-parser", default=None, choices=list(REASONING_PARSER_NAMES),
+            help="split the reasoning (<think>...</think>) from the answer; grammars start after it",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -14,6 +14,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.kv_backends import get_kv_backend
+from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     logger.info("%s Ready in %.1f s.", kv.summary, time.monotonic() - t0)
     return BuiltEngine(
         engine_core=EngineCore(
-            scheduler, runner, _structured_output_manager(loaded), kv_connector=worker_connector
+            scheduler, runner, _structured_output_manager(loaded, args.reasoning_parser),
+            kv_connector=worker_connector,
         ),
         scheduler=scheduler,
         tokenizer=loaded.tokenizer,
@@ -109,6 +111,15 @@ def _create_executor(args: EngineArgs) -> Any:
     return create_executor(parallel, load)
 
 
-def _structured_output_manager(loaded: Any) -> StructuredOutputManager:
+def _structured_output_manager(loaded: Any, reasoning_parser: str | None) -> StructuredOutputManager:
+    """With a reasoning parser, grammars start after the reasoning (its end marker's token ids
+    in this tokenizer)."""
     model_config = loaded.model_config
-    return StructuredOutputManager(loaded.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning = get_reasoning_parser(reasoning_parser)(loaded.tokenizer)
+        logger.info("reasoning parser %s: grammars start after %s (token ids %s)",
+                    reasoning_parser, reasoning.end_marker, list(reasoning.end_token_ids))
+    return StructuredOutputManager(
+        loaded.tokenizer, model_config.vocab_size, model_config.eos_token_ids, reasoning=reasoning
+    )

@@ -103,7 +103,8 @@ class EngineCore:
             runner_output.kv_connector_output = self.kv_connector.get_finished()
         failed.update(runner_output.failed)
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if scheduler_output.grammar_bitmask is not None:
+        # Sequences inside their reasoning have matchers but no bitmask rows: advance them too.
+        if so_manager is not None and so_manager.num_matchers:
             self._advance_matchers(step_outputs, failed)
         if failed:
             step_outputs = self._fail_requests(failed, step_outputs, rejected)
@@ -186,7 +187,9 @@ class EngineCore:
                     outputs.append(EngineCoreOutput(seq.request_id, [], "abort", None, 0, error=str(e), invalid=True))
                 continue
             assert self.structured_output is not None
-            self.structured_output.add_matchers([s.request_id for s in sequences], compiled)
+            self.structured_output.add_matchers(
+                [s.request_id for s in sequences], compiled, self.structured_output.reasoning_ended_at_start(request)
+            )
             self.scheduler.add_request(request)
         return outputs
 

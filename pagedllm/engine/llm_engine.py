@@ -30,6 +30,8 @@ class LLMEngine:
         self.model_dir = built.model_dir  # HF-format directory of the weights (GGUF: converted cache)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # The engine's reasoning parser (--reasoning-parser), or None: LLM.chat reads it.
+        self.reasoning_parser = self.engine_core.structured_output.reasoning if self.engine_core.structured_output else None
         self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------------

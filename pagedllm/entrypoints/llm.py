@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,9 @@ class LLM:
     vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
     (a name in pagedllm/kv_backends/, with its own options: docs/kv_backends.md);
     ``attention_backend`` ("torch" or "reference"); ``tensor_parallel_size`` and ``distributed_executor_backend``
-    ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers).
+    ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers);
+    ``reasoning_parser`` ("deepseek_r1", "qwen3": structured outputs start after the reasoning,
+    docs/reasoning.md).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
@@ -79,7 +82,28 @@ class LLM:
             template = choose_chat_template(chat_template, processor.tokenizer.chat_template, conv, tools)
             text, ids = processor.render_chat(conv, template, add_generation_prompt, chat_template_kwargs, tools)
             requests.append((text, ids))
+        if self.llm_engine.reasoning_parser is not None:
+            sampling_params = self._reasoning_states(requests, sampling_params, chat_template_kwargs)
         return self._run(requests, sampling_params, use_tqdm)
+
+    def _reasoning_states(
+        self, requests: list[tuple[str, list[int]]], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> SamplingParams | Sequence[SamplingParams] | None:
+        """Per conversation, whether its grammar waits for the reasoning's end: the prompt and
+        ``chat_template_kwargs`` (``enable_thinking``) decide, which the engine core cannot see."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(requests)
+        parser = self.llm_engine.reasoning_parser
+        assert parser is not None
+        result = []
+        for (text, _), params in zip(requests, sampling_params):
+            spec = params.structured_outputs
+            if spec is not None and spec.reasoning_ended is None:
+                ended = not parser.starts_in_reasoning(text, chat_template_kwargs)
+                params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, reasoning_ended=ended))
+            result.append(params)
+        return result
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams

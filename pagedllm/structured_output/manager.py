@@ -9,6 +9,12 @@ Life of a constrained request:
    (a prefill chunk that does not reach the end samples nothing and gets no row).
 4. After sampling, ``accept`` advances the matcher with the appended tokens; a terminated
    matcher (the grammar accepted a stop token) means the request is done.
+
+With a reasoning parser (``reasoning``), a sequence whose output starts inside the reasoning
+is unconstrained until its output holds the end marker's token ids (``</think>``): it gets no
+bitmask row, and its matcher sees only the tokens after the marker. Whether it starts inside
+is the request's ``structured_outputs.reasoning_ended`` (the chat server sets it), else the
+parser's rule on the decoded prompt.
 """
 
 from __future__ import annotations
@@ -20,12 +26,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm import faults
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.bitmask import GrammarBitmask
 from pagedllm.structured_output.grammar import compile_spec
+
+if TYPE_CHECKING:
+    from pagedllm.reasoning.base import ReasoningParser
+    from pagedllm.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +44,12 @@ GRAMMAR_CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], max_workers: int | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], max_workers: int | None = None,
+        reasoning: ReasoningParser | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.reasoning = reasoning  # the engine's reasoning parser: grammars start after its end marker
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
         self.max_workers = max_workers or min(2, os.cpu_count() or 1)
@@ -44,6 +58,9 @@ class StructuredOutputManager:
         self._executor: ThreadPoolExecutor | None = None
         self._grammars: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar GrammarMatcher
+        # Sequences still inside their reasoning: request id -> their last output token ids
+        # (fewer than the longest end-marker sequence), to find a marker spread over steps.
+        self._in_reasoning: dict[str, tuple[int, ...]] = {}
 
     # ---- compiling ---------------------------------------------------------------------
 
@@ -98,13 +115,26 @@ class StructuredOutputManager:
 
     # ---- matchers ----------------------------------------------------------------------
 
-    def add_matchers(self, request_ids: list[str], compiled: Any) -> None:
+    def add_matchers(self, request_ids: list[str], compiled: Any, reasoning_ended: bool = True) -> None:
         """One fresh matcher per sequence (the sequences of n > 1 fork before any output,
-        so a fresh matcher is the forked one)."""
+        so a fresh matcher is the forked one); ``reasoning_ended`` False: each waits for the
+        end of its reasoning (``reasoning_ended_at_start``)."""
         import xgrammar as xgr
 
         for request_id in request_ids:
             self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+            if not reasoning_ended:
+                self._in_reasoning[request_id] = ()
+
+    def reasoning_ended_at_start(self, request: Request) -> bool:
+        """Whether ``request``'s grammar applies from its first output token."""
+        if self.reasoning is None:
+            return True
+        spec = request.sampling_params.structured_outputs
+        if spec is not None and spec.reasoning_ended is not None:
+            return spec.reasoning_ended
+        prompt = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
+        return not self.reasoning.starts_in_reasoning(prompt)
 
     def has_matcher(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -112,6 +142,7 @@ class StructuredOutputManager:
     def remove(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
+            self._in_reasoning.pop(request_id, None)
 
     @property
     def num_matchers(self) -> int:
@@ -127,7 +158,7 @@ class StructuredOutputManager:
         gets no row and lands in ``failed`` (id -> message); its matcher is dropped. One whose
         grammar admits no token here (a dead end in this vocabulary) lands in ``failed`` and
         in ``rejected`` too: the request's own fault, not the engine's."""
-        req_ids = [r for r in sampling_req_ids if r in self._matchers]
+        req_ids = [r for r in sampling_req_ids if r in self._matchers and r not in self._in_reasoning]
         if not req_ids:
             return None
         import xgrammar as xgr
@@ -163,11 +194,32 @@ class StructuredOutputManager:
         """Advance the request's matcher. Returns None when it has no matcher, True when the
         grammar is finished (terminated), False while it continues. Raises ValueError if the
         grammar rejects a token (a sampled token outside the mask: a bug, or a mask that
-        other restrictions emptied)."""
+        other restrictions emptied). Inside the reasoning, tokens go to the matcher only
+        after the end marker."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return None
+        if request_id in self._in_reasoning:
+            after = self._reasoning_end(request_id, token_ids)
+            if after is None:
+                return False
+            token_ids = token_ids[after:]
         for token_id in token_ids:
             if not matcher.accept_token(token_id):
                 raise ValueError(f"request {request_id}: the grammar rejects token {token_id}")
         return matcher.is_terminated()
+
+    def _reasoning_end(self, request_id: str, token_ids: list[int]) -> int | None:
+        """The index in ``token_ids`` just past the reasoning's end marker (the sequence then
+        leaves the reasoning), or None while the marker has not been completed."""
+        assert self.reasoning is not None
+        markers = self.reasoning.end_token_ids
+        tail = self._in_reasoning[request_id]
+        seq = tail + tuple(token_ids)
+        for end in range(len(tail) + 1, len(seq) + 1):
+            if any(seq[max(0, end - len(m)):end] == m for m in markers):
+                del self._in_reasoning[request_id]
+                return end - len(tail)
+        keep = max(len(m) for m in markers) - 1
+        self._in_reasoning[request_id] = seq[-keep:] if keep else ()
+        return None

@@ -430,6 +430,14 @@ def check_chat_template_kwargs(ctx: Ctx) -> None:
                 "tokenize")
 
 
+def check_include_reasoning(ctx: Ctx) -> None:
+    # Without --reasoning-parser nothing is reasoning: the field changes nothing here (what it
+    # does with a parser: test_reasoning_server.py).
+    message = ctx.chat(include_reasoning=False).choices[0].message
+    assert message.content == ctx.greedy_chat().choices[0].message.content
+    assert message.reasoning_content is None and ctx.greedy_chat().choices[0].message.reasoning_content is None
+
+
 def _unsupported(name: str, value: object) -> Callable[[Ctx], None]:
     def check(ctx: Ctx) -> None:
         ctx.refused(CHAT, {"messages": YES, name: value}, name, "not supported")
@@ -487,6 +495,7 @@ FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "messages": check_messages, "chat.logprobs": check_chat_logprobs, "top_logprobs": check_top_logprobs,
     "add_generation_prompt": check_add_generation_prompt, "chat_template": check_chat_template,
     "chat_template_kwargs": check_chat_template_kwargs,
+    "include_reasoning": check_include_reasoning,
     "tools": check_tools, "tool_choice": check_tool_choice,
     "functions": _unsupported("functions", [TOOL["function"]]),
     "function_call": _unsupported("function_call", "auto"),

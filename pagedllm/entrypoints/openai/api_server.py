@@ -135,7 +135,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     completion = OpenAIServingCompletion(engine, model_name)
     renderer = ChatRenderer(engine, config.chat_template, config.trust_request_chat_template,
                             config.request_chat_template_timeout_s)
-    chat = OpenAIServingChat(engine, model_name, renderer, config.tool_calls)
+    chat = OpenAIServingChat(engine, model_name, renderer, config.tool_calls, engine.args.reasoning_parser)
 
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key.encode())

@@ -123,6 +123,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    """With a reasoning parser: return ``reasoning_content`` (False: drop it, as vLLM)."""
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: "auto" with tools (needs --enable-auto-tool-choice), else "none"."""
@@ -224,6 +226,8 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """With a reasoning parser: the model's thinking, apart from ``content``."""
     tool_calls: list[ToolCall] | None = None
 
 
@@ -271,6 +275,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the chat template, then one request; streaming as OpenAI does
-(a role chunk, content deltas, a finish chunk, optionally a usage chunk)."""
+(a role chunk, content deltas, a finish chunk, optionally a usage chunk). With a reasoning
+parser each choice's text is split into reasoning_content and content (chat_reasoning.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.entrypoints.openai.chat_reasoning import RequestReasoning, ServerReasoning
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer, ChatTemplateError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -74,12 +76,15 @@ def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer,
-                 tool_config: ToolCallConfig | None = None) -> None:
+    def __init__(
+        self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer,
+        tool_config: ToolCallConfig | None = None, reasoning_parser: str | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.renderer = renderer
         self.tool_config = tool_config or ToolCallConfig()
+        self.reasoning = ServerReasoning(engine, reasoning_parser)
 
     async def render(
         self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool,
@@ -118,10 +123,12 @@ class OpenAIServingChat:
                                       req.chat_template_kwargs, request_tools(req))
         assert self.engine.model_config is not None
         check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
+        reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning)
+        reasoning.apply_to(params)
         request_id = req.request_id or random_id("chatcmpl")
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params)
         if req.stream:
-            return self._stream(req, request_id, streams, len(ids), tools)
+            return self._stream(req, request_id, streams, len(ids), tools, reasoning)
         try:
             (out,) = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
@@ -131,7 +138,9 @@ class OpenAIServingChat:
             logprobs = None
             if num_logprobs is not None and c.logprobs is not None:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, num_logprobs, self._decode))
-            message, made_calls = tool_message(tools, c.text)
+            split = reasoning.split(c.text)
+            message, made_calls = tool_message(tools, split.content)
+            message.reasoning_content = split.reasoning
             choices.append(ChatChoice(
                 index=c.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason_with_calls(c.finish_reason, made_calls), stop_reason=c.stop_reason,
@@ -148,9 +157,14 @@ class OpenAIServingChat:
 
     async def _stream(
         self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int,
-        tools: ToolCallHandler | None = None,
+        tools: ToolCallHandler | None, reasoning: RequestReasoning,
     ) -> AsyncIterator[str]:
-        choice_states: dict[int, TextStreamState | ToolStreamState] = {}  # per choice index
+        # Per choice index: the reasoning split runs first on each text delta; tool parsing
+        # (or plain text) runs on the content so far.
+        splitters = {index: reasoning.stream() for index in range(req.n)}
+        choice_states: dict[int, TextStreamState | ToolStreamState] = {}
+        sent_text: dict[int, int] = {}
+        content_so_far: dict[int, str] = {}
         sent_tokens: dict[int, int] = {}
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         out = None
@@ -162,11 +176,17 @@ class OpenAIServingChat:
                                   None if num_prompt is None else usage_info(num_prompt, 0))
             async for _, out in merge_streams(streams):
                 for c in out.outputs:
+                    final = c.finish_reason is not None
+                    part = splitters[c.index].feed(c.text[sent_text.get(c.index, 0):], final)
+                    sent_text[c.index] = len(c.text)
+                    content = content_so_far[c.index] = content_so_far.get(c.index, "") + part.content
                     state = choice_states.setdefault(c.index, choice_stream(tools))
-                    message = delta_message(state.update(c.text, final=c.finish_reason is not None))
+                    message = delta_message(state.update(content, final=final))
+                    message.reasoning_content = part.reasoning or None
                     finish_reason = finish_reason_with_calls(c.finish_reason, state.made_calls)
-                    if message.content is None and message.tool_calls is None and finish_reason is None:
-                        continue
+                    if (message.content is None and message.tool_calls is None
+                            and message.reasoning_content is None and finish_reason is None):
+                        continue  # nothing settled yet (a marker may be arriving)
                     logprobs = None
                     if num_logprobs is not None and c.logprobs is not None:
                         ids, lps = choice_logprob_slice(c, sent_tokens.get(c.index, 0))

@@ -63,9 +63,10 @@ async def constrain_tool_calls(
     return params
 
 
-def tool_message(tools: ToolCallHandler | None, text: str) -> tuple[ChatResponseMessage, bool]:
-    """A finished choice's message, and whether it made calls."""
-    if tools is None:
+def tool_message(tools: ToolCallHandler | None, text: str | None) -> tuple[ChatResponseMessage, bool]:
+    """A finished choice's message, and whether it made calls. ``text`` is the content after
+    any reasoning (None: the reasoning never ended, so there is no content to parse)."""
+    if tools is None or text is None:
         return ChatResponseMessage(content=text), False
     result = tools.result(text)
     calls = [ToolCall(id=i, function=FunctionCall(name=c.name, arguments=c.arguments)) for i, c in result.tool_calls]

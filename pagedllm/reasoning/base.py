@@ -1,0 +1,88 @@
+"""ReasoningParser: a model's reasoning markers, and where its output's reasoning ends.
+
+The rules every parser here shares (text-based, so a marker split across tokens, or spelled
+by several tokens, is found all the same):
+- The output starts inside the reasoning unless the prompt closed it (its last marker is the
+  end marker: a template that turned thinking off) or the parser says thinking is off for the
+  request (``thinking_enabled``); a prompt whose last marker opens the reasoning starts it.
+- Inside the reasoning, an opening marker at the very start of the output is dropped (models
+  that write it themselves); the text up to the end marker is reasoning, the end marker is
+  dropped, and everything after it is content. No end marker: all of it is reasoning (the
+  output was cut short, e.g. by max_tokens).
+- An output that starts outside the reasoning is all content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pagedllm.reasoning.stream import ReasoningStream
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """A whole output split in two; None where a part is empty."""
+
+    reasoning: str | None
+    content: str | None
+
+
+class ReasoningParser:
+    """The markers of one model family. Subclasses set ``start_marker``/``end_marker`` and may
+    override ``thinking_enabled``."""
+
+    start_marker: ClassVar[str] = "<think>"
+    end_marker: ClassVar[str] = "</think>"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.end_token_ids = marker_token_ids(tokenizer, self.end_marker)
+        """The token-id sequences that spell the end marker in this vocabulary (one id where the
+        marker is a token of its own, as in reasoning models' vocabularies)."""
+
+    def thinking_enabled(self, chat_template_kwargs: dict[str, Any] | None) -> bool:
+        """Whether the request lets the model think when the prompt says nothing either way."""
+        return True
+
+    def starts_in_reasoning(self, prompt_text: str | None, chat_template_kwargs: dict[str, Any] | None = None) -> bool:
+        """Whether the output begins inside the reasoning (see the module's rules)."""
+        if prompt_text:
+            last_end = prompt_text.rfind(self.end_marker)
+            last_start = prompt_text.rfind(self.start_marker)
+            if last_end > last_start:
+                return False
+            if last_start > last_end:
+                return True
+        return self.thinking_enabled(chat_template_kwargs)
+
+    def split(self, text: str, in_reasoning: bool) -> ReasoningSplit:
+        """A finished output's (reasoning, content); ``in_reasoning`` from ``starts_in_reasoning``."""
+        if not in_reasoning:
+            return ReasoningSplit(None, text)
+        body = text.removeprefix(self.start_marker)
+        reasoning, found, content = body.partition(self.end_marker)
+        return ReasoningSplit(reasoning or None, (content or None) if found else None)
+
+    def stream(self, in_reasoning: bool) -> ReasoningStream:
+        """A splitter for one streamed output (one per choice)."""
+        return ReasoningStream(self.start_marker, self.end_marker, in_reasoning)
+
+
+def marker_token_ids(tokenizer: Any, marker: str) -> tuple[tuple[int, ...], ...]:
+    """How ``marker`` tokenizes alone and after a space, keeping only the shortest of two
+    sequences where one ends with the other (a marker that is one token: that one id)."""
+    found: list[tuple[int, ...]] = []
+    for text, prefix in ((marker, ""), (" " + marker, " ")):
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if prefix:  # drop the tokens that spell the space alone
+            space = tuple(tokenizer.encode(prefix, add_special_tokens=False))
+            if ids[: len(space)] == space:
+                ids = ids[len(space):]
+        if ids:
+            found.append(ids)
+    kept = sorted(set(found), key=len)
+    result: list[tuple[int, ...]] = []
+    for ids in kept:
+        if not any(ids[len(ids) - len(short):] == short for short in result):
+            result.append(ids)
+    return tuple(result)

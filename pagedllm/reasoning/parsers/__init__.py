@@ -1,0 +1,1 @@
+"""One module per reasoning parser, named as the parser; each defines ``PARSER``."""

@@ -1,0 +1,105 @@
+"""Reasoning parsers on fixed texts: the whole-output split, and the same text streamed through
+the real default tokenizer one token per delta (markers split across tokens), one character per
+delta and in one piece; the streamed parts concatenate to the whole-output split."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.reasoning import REASONING_PARSER_NAMES, get_reasoning_parser
+
+THINKING_OFF_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's enable_thinking=False
+OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"  # R1 / Qwen3.5 templates
+PLAIN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+# (parser, prompt, chat_template_kwargs, output, expected reasoning, expected content)
+CASES = [
+    # The template opened the reasoning: the output holds only the end marker.
+    ("deepseek_r1", OPEN_PROMPT, None, "Let me see: 2+2=4.</think>The answer is 4.", "Let me see: 2+2=4.", "The answer is 4."),
+    # No marker in the prompt: R1 reasons all the same; a leading <think> is dropped.
+    ("deepseek_r1", PLAIN_PROMPT, None, "<think>I think.</think>\n\nYes.", "I think.", "\n\nYes."),
+    ("deepseek_r1", PLAIN_PROMPT, None, "Thinking without a start.</think>Done", "Thinking without a start.", "Done"),
+    # max_tokens ran out inside the reasoning, even halfway through the end marker.
+    ("deepseek_r1", OPEN_PROMPT, None, "I am still thinking about </thi", "I am still thinking about </thi", None),
+    ("qwen3", PLAIN_PROMPT, None, "<think>\nstill going", "\nstill going", None),
+    # Text that looks like the start of a marker, but is not one.
+    ("qwen3", PLAIN_PROMPT, None, "a < b, <th and </b> </thin</think>c <think> d", "a < b, <th and </b> </thin", "c <think> d"),
+    ("qwen3", PLAIN_PROMPT, None, "<think>\nok\n</think>\n\nDone", "\nok\n", "\n\nDone"),
+    ("qwen3", OPEN_PROMPT, {"enable_thinking": True}, "Short.</think>", "Short.", None),
+    ("qwen3", PLAIN_PROMPT, None, "</think>Only content", None, "Only content"),
+    ("qwen3", PLAIN_PROMPT, None, "<thin", "<thin", None),
+    # Thinking off: by the switch (a template that writes nothing), or by the prompt.
+    ("qwen3", PLAIN_PROMPT, {"enable_thinking": False}, "Plain </think> answer", None, "Plain </think> answer"),
+    ("qwen3", THINKING_OFF_PROMPT, None, "An answer.", None, "An answer."),
+    ("deepseek_r1", THINKING_OFF_PROMPT, None, "An answer.", None, "An answer."),
+    # The switch is Qwen3's: R1 ignores it.
+    ("deepseek_r1", PLAIN_PROMPT, {"enable_thinking": False}, "R.</think>C", "R.", "C"),
+]
+
+
+@pytest.fixture(scope="module")
+def parsers(default_tokenizer):
+    return {name: get_reasoning_parser(name)(default_tokenizer) for name in REASONING_PARSER_NAMES}
+
+
+def token_deltas(tokenizer, text: str) -> list[str]:
+    """The text as the server streams it: the decoded growth per token."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decoded = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    assert decoded[-1] == text
+    return [decoded[i + 1][len(decoded[i]):] for i in range(len(ids))]
+
+
+def streamed(parser, in_reasoning: bool, deltas: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+    stream = parser.stream(in_reasoning)
+    parts = [stream.feed(d) for d in deltas]
+    parts.append(stream.finish())
+    return "".join(p.reasoning for p in parts), "".join(p.content for p in parts), parts
+
+
+def test_registry_names_both_parsers():
+    assert {"deepseek_r1", "qwen3"} <= set(REASONING_PARSER_NAMES)
+    with pytest.raises(ValueError, match="deepseek_r1"):
+        get_reasoning_parser("nope")
+    with pytest.raises(ValueError, match="qwen3"):
+        EngineArgs(reasoning_parser="nope")
+
+
+@pytest.mark.parametrize("name,prompt,kwargs,text,reasoning,content", CASES)
+def test_split_whole_and_streamed(parsers, default_tokenizer, name, prompt, kwargs, text, reasoning, content):
+    parser = parsers[name]
+    in_reasoning = parser.starts_in_reasoning(prompt, kwargs)
+    split = parser.split(text, in_reasoning)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    by_token = token_deltas(default_tokenizer, text)
+    for deltas in (by_token, list(text), [text]):
+        got_reasoning, got_content, parts = streamed(parser, in_reasoning, deltas)
+        assert (got_reasoning, got_content) == (reasoning or "", content or ""), deltas
+        # Reasoning comes first: once a part holds content, no later part holds reasoning.
+        first_content = next((i for i, p in enumerate(parts) if p.content), len(parts))
+        assert not any(p.reasoning for p in parts[first_content + 1:])
+
+
+def test_end_marker_split_across_tokens_is_held_back(parsers, default_tokenizer):
+    """'</think>' is three tokens here ('</', 'think', '>'): none of them leaks into either part."""
+    deltas = token_deltas(default_tokenizer, "Hmm.</think>{}")
+    assert deltas[-4:-1] == ["</", "think", ">"]
+    stream = parsers["qwen3"].stream(True)
+    parts = [stream.feed(d) for d in deltas]
+    assert [p.reasoning for p in parts] == ["H", "mm", ".", "", "", "", ""]
+    assert [p.content for p in parts] == ["", "", "", "", "", "", "{}"]
+
+
+def test_end_token_ids(parsers, default_tokenizer):
+    """The default vocabulary spells '</think>' with several tokens (alone and after a space);
+    a vocabulary with '</think>' as a token of its own gives that one id."""
+    ids = parsers["qwen3"].end_token_ids
+    assert sorted(default_tokenizer.decode(list(seq)) for seq in ids) == [" </think>", "</think>"]
+    assert all(len(seq) > 1 for seq in ids)
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    assert get_reasoning_parser("deepseek_r1")(tokenizer).end_token_ids == ((think_end,),)
