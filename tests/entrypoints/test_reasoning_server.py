@@ -104,3 +104,29 @@ def test_json_schema_applies_after_the_reasoning(client):
     reasoning, content, finish = both(client, max_tokens=40, response_format=RESPONSE_FORMAT, extra_body=THINKING_OFF)
     assert (reasoning, finish) == (None, "stop")
     jsonschema.validate(json.loads(content), SCHEMA)
+
+
+TOOL = {"type": "function", "function": {"name": "answer_it", "description": "Give the answer.",
+                                          "parameters": SCHEMA}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "answer_it"}}])
+def test_forced_tool_call_after_the_reasoning(client, tool_choice):
+    """A forced tool call's grammar starts after "</think>" too: the reasoning is free text, the
+    call comes from the content after it, and its arguments validate; streamed equals plain."""
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, messages=CHAT, temperature=0.0, max_tokens=64, tools=[TOOL], tool_choice=tool_choice)
+    (choice,) = client.chat.completions.create(**kwargs).choices
+    assert choice.message.reasoning_content == REASONING
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "answer_it" and choice.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    reasoning, arguments, names, finish = "", "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            for d in c.delta.tool_calls or ():
+                names += [d.function.name] if d.function.name else []
+                arguments += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (reasoning, names, arguments, finish) == (REASONING, ["answer_it"], call.function.arguments, "tool_calls")
