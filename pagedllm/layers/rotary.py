@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import rotary_embedding
+from pagedllm.layers.longrope import LongRopeEmbedding
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -40,6 +41,8 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
+    if rope_type in _ROTARY_MODULES:
+        raise ValueError(f"rope_type {rope_type!r} has its own module: build it with rotary_embedding_for")
     raise ValueError(
         f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -83,6 +86,17 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
 
 
-def get_rope(head_dim: int, max_position: int, hf_config: Any) -> RotaryEmbedding:
+# Rope types whose angles are not one inv_freq per pair for every position: their own module.
+_ROTARY_MODULES: dict[str, type[nn.Module]] = {"longrope": LongRopeEmbedding, "su": LongRopeEmbedding}
+
+
+def rotary_embedding_for(head_dim: int, max_position: int, params: dict[str, Any]) -> nn.Module:
+    """The rotary module of a rope setting (RotaryEmbedding, or LongRopeEmbedding for
+    "longrope" / its older name "su"); both take (positions, q, k)."""
+    module = _ROTARY_MODULES.get(params["rope_type"], RotaryEmbedding)
+    return module(head_dim, max_position, params)
+
+
+def get_rope(head_dim: int, max_position: int, hf_config: Any) -> nn.Module:
     """Rotary embedding configured from the checkpoint's rope_theta / rope_scaling."""
-    return RotaryEmbedding(head_dim, max_position, rope_parameters(hf_config))
+    return rotary_embedding_for(head_dim, max_position, rope_parameters(hf_config))

@@ -21,7 +21,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.layers.rotary import rope_parameters, rotary_embedding_for
 from pagedllm.layers.utils import default_dtype
 from pagedllm.models.config_utils import decoder_sizes, sliding_windows_of
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
@@ -41,7 +41,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
         super().__init__()
         if arch.qk_norm and type(self) is LlamaAttention:
             # The config asks for an op this module does not compute: never drop it silently.
@@ -84,7 +84,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.self_attn = self.attention_class(arch, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(arch)
@@ -129,8 +129,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         assert arch.rope is not None and arch.partial_rotary_factor == 1.0, arch
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
-        # One cos/sin cache shared by every layer.
-        rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, dict(arch.rope))
+        # One cos/sin cache shared by every layer (LongRoPE's module for "longrope").
+        rotary_emb = rotary_embedding_for(arch.head_dim, arch.max_position_embeddings, dict(arch.rope))
         self.layers = nn.ModuleList(
             self.decoder_layer(arch, i, rotary_emb) for i in range(arch.num_layers)
         )
