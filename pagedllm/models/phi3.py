@@ -69,9 +69,12 @@ def gguf_config_overrides(reader: Any) -> dict[str, Any]:
     if not factors:
         return overrides
     original = int(fields["phi3.rope.scaling.original_context_length"].contents())
+    head_dim = int(fields["phi3.embedding_length"].contents()) // int(fields["phi3.attention.head_count"].contents())
+    rotary_dim = fields.get("phi3.rope.dimension_count")
     rope: dict[str, Any] = {
         "rope_type": "longrope",
         "rope_theta": float(fields["phi3.rope.freq_base"].contents()),
+        "partial_rotary_factor": 1.0 if rotary_dim is None else int(rotary_dim.contents()) / head_dim,
         "long_factor": factors["rope_factors_long.weight"],
         "short_factor": factors["rope_factors_short.weight"],
         "original_max_position_embeddings": original,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,11 +91,12 @@ def test_long_rope_matches_hf_factors_and_scaling(long_rope_model: tuple[Any, Pa
         torch.testing.assert_close(ours, torch.cat([cos[0, :, : HEAD_DIM // 2], sin[0, :, : HEAD_DIM // 2]], -1), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("prompt_len", [31, 32, 33, 60])
+@pytest.mark.parametrize("prompt_len", [32, 33, 60])
 def test_long_rope_prompt_across_the_original_context_matches_hf(
     long_rope_model: tuple[Any, Path], long_rope_llm: LLM, prompt_len: int
 ) -> None:
-    # 31 and 32: short prefill, decodes cross; 33 and 60: the prefill itself is long.
+    # 32: a short prefill (length 32 is not past 32), then decodes from position 32 on long;
+    # 33 and 60: the prefill itself is long.
     hf_model, _ = long_rope_model
     llm = long_rope_llm
     prompt = torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
@@ -104,3 +106,123 @@ def test_long_rope_prompt_across_the_original_context_matches_hf(
     assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"prompt of {prompt_len}")
 
 
+
+
+def _llama_cpp_phi3_metadata(config: Any) -> Callable[[Any], None]:
+    """What llama.cpp's converter adds for phi3: the window (0: none) and, for the long rope,
+    the original context, the attention factor and the two factor tensors. (And a padding
+    id: transformers' Phi3Config defaults it to 32000, past the tiny vocabulary.)"""
+
+    def extra(writer: Any) -> None:
+        writer.add_pad_token_id(TINY_EOS_ID)
+        writer.add_sliding_window(config.sliding_window or 0)
+        writer.add_rope_dimension_count(HEAD_DIM)
+        rope = config.rope_parameters
+        if rope["rope_type"] != "longrope":
+            return
+        scale = config.max_position_embeddings / ORIGINAL_CONTEXT
+        writer.add_rope_scaling_orig_ctx_len(ORIGINAL_CONTEXT)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIGINAL_CONTEXT)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+    return extra
+
+
+def _phi3_gguf(tmp_path: Path, config: Any, qtype: str = "Q8_0") -> tuple[Any, Path]:
+    """(HF model, GGUF path): a random Phi3ForCausalLM written as llama.cpp's phi3 file."""
+    from transformers import AutoTokenizer
+
+    config.vocab_size = 262
+    hf_model = save_random_model(tmp_path, config)
+    path = tmp_path / "tiny-phi3.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    save_tiny_gguf(path, hf_model, tokenizer, qtype, arch="phi3", extra=_llama_cpp_phi3_metadata(config))
+    return hf_model, path
+
+
+def _hf_from_gguf(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _greedy(path: Path, prompt: list[int], **kwargs: Any) -> list[int]:
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes="8MiB", **kwargs)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _logprobs(path: Path, prompt: list[int], quantization: str | None = None) -> tuple[Any, torch.Tensor]:
+    loaded = load_model(str(path), quantization=quantization)
+    bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
+    return loaded, prompt_logprobs(loaded.model, prompt)
+
+
+def test_gguf_matches_hf_reading_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers reads a phi3 GGUF's sizes and rope base but neither the long rope nor the
+    # window (its phi3 key map has no such keys): a plain Phi-3 is what it can check.
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    _, path = _phi3_gguf(tmp_path, tiny_phi3_config())
+    prompt = list(range(3, 43))
+    loaded, ours = _logprobs(path, prompt)
+    assert (loaded.quantization, loaded.model_config.architecture) == ("gguf", "Phi3ForCausalLM")
+    ref_model = _hf_from_gguf(path)
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    ref_tokens, gaps = hf_greedy(ref_model, prompt, 24)
+    assert_greedy_match(_greedy(path, prompt), ref_tokens, gaps, "phi3 GGUF")
+
+
+def test_long_rope_gguf_kept_quantized_matches_its_dequantized_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file's long rope and window come back from its metadata and factor tensors; the
+    # reference is HF's Phi3ForCausalLM of the original config holding the file's weights
+    # dequantized (transformers' own GGUF load of them, which drops the long rope).
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    config = tiny_phi3_config(long_rope=True, sliding_window=24)
+    hf_model, path = _phi3_gguf(tmp_path, config, qtype="Q4_0")
+    prompt = list(range(3, 43))  # 40 tokens: past the original context of 32
+    loaded, ours = _logprobs(path, prompt)
+    arch = loaded.model.arch
+    assert loaded.quantization == "gguf" and arch.sliding_windows == (24, 24)
+    assert {k: arch.rope[k] for k in ("rope_type", "original_max_position_embeddings")} == {
+        "rope_type": "longrope", "original_max_position_embeddings": ORIGINAL_CONTEXT,
+    }
+    _, dequantized = _logprobs(path, prompt, quantization="none")
+    torch.testing.assert_close(ours, dequantized, atol=1e-4, rtol=0)
+    ref_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ref_model.load_state_dict(_hf_from_gguf(path).state_dict())
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert (ref - hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)).abs().max() > 1e-3  # Q4_0 moved it
+    ref_tokens, gaps = hf_greedy(ref_model, prompt, 24)
+    assert_greedy_match(_greedy(path, prompt, enable_prefix_caching=False), ref_tokens, gaps, "phi3 long-rope GGUF")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_ranks_take_their_rows_of_each_fused_section(
+    long_rope_model: tuple[Any, Path], rank: int
+) -> None:
+    # Loading needs no process group: each rank's shard of the fused tensors is its half of
+    # q, of k and of v (heads), and of gate and of up, not a half of the fused rows.
+    from pagedllm.distributed.parallel_state import TPGroup, tensor_parallel
+
+    hf_model, path = long_rope_model
+    with tensor_parallel(TPGroup(rank, 2)):
+        loaded = load_model(str(path))
+    config = hf_model.config
+    half = lambda w, dim=0: w.chunk(2, dim=dim)[rank]  # noqa: E731
+    for ours, ref in zip(loaded.model.model.layers, hf_model.model.layers):
+        sizes = [n * HEAD_DIM for n in (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads)]
+        q, k, v = ref.self_attn.qkv_proj.weight.split(sizes)
+        assert torch.equal(ours.self_attn.qkv_proj.weight, torch.cat([half(q), half(k), half(v)]))
+        gate, up = ref.mlp.gate_up_proj.weight.chunk(2)
+        assert torch.equal(ours.mlp.gate_up_proj.weight, torch.cat([half(gate), half(up)]))
+        assert torch.equal(ours.self_attn.o_proj.weight, half(ref.self_attn.o_proj.weight, dim=1))
+        assert torch.equal(ours.mlp.down_proj.weight, half(ref.mlp.down_proj.weight, dim=1))
