@@ -92,7 +92,7 @@ class LongRopeEmbedding(nn.Module):
             return memo[2]  # every layer of one forward shares the rows
         query_lens = torch.diff(torch.tensor(md.query_start_loc))
         assert int(query_lens.sum()) == positions.shape[0], (md.query_start_loc, positions.shape)
-        long_request = md.seq_lens > self.original_max_position  # [num_reqs]
+        long_request = md.seq_lens[: md.num_reqs] > self.original_max_position  # [num_reqs]
         long_token = torch.repeat_interleave(long_request, query_lens)  # [T]
         shift = (long_token & (positions < self.original_max_position)).to(positions.dtype) * self.max_position
         rows = positions + shift
