@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels import rotary_embedding
 from pagedllm.layers.attention import get_attention_metadata
+from pagedllm.layers.rotary_apply import apply_rotary, rotary_dim_of
 
 
-def longrope_inv_freq(head_dim: int, params: dict[str, Any], long: bool) -> torch.Tensor:
-    # -> [head_dim // 2] float32: 1 / (factor_i * base^(2i / head_dim)), as HF computes it
+def longrope_inv_freq(rotary_dim: int, params: dict[str, Any], long: bool) -> torch.Tensor:
+    # -> [rotary_dim // 2] float32: 1 / (factor_i * base^(2i / rotary_dim)), as HF computes it
     base = float(params["rope_theta"])
     factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
-    if factors.shape != (head_dim // 2,):
-        raise ValueError(f"longrope factors of length {factors.shape[0]}, expected head_dim / 2 = {head_dim // 2}")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if factors.shape != (rotary_dim // 2,):
+        raise ValueError(f"longrope factors of length {factors.shape[0]}, expected rotary_dim / 2 = {rotary_dim // 2}")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     return 1.0 / (factors * base**exponents)
 
 
@@ -55,7 +55,7 @@ def longrope_attention_factor(params: dict[str, Any], max_position: int) -> floa
 
 
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
-    # positions: [P] float32 -> [P, head_dim] = [cos | sin], each scaled by the attention factor
+    # positions: [P] float32 -> [P, rotary_dim] = [cos | sin], each scaled by the attention factor
     freqs = torch.outer(positions, inv_freq)
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
 
@@ -66,16 +66,17 @@ class LongRopeEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim_of(head_dim, params)
         self.max_position = max_position
         self.original_max_position = original = int(params["original_max_position_embeddings"])
         if not 0 < original <= max_position:
             raise ValueError(f"original_max_position_embeddings={original} must be in (0, {max_position}]")
         scaling = longrope_attention_factor(params, max_position)
-        short = longrope_inv_freq(head_dim, params, long=False)
-        long = longrope_inv_freq(head_dim, params, long=True)
+        short = longrope_inv_freq(self.rotary_dim, params, long=False)
+        long = longrope_inv_freq(self.rotary_dim, params, long=True)
         before = torch.arange(original, dtype=torch.float32)
         after = torch.arange(original, max_position, dtype=torch.float32)
-        # cos_sin_cache: [max_position + original, head_dim]. Rows [0, max_position): the
+        # cos_sin_cache: [max_position + original, rotary_dim]. Rows [0, max_position): the
         # decode rule (short below the original context, long from it on); rows
         # [max_position, max_position + original): the long set below the original context.
         cache = torch.cat(
@@ -103,7 +104,10 @@ class LongRopeEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int64; q: [T, num_heads * head_dim]; k: [T, num_kv_heads * head_dim]
-        return rotary_embedding(self.cache_rows(positions), q, k, self.cos_sin_cache)
+        return apply_rotary(self.cache_rows(positions), q, k, self.cos_sin_cache, self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}, original={self.original_max_position}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+            f"original={self.original_max_position}"
+        )

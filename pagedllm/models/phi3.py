@@ -9,12 +9,14 @@ Phi-3's differences from Llama, all stated here:
 - the long-context variants' rope ("su" / "longrope": short and long factors and an attention
   factor, layers/longrope.py, with the rule for switching between them stated there);
 - an optional `sliding_window` on every layer (Phi-3-mini-4k: 2047);
+- a `partial_rotary_factor` (Phi-4-mini, also Phi3ForCausalLM: 0.75 of each head rotates),
+  which the fused decode does not run (such a model decodes module by module);
 - llama.cpp's "phi3" GGUF names (`attn_qkv`, `ffn_up` holding gate and up), no Q/K row
   permutation (its rope is NeoX-style, HF's layout), and the long rope's settings in the
   file's metadata plus its factors as tensors (`rope_factors_long` / `_short`), which
   transformers' GGUF reader does not map: `gguf_config_overrides` restores them.
 Residual dropout is the identity at inference. The decoder layer is Llama's, fused decode
-included: a decode's rotary row is its position (layers/longrope.py).
+included for whole-head rotary: a decode's rotary row is its position (layers/longrope.py).
 """
 
 from __future__ import annotations
@@ -43,12 +45,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 
 def _phi3_arch_config(hf: Any) -> ArchConfig:
-    arch = llama_arch_config(hf)
+    arch = llama_arch_config(hf)  # partial_rotary_factor from the rope settings (Phi-4-mini: 0.75)
     assert arch.rope is not None
     rope = dict(arch.rope)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        # Phi-4-mini rotates 3/4 of each head; the shared rotary rotates whole heads.
-        raise ValueError(f"Phi-3 with partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
     if rope["rope_type"] in ("su", "longrope"):
         rope["rope_type"] = "longrope"
         rope.setdefault("original_max_position_embeddings", hf.original_max_position_embeddings)

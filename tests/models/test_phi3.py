@@ -21,7 +21,10 @@ from tests.models.utils import (
     TINY_BOS_ID,
     TINY_EOS_ID,
     FamilyCase,
+    RequestState,
+    allocate_blocks,
     bind_kv_caches,
+    make_metadata,
     prompt_logprobs,
     save_random_model,
     save_tiny_gguf,
@@ -32,25 +35,26 @@ ORIGINAL_CONTEXT = 32
 HEAD_DIM = 16  # hidden 64 / 4 heads
 
 
-def tiny_phi3_config(long_rope: bool = False, sliding_window: int | None = None) -> Any:
+def tiny_phi3_config(long_rope: bool = False, sliding_window: int | None = None, partial: float = 1.0) -> Any:
     # long_rope: the original context is 32 of 128 positions (scale 4, attention factor
     # sqrt(1 + ln 4 / ln 32) = 1.18); the factors differ per frequency, as real ones do.
+    # partial: the rotated fraction of each head (Phi-4-mini: 0.75).
     from transformers import Phi3Config
 
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    pairs = int(HEAD_DIM * partial) // 2
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
     if long_rope:
-        rope = {
+        rope |= {
             "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "short_factor": [1.0 + 0.15 * i for i in range(HEAD_DIM // 2)],
-            "long_factor": [1.5 + 1.25 * i for i in range(HEAD_DIM // 2)],
+            "short_factor": [1.0 + 0.15 * i for i in range(pairs)],
+            "long_factor": [1.5 + 1.25 * i for i in range(pairs)],
             "original_max_position_embeddings": ORIGINAL_CONTEXT,
         }
     return Phi3Config(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         original_max_position_embeddings=ORIGINAL_CONTEXT if long_rope else 128,
-        rms_norm_eps=1e-5, rope_parameters=rope, sliding_window=sliding_window,
+        rms_norm_eps=1e-5, rope_parameters=rope, sliding_window=sliding_window, tie_word_embeddings=partial != 1.0,
         bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID, pad_token_id=None,
     )  # fmt: skip
 
@@ -58,9 +62,12 @@ def tiny_phi3_config(long_rope: bool = False, sliding_window: int | None = None)
 # The family test's prompts are 4 to 12 tokens and it decodes 32: the long-rope case crosses
 # the original context of 32 while decoding (HF then rotates each new token with the long
 # factors and keeps the short-rotated keys of the prompt); the window of 8 is left by all.
+# Phi-4-mini's shape (a partial rotary, tied embeddings) decodes module by module: the fused
+# decode rotates whole heads.
 FAMILY_CASES = [
     FamilyCase("phi3", lambda: tiny_phi3_config(sliding_window=8), fused=True, quantized=("int8", "int4")),
     FamilyCase("phi3-longrope", lambda: tiny_phi3_config(long_rope=True), fused=True),
+    FamilyCase("phi3-partial-rotary", lambda: tiny_phi3_config(long_rope=True, partial=0.5), fused=False),
 ]
 
 
@@ -89,6 +96,22 @@ def test_long_rope_matches_hf_factors_and_scaling(long_rope_model: tuple[Any, Pa
         cos, sin = hf_rotary(x, torch.tensor([positions]))
         ours = rotary.cos_sin_cache[torch.tensor(rows)]
         torch.testing.assert_close(ours, torch.cat([cos[0, :, : HEAD_DIM // 2], sin[0, :, : HEAD_DIM // 2]], -1), atol=0, rtol=0)
+
+
+def test_long_rope_rows_follow_each_requests_own_length(long_rope_model: tuple[Any, Path]) -> None:
+    # One step of three requests (decodes first): a decode at position 40 (long, its own
+    # row), a chunk of positions 28..35 (length 36 > 32: long, rows past 128 below 32) and a
+    # chunk of 0..9 (length 10: short) -- whatever the others in the batch are.
+    from pagedllm.layers.attention import forward_context
+
+    rotary = load_model(str(long_rope_model[1])).model.model.layers[0].self_attn.rotary_emb
+    decode = RequestState(list(range(41)), allocate_blocks(41, 16), num_computed_tokens=40)
+    long_chunk = RequestState(list(range(36)), allocate_blocks(36, 16, first_block=4), num_computed_tokens=28)
+    short = RequestState(list(range(10)), allocate_blocks(10, 16, first_block=7))
+    md, _, positions = make_metadata([(decode, 1), (long_chunk, 8), (short, 10)], block_size=16)
+    with forward_context(md):
+        rows = rotary.cache_rows(positions).tolist()
+    assert rows == [40, *(128 + p for p in range(28, 32)), 32, 33, 34, 35, *range(10)]
 
 
 @pytest.mark.parametrize("prompt_len", [32, 33, 60])
