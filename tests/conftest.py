@@ -8,6 +8,8 @@ import pytest
 
 # Tests see two cores at most; keep torch from oversubscribing when pytest runs in parallel.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No test touches the network: a hub id resolves from the hub cache alone (models/hub.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
 # Tests that point PAGEDLLM_CACHE_DIR at a temporary directory (GGUF conversions) must not
 # send the compiled kernels there too: one build per session, not one per such test.
 from pagedllm.kernels import kernel_cache_root  # noqa: E402

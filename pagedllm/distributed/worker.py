@@ -35,6 +35,11 @@ class ModelLoadSpec:
     """As EngineArgs.quantization (None: the loader's default for the file)."""
     seed: int
     """Seed of each rank's sampler (ranks sample the same tokens from the same logits)."""
+    revision: str | None = None
+    """A hub id's revision (EngineArgs.revision)."""
+    download_dir: str | None = None
+    """A hub id's cache (EngineArgs.download_dir); the workers start once rank 0 has built
+    its model, so a download is done by then and they read the cache."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ def load_rank_model(load: ModelLoadSpec, group: TPGroup, on_built: Callable[[], 
         return load_model(
             load.model, dtype=load.dtype, max_model_len=load.max_model_len,
             quantization=load.quantization, on_built=on_built,
+            revision=load.revision, download_dir=load.download_dir,
         )
 
 

@@ -28,7 +28,13 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
-    """Model name, path to a .gguf file, or a Hugging Face model directory."""
+    """A local path (.gguf file or HF directory), else a packaged model name, else a Hugging
+    Face hub id, in that order (models/loader.py)."""
+    revision: str | None = None
+    """A hub id's branch, tag or commit (default: main)."""
+    download_dir: str | None = None
+    """The hub cache a hub id downloads into and resolves in (default: $HF_HUB_CACHE or
+    huggingface_hub's ~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 reads it alone."""
     dtype: str = "auto"
     """float32, bfloat16, or auto (bfloat16 where the CPU has native bf16 support)."""
     max_model_len: int | None = None
@@ -78,6 +84,12 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--revision", default=None, help="a hub id's branch, tag or commit (default: main)")
+        parser.add_argument(
+            "--download-dir", default=None,
+            help="the hub cache to download a hub id into and read it from (default: $HF_HUB_CACHE or "
+            "~/.cache/huggingface/hub); with HF_HUB_OFFLINE=1 the cache alone",
+        )
         parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--block-size", type=int, default=16)

@@ -49,6 +49,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         dtype=args.resolve_dtype(),
         max_model_len=args.max_model_len,
         quantization=args.quantization,
+        revision=args.revision,
+        download_dir=args.download_dir,
     )
     model_config = loaded.model_config
     kv = kv_backend.build(args, loaded)
@@ -107,7 +109,10 @@ def _create_executor(args: EngineArgs) -> Any:
     check_parallel_support(
         parallel, speculative=args.speculative_config is not None, kv_transfer=args.kv_transfer_config is not None
     )
-    load = ModelLoadSpec(args.model, args.resolve_dtype(), args.max_model_len, args.quantization, args.seed)
+    load = ModelLoadSpec(
+        args.model, args.resolve_dtype(), args.max_model_len, args.quantization, args.seed,
+        args.revision, args.download_dir,
+    )
     return create_executor(parallel, load)
 
 

@@ -18,7 +18,11 @@ DEMO_QUESTIONS = [
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model name, .gguf path or HF directory")
+    parser.add_argument(
+        "model", nargs="?", default=DEFAULT_MODEL,
+        help="in this order: a local path (.gguf file or HF directory), a packaged model name "
+        f"(default {DEFAULT_MODEL}), or a Hugging Face hub id such as Qwen/Qwen3-0.6B",
+    )
     EngineArgs.add_cli_args(parser)
 
 

@@ -117,12 +117,14 @@ class MergedLinear(Linear):
     """Several projections of the same input in one matmul (e.g. gate and up).
 
     Output i occupies rows [sum(output_sizes[:i]), sum(output_sizes[:i+1])); its checkpoint
-    tensor loads with shard_id=i.
+    tensor loads with shard_id=i, or all outputs fused in one tensor (shard_id None, Phi-3's
+    gate_up_proj), which tensor parallelism splits per output before taking this rank's rows.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         # Tensor parallel: each output is split by rows (column parallel), this rank's part.
         self.tp = current_tp()
+        self._full_sizes = list(output_sizes)
         sizes = [divide(size, self.tp.size, "output size") for size in output_sizes]
         super().__init__(in_features, sum(sizes), bias)
         self.output_sizes = sizes
@@ -130,6 +132,14 @@ class MergedLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
+        if shard_id is None:  # the fused tensor: rows [output 0 | output 1 | ...]
+            if self.tp.size == 1:
+                self._load_rows(param, loaded_weight, 0, self.out_features)
+                return
+            assert not isinstance(loaded_weight, QuantizedWeight), "quantized weights are not sharded"
+            for i, tensor in enumerate(loaded_weight.split(self._full_sizes)):
+                self.weight_loader(param, tensor, i)
+            return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels import rotary_embedding
+from pagedllm.layers.longrope import LongRopeEmbedding
+from pagedllm.layers.rotary_apply import apply_rotary, rotary_dim_of
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -29,10 +30,10 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    # -> [head_dim // 2] float32, angular speed of each rotated pair
+def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    # -> [rotary_dim // 2] float32, angular speed of each rotated pair
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq
@@ -40,6 +41,8 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
+    if rope_type in _ROTARY_MODULES:
+        raise ValueError(f"rope_type {rope_type!r} has its own module: build it with rotary_embedding_for")
     raise ValueError(
         f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -61,15 +64,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embedding to q and k of a flat batch."""
+    """Applies rotary embedding to q and k of a flat batch (to the first `rotary_dim` dims of
+    each head with a partial_rotary_factor)."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim_of(head_dim, params)
         self.max_position = max_position
-        inv_freq = _inv_freq(head_dim, params)
+        inv_freq = _inv_freq(self.rotary_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # cos_sin_cache: [max_position, head_dim] = [cos | sin], each [max_position, head_dim // 2]
+        # cos_sin_cache: [max_position, rotary_dim] = [cos | sin], each [max_position, rotary_dim // 2]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -77,12 +82,23 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int64; q: [T, num_heads * head_dim]; k: [T, num_kv_heads * head_dim]
-        return rotary_embedding(positions, q, k, self.cos_sin_cache)
+        return apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
 
 
-def get_rope(head_dim: int, max_position: int, hf_config: Any) -> RotaryEmbedding:
+# Rope types whose angles are not one inv_freq per pair for every position: their own module.
+_ROTARY_MODULES: dict[str, type[nn.Module]] = {"longrope": LongRopeEmbedding, "su": LongRopeEmbedding}
+
+
+def rotary_embedding_for(head_dim: int, max_position: int, params: dict[str, Any]) -> nn.Module:
+    """The rotary module of a rope setting (RotaryEmbedding, or LongRopeEmbedding for
+    "longrope" / its older name "su"); both take (positions, q, k)."""
+    module = _ROTARY_MODULES.get(params["rope_type"], RotaryEmbedding)
+    return module(head_dim, max_position, params)
+
+
+def get_rope(head_dim: int, max_position: int, hf_config: Any) -> nn.Module:
     """Rotary embedding configured from the checkpoint's rope_theta / rope_scaling."""
-    return RotaryEmbedding(head_dim, max_position, rope_parameters(hf_config))
+    return rotary_embedding_for(head_dim, max_position, rope_parameters(hf_config))

@@ -113,6 +113,12 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
     hf_config.architectures = [architecture_of(hf_config)]
+    overrides = gguf_spec(index.architecture).config_overrides
+    if overrides is not None:
+        import gguf
+
+        for key, value in overrides(gguf.GGUFReader(gguf_path)).items():
+            setattr(hf_config, key, value)
     tensors = dict(read_gguf_tensors(index, hf_config))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del tensors

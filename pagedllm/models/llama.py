@@ -21,7 +21,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.layers.rotary import rope_parameters, rotary_embedding_for
 from pagedllm.layers.utils import default_dtype
 from pagedllm.models.config_utils import decoder_sizes, sliding_windows_of
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
@@ -41,7 +41,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
         super().__init__()
         if arch.qk_norm and type(self) is LlamaAttention:
             # The config asks for an op this module does not compute: never drop it silently.
@@ -84,7 +84,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.self_attn = self.attention_class(arch, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(arch)
@@ -116,6 +116,7 @@ def llama_layout(layer: LlamaDecoderLayer) -> DecodeLayout:
     """The layout of LlamaDecoderLayer.forward over LlamaAttention and LlamaMLP."""
     a = layer.self_attn
     return DecodeLayout(
+        partial_rotary_factor=a.rotary_emb.rotary_dim / a.rotary_emb.head_dim,
         qkv_bias=a.qkv_proj.bias is not None,
         o_bias=a.o_proj.bias is not None,
         mlp_bias=layer.mlp.down_proj.bias is not None,
@@ -127,10 +128,11 @@ class LlamaModel(nn.Module):
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        assert arch.rope is not None and arch.partial_rotary_factor == 1.0, arch
+        assert arch.rope is not None, arch
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
-        # One cos/sin cache shared by every layer.
-        rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, dict(arch.rope))
+        # One cos/sin cache shared by every layer (LongRoPE's module for "longrope").
+        rope = dict(arch.rope, partial_rotary_factor=arch.partial_rotary_factor)
+        rotary_emb = rotary_embedding_for(arch.head_dim, arch.max_position_embeddings, rope)
         self.layers = nn.ModuleList(
             self.decoder_layer(arch, i, rotary_emb) for i in range(arch.num_layers)
         )
@@ -193,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
 def llama_arch_config(hf: Any, **overrides: Any) -> ArchConfig:
     """The ArchConfig of a Llama-shaped HF config; `overrides` state a family's differences."""
     bias = bool(getattr(hf, "attention_bias", False))
+    rope = rope_parameters(hf)
     fields: dict[str, Any] = dict(
         **decoder_sizes(hf),
         norm_eps=hf.rms_norm_eps,
@@ -200,7 +203,8 @@ def llama_arch_config(hf: Any, **overrides: Any) -> ArchConfig:
         o_bias=bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         activation=hf.hidden_act,
-        rope=rope_parameters(hf),
+        rope=rope,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         sliding_windows=sliding_windows_of(hf),
         hf=hf,

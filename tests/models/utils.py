@@ -222,13 +222,19 @@ def _llama_cpp_permute(w: Any, num_heads: int) -> Any:
 
 
 def save_tiny_gguf(
-    path: str | os.PathLike[str], hf_model: Any, tokenizer: Any, qtype: str = "Q8_0", arch: str = "llama"
+    path: str | os.PathLike[str],
+    hf_model: Any,
+    tokenizer: Any,
+    qtype: str = "Q8_0",
+    arch: str = "llama",
+    extra: Callable[[Any], None] | None = None,
 ) -> None:
     """Write a Llama-shaped HF model and its (byte-level BPE) tokenizer as a llama.cpp-style
     GGUF of the GGUF architecture `arch`, with that family's declared tensor names and Q/K
     permutation (models/family.py's GGUFSpec).
 
     2-D projection weights are quantized to `qtype`, the embedding to Q8_0, norms stay F32.
+    `extra(writer)` adds the family's own metadata and tensors (e.g. Phi-3's long rope).
     """
     import gguf
     import numpy as np
@@ -264,6 +270,8 @@ def save_tiny_gguf(
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer.chat_template)
+    if extra is not None:
+        extra(writer)
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
