@@ -33,7 +33,7 @@ from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore
 from pagedllm.engine.core_messages import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import KVSnapshot
-from pagedllm.engine.llm_engine import make_requests
+from pagedllm.engine.llm_engine import check_priority, make_requests
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.kv_backends import get_kv_backend
 from pagedllm.metrics import EngineMetrics
@@ -136,6 +136,7 @@ class AsyncLLM:
         self.dead_error: BaseException | None = None
         self.model_config: ModelConfig | None = None
         self.config: EngineConfig | None = None
+        self.generation_defaults: dict[str, Any] = {}  # the checkpoint's sampling defaults, once ready
         self.tokenizer: Any = None
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
@@ -240,10 +241,13 @@ class AsyncLLM:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate and queue a request. Raises ValueError on bad input."""
         self._check_ready()
         assert self.input_processor is not None and self.model_config is not None
+        assert self.config is not None
+        check_priority(priority, self.config.scheduler_config.scheduling_policy)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_admission(params.n)
@@ -259,7 +263,7 @@ class AsyncLLM:
         assert self.output_processor is not None
         request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
-            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params,
+            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params, priority,
         )
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         stream = RequestStream(request_id, self, deadline)
@@ -431,7 +435,9 @@ class AsyncLLM:
         try:
             info = await self._client.wait_ready()
             self.model_config, self.config, self.tokenizer = info.model_config, info.config, info.tokenizer
-            self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.config.speculative_config)
+            self.generation_defaults = info.generation_defaults
+            self.input_processor = InputProcessor(
+                self.tokenizer, self.model_config, self.config.speculative_config, self.args.max_logprobs)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.ready = True
             self._ready_event.set()
@@ -531,7 +537,8 @@ class AsyncLLM:
                 stream.put(out)
         if core_outputs.stats is not None:
             self.metrics.record_stats(core_outputs.stats)
-        self.metrics.maybe_log(now)
+        if not self.args.disable_log_stats:
+            self.metrics.maybe_log(now)
 
 
 def _limit_front_end_threads() -> None:

@@ -1,33 +1,47 @@
 """Request and response bodies of the OpenAI API (plus vLLM's extra sampling fields).
 
-Requests forbid unknown fields: a field we do not know is a 400 that names it, never
-silently ignored. Fields OpenAI defines that we do not support are declared, so the error
-can say "not supported" rather than "unknown".
+A field we do not know is ignored with a warning in the server's log that names it, as vLLM
+does (clients send fields of newer API versions). Fields we know but cannot honour are
+declared, so that setting one is a 400 that names it, never silently dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RequestModel(BaseModel):
+    """A request body: unknown fields are dropped, each named in one warning."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(str(k) for k in data if k not in cls.model_fields)
+            if unknown:
+                logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, ", ".join(unknown))
+        return data
 
 
-class StreamOptions(StrictModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -70,6 +84,13 @@ class SamplingFields(StrictModel):
     kv_transfer_params: dict[str, Any] | None = None
     """Disaggregated prefill (set by `pagedllm proxy`): {"do_remote_decode": true} to a prefill
     instance; the prefill response's kv_transfer_params to a decode instance."""
+    priority: int = 0
+    """With --scheduling-policy priority: lower values are scheduled first (a 400 otherwise
+    unless 0, as vLLM)."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """Keep only the last k prompt tokens (-1: max_model_len), as vLLM."""
+    return_token_ids: bool = False
+    """Add prompt_token_ids and each choice's token_ids to the response, as vLLM."""
 
 
 # Token ids must be ints: a list of strings is a list of prompts, not ids.
@@ -78,6 +99,8 @@ PromptField = Union[list[int], list[list[int]], str, list[str]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptField
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS) to a text prompt."""
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -99,6 +122,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Leave the last (assistant) message open for the model to continue."""
+    add_special_tokens: bool = False
+    """Add special tokens over the rendered template's (which writes its own BOS)."""
+    documents: list[dict[str, str]] | None = None
+    """Documents for retrieval-augmented chat templates, handed to the template."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields we do not support (400 when set)
@@ -156,6 +185,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: the prompt's ids (in a stream, on the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """return_token_ids: the choice's output ids (in a stream, the chunk's new ones)."""
 
 
 class CompletionResponse(BaseModel):
@@ -196,6 +229,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """return_token_ids: the choice's output ids."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -206,6 +241,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: the rendered prompt's ids."""
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -220,6 +257,8 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """return_token_ids: the chunk's new output ids."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -229,6 +268,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: the prompt's ids, on the first chunk."""
 
 
 # ---- models, tokenize ------------------------------------------------------------------
@@ -248,7 +289,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -256,6 +297,6 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
