@@ -198,10 +198,11 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
-    async def encode(self, text: str) -> list[int]:
-        """A prompt's token ids (a BOS as the model adds it), on the tokenizer thread."""
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (a BOS as the model adds it, unless add_special_tokens is
+        False), on the tokenizer thread."""
         assert self.input_processor is not None
-        return await self.run_tokenizer(self.input_processor.encode, text)
+        return await self.run_tokenizer(self.input_processor.encode, text, add_special_tokens)
 
     # ---- requests ----------------------------------------------------------------------
 

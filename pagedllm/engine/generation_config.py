@@ -43,10 +43,27 @@ def _from_hf_dir(directory: str) -> dict[str, Any]:
     return {field: raw[key] for key, field in _HF_KEYS.items() if raw.get(key) is not None}
 
 
-def _from_gguf(gguf_path: str) -> dict[str, Any]:
+_GGUF_CACHE_FILE = "gguf_sampling_keys.json"
+
+
+def _from_gguf(gguf_path: str, cache_dir: str) -> dict[str, Any]:
+    """The GGUF's sampling keys; kept in `cache_dir` (the file's converted directory, which
+    is per file version), since scanning the header past the vocabulary takes ~0.2 s."""
     from pagedllm.models.gguf_metadata import read_scalar_keys
 
-    raw = read_scalar_keys(gguf_path, _GGUF_PREFIX)
+    cache = os.path.join(cache_dir, _GGUF_CACHE_FILE)
+    try:
+        with open(cache) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        raw = read_scalar_keys(gguf_path, _GGUF_PREFIX)
+        tmp = f"{cache}.tmp.{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(raw, f)
+            os.replace(tmp, cache)
+        except OSError:  # a read-only cache: scan again next time
+            pass
     unused = sorted(set(raw) - set(_GGUF_KEYS))
     if unused:
         logger.info("GGUF sampling keys without a pagedllm counterpart, unused: %s", ", ".join(unused))
@@ -79,7 +96,7 @@ def resolve_generation_defaults(
         values: dict[str, Any] = {}
         source = "vllm (none from the checkpoint)"
     elif generation_config == "auto":
-        values = _from_gguf(gguf_path) if gguf_path is not None else _from_hf_dir(model_dir)
+        values = _from_gguf(gguf_path, model_dir) if gguf_path is not None else _from_hf_dir(model_dir)
         source = f"the checkpoint ({gguf_path or os.path.join(model_dir, 'generation_config.json')})"
     else:
         values = _from_hf_dir(generation_config)

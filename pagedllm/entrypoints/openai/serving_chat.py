@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer, ChatTemplateError
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -35,6 +36,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     prompt_logprobs_of,
     sampling_params_from,
     sse,
+    truncate_prompt,
     usage_info,
     usage_of,
 )
@@ -60,27 +62,33 @@ def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer,
+                 request_logger: RequestLogger | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.renderer = renderer
+        self.request_logger = request_logger
 
     async def render(
         self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, **options: Any,
     ):
-        """(prompt text, token ids), rendered off the event loop (see chat_renderer.py)."""
+        """(prompt text, token ids), rendered off the event loop (see chat_renderer.py);
+        options: ChatRenderer.render's (continue_final_message, documents, add_special_tokens)."""
         if not req_messages:
             raise bad_request("messages must not be empty", "messages")
         try:
             return await self.renderer.render(
-                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs)
+                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs, **options)
         except ChatTemplateError as e:
-            if str(e).startswith("chat_template_kwargs"):
+            message = str(e)
+            if message.startswith("chat_template_kwargs"):
                 param = "chat_template_kwargs"
+            elif message.startswith("continue_final_message"):
+                param = "continue_final_message"
             else:
                 param = "chat_template" if chat_template else "messages"
-            raise bad_request(str(e), param) from None
+            raise bad_request(message, param) from None
 
     def _check(self, req: ChatCompletionRequest) -> int | None:
         """Reject what we do not support; return the logprobs count for SamplingParams."""
@@ -94,16 +102,22 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         num_logprobs = self._check(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params_from(req, max_tokens, num_logprobs)
+        params = sampling_params_from(req, max_tokens, num_logprobs, self.engine.generation_defaults)
         await check_structured_outputs(req, params)
-        text, ids = await self.render(req.messages, req.chat_template, req.add_generation_prompt,
-                                      req.chat_template_kwargs)
+        text, ids = await self.render(
+            req.messages, req.chat_template, req.add_generation_prompt, req.chat_template_kwargs,
+            continue_final_message=req.continue_final_message, documents=req.documents,
+            add_special_tokens=req.add_special_tokens)
         assert self.engine.model_config is not None
-        check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
+        max_len = self.engine.model_config.max_model_len
+        kept = truncate_prompt(ids, req.truncate_prompt_tokens, max_len)
+        text, ids = (text if len(kept) == len(ids) else None), kept
+        check_context_length(len(ids), max_tokens, max_len)
         request_id = req.request_id or random_id("chatcmpl")
-        streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params)
+        streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params,
+                               priority=req.priority, request_logger=self.request_logger)
         if req.stream:
-            return self._stream(req, request_id, streams, len(ids))
+            return self._stream(req, request_id, streams, ids)
         try:
             (out,) = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
@@ -116,34 +130,41 @@ class OpenAIServingChat:
             choices.append(ChatChoice(
                 index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage_info(*usage_of([out])), prompt_logprobs=prompt_logprobs_of(out),
+                                      prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
                                       kv_transfer_params=out.kv_transfer_params)
 
     def _decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def _chunk(self, request_id: str, choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage))
+    def _chunk(self, request_id: str, choice: ChatStreamChoice, usage: UsageInfo | None = None,
+               prompt_token_ids: list[int] | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage,
+                                       prompt_token_ids=prompt_token_ids))
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int
+        self, req: ChatCompletionRequest, request_id: str, streams, prompt_token_ids: list[int]
     ) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         out = None
         # Continuous usage, as vLLM: the prompt and the chunk's choice's tokens so far.
-        num_prompt = num_prompt_tokens if continuous_usage(req) else None
+        num_prompt = len(prompt_token_ids) if continuous_usage(req) else None
+        ids = req.return_token_ids
         try:
-            for index in range(req.n):  # the role first, for every choice
+            for index in range(req.n):  # the role first, for every choice (with the prompt's ids)
                 yield self._chunk(request_id, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
-                                  None if num_prompt is None else usage_info(num_prompt, 0))
+                                  None if num_prompt is None else usage_info(num_prompt, 0),
+                                  list(prompt_token_ids) if ids and index == 0 else None)
             async for _, out in merge_streams(streams):
                 for c in out.outputs:
                     delta = c.text[sent_text.get(c.index, 0):]
-                    if not delta and c.finish_reason is None:
+                    start = sent_tokens.get(c.index, 0)
+                    if not delta and c.finish_reason is None and not (ids and len(c.token_ids) > start):
                         continue
                     logprobs = None
                     if num_logprobs is not None and c.logprobs is not None:
@@ -154,6 +175,7 @@ class OpenAIServingChat:
                     yield self._chunk(request_id, ChatStreamChoice(
                         index=c.index, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
                         logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids[start:]) if ids else None,
                     ), None if num_prompt is None else usage_info(num_prompt, len(c.token_ids)))
             if out is not None and req.stream_options is not None and req.stream_options.include_usage:
                 usage = usage_info(*usage_of([out]))
