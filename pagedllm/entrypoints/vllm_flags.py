@@ -44,6 +44,10 @@ def _store_true(*flags: str, reason: str) -> CompatFlag:
     return CompatFlag(flags, reason, {"action": "store_true"})
 
 
+def _missing_switch(*flags: str, reason: str) -> CompatFlag:
+    return CompatFlag(flags, reason, {"action": "store_true"}, harmless=lambda value: False)
+
+
 def _one_of(*values: str) -> Callable[[Any], bool]:
     return lambda value: value in values
 
@@ -72,7 +76,7 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--kv-cache-dtype",), "no fp8 KV cache: the KV cache holds the model's dtype",
                {}, harmless=_one_of("auto")),
-    _store_true("--enable-lora", reason="no LoRA adapters"),
+    _missing_switch("--enable-lora", reason="no LoRA adapters"),
     CompatFlag(("--lora-modules",), "no LoRA adapters", {"nargs": "+"}),
     CompatFlag(("--max-loras",), "no LoRA adapters", {"type": int}),
     CompatFlag(("--max-lora-rank",), "no LoRA adapters", {"type": int}),
@@ -84,7 +88,7 @@ MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
                {"type": int}, harmless=lambda v: v == 1),
     CompatFlag(("--cpu-offload-gb",), "the weights already live in CPU memory",
                {"type": float}, harmless=lambda v: v == 0),
-    _store_true("--enable-sleep-mode", reason="no sleep mode"),
+    _missing_switch("--enable-sleep-mode", reason="no sleep mode"),
     CompatFlag(("--task", "--runner"), "generation models only (no pooling, embedding or scoring)",
                {}, harmless=_one_of("auto", "generate")),
 )
@@ -110,21 +114,25 @@ def check_vllm_compat_args(args: argparse.Namespace) -> list[str]:
         if value is None:
             continue
         if not flag.harmless(value):
-            raise ValueError(f"{flag.flags[0]} {_show(value)} is not supported: {flag.reason}")
-        warnings.append(f"{flag.flags[0]} {_show(value)} changes nothing here: {flag.reason}")
+            raise ValueError(f"{_show(flag, value)} is not supported: {flag.reason}")
+        warnings.append(f"{_show(flag, value)} changes nothing here: {flag.reason}")
     for flag in MISSING_FEATURE_FLAGS:
         value = getattr(args, flag.dest, None)
         if value is not None and not flag.harmless(value):
-            raise ValueError(f"{flag.flags[0]} {_show(value)} is not supported: {flag.reason}")
+            raise ValueError(f"{_show(flag, value)} is not supported: {flag.reason}")
     return warnings
 
 
-def _show(value: Any) -> str:
+def _show(flag: CompatFlag, value: Any) -> str:
+    """The flag as given: `--enable-lora`, `--no-enable-chunked-prefill`, `--swap-space 4`."""
+    name = flag.flags[0]
     if value is True:
-        return ""
+        return name
+    if value is False:
+        return "--no-" + name[2:]
     if isinstance(value, list):
-        return " ".join(map(str, value))
-    return str(value)
+        return f"{name} {' '.join(map(str, value))}"
+    return f"{name} {value}"
 
 
 def kv_cache_bytes_from_env(environ: Mapping[str, str], flag_value: str | None) -> str | int | None:

@@ -102,6 +102,8 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS) to a text prompt."""
     max_tokens: int | None = 16
+    """Left out: the generation default (--generation-config), else 16; null: the generation
+    default, else all the room left."""
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None

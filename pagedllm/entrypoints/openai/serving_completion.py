@@ -77,12 +77,15 @@ class OpenAIServingCompletion:
 
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self._check(req)
-        params = sampling_params_from(req, req.max_tokens, req.logprobs, self.engine.generation_defaults)
+        defaults = self.engine.generation_defaults
+        # Left out: the checkpoint's default, else OpenAI's 16 (null: the default, else the room left).
+        max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else defaults.get("max_tokens", 16)
+        params = sampling_params_from(req, max_tokens, req.logprobs, defaults)
         await check_structured_outputs(req, params)
         prompts = await self._prompts(req)
         assert self.engine.model_config is not None
         for _, ids in prompts:
-            check_context_length(len(ids), req.max_tokens, self.engine.model_config.max_model_len)
+            check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("cmpl")
         streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt, req.kv_transfer_params,
                                priority=req.priority, request_logger=self.request_logger)
