@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 
 import httpx
 import openai
@@ -165,6 +166,20 @@ def test_cors(server):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://example.com"
     r = httpx.options(server.base_url + "/completions", headers={**preflight, "Origin": "http://evil.example"})
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+def test_enable_log_requests_logs_one_line_per_request(keyed_server, default_tokenizer):
+    from tests.entrypoints.conftest import API_KEY as KEYED_API_KEY, SERVED_NAME
+
+    client = openai.OpenAI(base_url=keyed_server.base_url, api_key=KEYED_API_KEY, max_retries=0, timeout=120)
+    request_id = f"logged-{uuid.uuid4().hex}"
+    client.completions.create(model=SERVED_NAME, prompt="Hello there", max_tokens=2,
+                              extra_body={"request_id": request_id})
+    lines = [line for line in keyed_server.log_path.read_text().splitlines()
+             if f"Received request {request_id}:" in line]
+    assert len(lines) == 1, lines
+    assert f"num_prompt_tokens: {len(default_tokenizer.encode('Hello there'))}," in lines[0]
+    assert "max_tokens=2" in lines[0]
 
 
 # ---- without a server: the flags and the environment ------------------------------------------
