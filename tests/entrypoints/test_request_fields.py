@@ -369,6 +369,7 @@ def check_kv_transfer_params(ctx: Ctx) -> None:
 def check_echo(ctx: Ctx) -> None:
     out = ctx.complete(echo=True)
     assert text_of(out) == PROMPT + text_of(ctx.greedy())
+    ctx.refused(CHAT, {"messages": YES, "echo": True}, "echo", "not supported in chat")
 
 
 def check_logprobs(ctx: Ctx) -> None:
@@ -507,6 +508,16 @@ def _unsupported(name: str, value: object) -> Callable[[Ctx], None]:
     return check
 
 
+def _refused_everywhere(name: str, value: object) -> Callable[[Ctx], None]:
+    """A vLLM field this engine cannot honour: a 400 naming it, in completions and chat."""
+
+    def check(ctx: Ctx) -> None:
+        ctx.refused(COMPLETIONS, {"prompt": PROMPT, name: value}, name)
+        ctx.refused(CHAT, {"messages": YES, name: value}, name)
+
+    return check
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "model": check_model, "prompt": check_prompt, "max_tokens": check_max_tokens,
@@ -538,6 +549,13 @@ FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "priority": check_priority, "truncate_prompt_tokens": check_truncate_prompt_tokens,
     "return_token_ids": check_return_token_ids, "add_special_tokens": check_add_special_tokens,
     "continue_final_message": check_continue_final_message, "documents": check_documents,
+    "logits_processors": _refused_everywhere("logits_processors", ["some.Processor"]),
+    "return_tokens_as_token_ids": _refused_everywhere("return_tokens_as_token_ids", True),
+    "vllm_xargs": _refused_everywhere("vllm_xargs", {"k": 1}),
+    "prompt_embeds": lambda ctx: ctx.refused(COMPLETIONS, {"prompt": PROMPT, "prompt_embeds": "AAAA"},
+                                             "prompt_embeds", "not supported"),
+    "mm_processor_kwargs": lambda ctx: ctx.refused(CHAT, {"messages": YES, "mm_processor_kwargs": {}},
+                                                   "mm_processor_kwargs", "multimodal"),
 }
 
 

@@ -102,6 +102,8 @@ def test_the_launch_line_serves_under_every_served_name(server, client):
 def test_vllm_api_key_from_the_environment(server):
     r = httpx.post(server.base_url + "/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
     assert r.status_code == 401
+    for method in ("GET", "POST"):  # vLLM's /ping, open as /health is
+        assert httpx.request(method, server.url + "/ping", timeout=30).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
 

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 # All else needs the API key. The /dashboard page is static HTML that asks the user for the
 # key and sends it with its /dashboard/state requests.
-_OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/dashboard"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/dashboard"})
 T = TypeVar("T")
 
 
@@ -231,6 +231,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
         if engine.ready and not engine.shutting_down:
             return Response(status_code=200)
         return Response(status_code=503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's /ping (SageMaker's health check): /health's answer."""
+        return await health()
 
     @app.get("/version")
     async def version() -> dict:

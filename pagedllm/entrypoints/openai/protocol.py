@@ -91,6 +91,10 @@ class SamplingFields(RequestModel):
     """Keep only the last k prompt tokens (-1: max_model_len), as vLLM."""
     return_token_ids: bool = False
     """Add prompt_token_ids and each choice's token_ids to the response, as vLLM."""
+    # vLLM fields this engine cannot honour (a 400 when set): serving_base.UNHONOURED_FIELDS.
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
 
 # Token ids must be ints: a list of strings is a list of prompts, not ids.
@@ -108,6 +112,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    prompt_embeds: Any = None
+    """vLLM's prompt embeddings: not supported (a 400)."""
 
 
 class ChatMessage(BaseModel):
@@ -132,6 +138,10 @@ class ChatCompletionRequest(SamplingFields):
     """Documents for retrieval-augmented chat templates, handed to the template."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+    """vLLM's: echo the last message in the reply; not supported (a 400 when true)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """vLLM's multimodal processor arguments: no multimodal models here (a 400)."""
     # OpenAI fields we do not support (400 when set)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None

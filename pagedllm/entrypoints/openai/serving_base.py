@@ -189,6 +189,24 @@ def usage_info(num_prompt: int, num_completion: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
 
 
+UNHONOURED_FIELDS = {
+    "logits_processors": "custom logits processors are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported (return_token_ids gives the ids)",
+    "vllm_xargs": "vllm_xargs (arguments for custom logits processors) is not supported",
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+    "mm_processor_kwargs": "there are no multimodal models here",
+}
+"""vLLM request fields this engine cannot honour: a 400 naming them when set."""
+
+
+def check_unhonoured_fields(req: SamplingFields) -> None:
+    for name, reason in UNHONOURED_FIELDS.items():
+        if getattr(req, name, None) is not None:
+            raise bad_request(f"{name}: {reason}", name)
+    if getattr(req, "messages", None) is not None and getattr(req, "echo", False):
+        raise bad_request("echo is not supported in chat completions (only in completions)", "echo")
+
+
 def sampling_params_from(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None,
     defaults: dict[str, Any] | None = None,
@@ -196,6 +214,7 @@ def sampling_params_from(
     """Map a request body onto SamplingParams (or beam search); an invalid value becomes a
     400 naming it. defaults: the server's generation defaults (generation_config.py), used
     for the sampling fields the request leaves out."""
+    check_unhonoured_fields(req)
     structured_outputs = structured_outputs_from(req)
     if req.use_beam_search and structured_outputs is not None:
         raise bad_request("structured outputs cannot be combined with beam search", "use_beam_search")
