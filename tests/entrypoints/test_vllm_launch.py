@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 import uuid
 
 import httpx
@@ -38,7 +39,7 @@ LAUNCH_LINE = [
     "--dtype", "bfloat16", "--max-model-len", "512", "--enable-chunked-prefill", "--trust-remote-code",
     "--disable-log-requests", "--swap-space", "4", "--served-model-name", "a", "b",
     "--scheduling-policy", "priority", "--max-logprobs", "5", "--load-format", "auto",
-    "--allowed-origins", '["http://example.com"]', "--max-num-seqs", "8",
+    "--allowed-origins", '["http://example.com"]', "--max-num-seqs", "8", "--disable-log-stats",
 ]
 LAUNCH_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": API_KEY}
 
@@ -70,6 +71,7 @@ def server(checkpoint, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "docs.jinja"
     template.write_text(DOC_TEMPLATE)
     srv = RemoteServer([*LAUNCH_LINE, "--chat-template", str(template)], model=checkpoint, env=LAUNCH_ENV)
+    srv.healthy_at = time.monotonic()
     yield srv
     srv.stop()
 
@@ -184,6 +186,16 @@ def test_enable_log_requests_logs_one_line_per_request(keyed_server, default_tok
     assert "max_tokens=2" in lines[0]
 
 
+def test_disable_log_stats(server, client):
+    from pagedllm.metrics import LOG_INTERVAL_S
+
+    # Past one stats interval of serving, a server without the flag has logged a stats line.
+    time.sleep(max(0.0, server.healthy_at + LOG_INTERVAL_S + 1 - time.monotonic()))
+    complete(client, max_tokens=2)
+    time.sleep(1.0)
+    assert "Engine: running" not in server.log_path.read_text()
+
+
 # ---- without a server: the flags and the environment ------------------------------------------
 
 
@@ -266,7 +278,19 @@ def test_offline_priority_runs_lower_values_first(checkpoint):
     assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.7, 20, 9)
     with pytest.raises(ValueError, match="priorities for 3 prompts"):
         llm.generate(["one", "two", "three"], params, use_tqdm=False, priority=[0])
+    llm.shutdown()
     fcfs = LLM(checkpoint, kv_cache_memory_bytes="16MiB", max_model_len=256, generation_config="vllm")
     with pytest.raises(ValueError, match="--scheduling-policy priority"):
         fcfs.generate(["one"], params, use_tqdm=False, priority=[1])
     assert fcfs.get_default_sampling_params().temperature == 1.0  # vllm: no checkpoint defaults
+
+
+def test_tokenizer_flag_replaces_the_models(tiny_llama_dir, checkpoint):
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    own = LLM(tiny_llama_dir, kv_cache_memory_bytes="16MiB", max_model_len=256)
+    other = LLM(tiny_llama_dir, tokenizer=checkpoint, kv_cache_memory_bytes="16MiB", max_model_len=256)
+    (a,) = own.generate(["Hello there"], params, use_tqdm=False)
+    (b,) = other.generate(["Hello there"], params, use_tqdm=False)
+    assert b.prompt_token_ids == [BOS, *a.prompt_token_ids]  # the other tokenizer adds a BOS
