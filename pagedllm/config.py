@@ -14,6 +14,7 @@ from pagedllm.kv_backends import KV_BACKEND_NAMES
 GiB = 1 << 30
 
 DType = Literal["float32", "bfloat16"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 KV_CACHE_BACKENDS = KV_BACKEND_NAMES
 
@@ -118,8 +119,13 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_model_len: int = 2048
     """Longest sequence a request may reach (copied from ModelConfig)."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """fcfs: arrival order; priority: lower `Request.priority` first, ties by arrival, and
+    preemption takes the lowest priority (largest value), latest arrival, first."""
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not one of 'fcfs', 'priority'")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be > 0")
         if self.max_num_seqs <= 0:

@@ -60,6 +60,7 @@ class Request:
         "pending_forks",
         "kv_transfer_params",
         "spec_token_ids",
+        "priority",
     )
 
     def __init__(
@@ -73,6 +74,7 @@ class Request:
         cache_salt: str | None = None,
         group_id: str | None = None,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -103,6 +105,8 @@ class Request:
         # Draft tokens proposed for the next step (speculative decoding); never part of
         # all_token_ids, so they are never hashed into the prefix cache.
         self.spec_token_ids: list[int] = []
+        # --scheduling-policy priority: lower values are scheduled first, ties by arrival.
+        self.priority = priority
 
     @property
     def num_tokens(self) -> int:

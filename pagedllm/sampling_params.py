@@ -13,7 +13,8 @@ _NOT_YET_SUPPORTED: dict[str, object] = {}
 MAX_N = 128
 """Most sequences one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES is 256)."""
 MAX_LOGPROBS = 20
-"""Most top logprobs per position (vLLM's default max_logprobs)."""
+"""vLLM's default max_logprobs: the most top logprobs per position unless --max-logprobs says
+otherwise (checked by InputProcessor.validate)."""
 
 
 @dataclass
@@ -178,8 +179,9 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            # The upper bound is the engine's max_logprobs (InputProcessor.validate).
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         self._validate_token_lists()
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

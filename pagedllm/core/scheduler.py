@@ -8,13 +8,16 @@ forward) and a preemption (back to 0) are all just numbers.
 
 Invariants between steps:
 - ``running`` holds requests in admission order; each holds KV blocks for its computed tokens.
-- ``waiting`` holds requests without blocks, FCFS, preempted ones in front.
+- ``waiting`` holds requests without blocks: FCFS, preempted ones in front; under the
+  priority policy, ordered by (priority, arrival time), a preempted one before its equals.
+- The sequences of a group (n > 1, one arrival time and priority) are contiguous in both.
 - Every unfinished request is in exactly one of them and in ``requests``.
 """
 
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -62,6 +65,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
         self.kv_cache_manager = kv_cache_manager
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -83,13 +87,27 @@ class Scheduler:
     # ---- requests in and out -----------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request (FCFS). Raises ValueError for a duplicate id or a prompt that
-        leaves no room for output under ``max_model_len``."""
+        """Queue a new request (by the scheduling policy). Raises ValueError for a duplicate id
+        or a prompt that leaves no room for output under ``max_model_len``."""
         self.check_request(request)
         for r in [request, *request.pending_forks]:
             r.status = RequestStatus.WAITING
             self.requests[r.request_id] = r
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, *, front: bool) -> None:
+        """Into ``waiting``. FCFS: at the back, or the front for a request going back
+        (preempted, resumed). Priority: by (priority, arrival time); one going back goes
+        before the requests of equal key, a new one after them."""
+        if not self.by_priority:
+            if front:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        keys = [_priority_key(r) for r in self.waiting]
+        bisect = bisect_left if front else bisect_right
+        self.waiting.insert(bisect(keys, _priority_key(request)), request)
 
     def check_request(self, request: Request) -> None:
         """The checks of ``add_request``, without queueing (ValueError if it would refuse)."""
@@ -156,7 +174,8 @@ class Scheduler:
         sequences to ``waiting`` (they then admit as a group); a pending one leaves its leader."""
         if request.pending_forks:
             pending, request.pending_forks = request.pending_forks, []
-            self.waiting.extendleft(reversed([p for p in pending if p.request_id not in removed]))
+            for p in reversed([p for p in pending if p.request_id not in removed]):
+                self._enqueue(p, front=True)
         for leader in [*self.running, *self.waiting]:
             if request in leader.pending_forks:
                 leader.pending_forks.remove(request)
@@ -246,18 +265,27 @@ class Scheduler:
             num_drafts = max(0, num_new_tokens - self._num_tokens_to_compute(request))
             del request.spec_token_ids[num_drafts:]
             lookahead = self.num_lookahead_tokens
+            preempted_here = False
             while (allocation := kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
-                # The victim group is at the tail; any of its members scheduled earlier in
-                # this step are unscheduled with it (then the current request is among them).
+                # Any members of the victim group scheduled earlier in this step are
+                # unscheduled with it (the current request may be among them).
                 victims = self._pop_victim_group()
                 for victim in victims:
                     step.unschedule(victim.request_id)
                     self._preempt(victim)
-                step.preempted = True
+                step.preempted = preempted_here = True
                 if request in victims:
                     break
             if allocation is None:
-                return  # the request preempted itself: nothing runs after it
+                if not self.by_priority:
+                    return  # FCFS: the request preempted itself, so nothing runs after it
+                # Priority: victims may have stood anywhere; go on with the first request not
+                # scheduled yet (one skipped earlier for having no tokens is skipped again).
+                req_index = next((i for i, r in enumerate(self.running)
+                                  if r.request_id not in step.num_scheduled_tokens), len(self.running))
+                continue
+            if preempted_here and self.by_priority:
+                req_index = self.running.index(request)  # victims before it shifted it
             step.blocks_to_copy.extend(allocation.copied_blocks)
             if request.request_id in self._unsent:  # forked this step or earlier: new to the runner
                 self._unsent.discard(request.request_id)
@@ -410,7 +438,7 @@ class Scheduler:
             if error is not None:
                 logger.info("request %s recomputes its prompt: %s", request_id, error)
             request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self._enqueue(request, front=True)
         return outputs
 
     def _num_tokens_to_compute(self, request: Request, num_hit_tokens: int = 0) -> int:
@@ -431,12 +459,24 @@ class Scheduler:
         leader.pending_forks = []
 
     def _pop_victim_group(self) -> list[Request]:
-        """Pop the newest running request with every member of its group (contiguous)."""
-        victims = [self.running.pop()]
-        group_id = victims[0].group_id
-        while group_id is not None and self.running and self.running[-1].group_id == group_id:
-            victims.append(self.running.pop())
-        return victims
+        """Take the preemption victim out of ``running`` with every member of its group
+        (contiguous), the last member first. FCFS: the newest request. Priority: the lowest
+        priority (the largest value), the latest arrival among equals."""
+        running = self.running
+        if self.by_priority:
+            index = max(range(len(running)), key=lambda i: _priority_key(running[i]))
+        else:
+            index = len(running) - 1
+        start = end = index
+        group_id = running[index].group_id
+        if group_id is not None:
+            while start > 0 and running[start - 1].group_id == group_id:
+                start -= 1
+            while end + 1 < len(running) and running[end + 1].group_id == group_id:
+                end += 1
+        victims = running[start : end + 1]
+        del running[start : end + 1]
+        return victims[::-1]
 
     def _new_request_data(self, request: Request, block_ids: list[list[int]] | None = None) -> NewRequestData:
         return NewRequestData(
@@ -542,7 +582,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._unsent.discard(request.request_id)
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         self.finished_req_ids.add(request.request_id)
         logger.debug(
             "preempted request %s (%d tokens computed, preempted %d times); %d blocks free",
@@ -572,6 +612,11 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         return params
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Smaller is scheduled first and preempted last (vLLM's rule)."""
+    return request.priority, request.arrival_time
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from dataclasses import dataclass, fields
 
 from pagedllm.config import (
@@ -19,10 +20,13 @@ from pagedllm.config import (
 )
 from pagedllm.kv_backends import KV_BACKEND_NAMES, get_kv_backend
 from pagedllm.reasoning import REASONING_PARSER_NAMES, get_reasoning_parser
+from pagedllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float", "half", "float16")
+"""vLLM's --dtype values; half/float16 resolve as auto (docs/bfloat16.md), float is float32."""
 
 
 @dataclass
@@ -36,7 +40,10 @@ class EngineArgs:
     """The hub cache a hub id downloads into and resolves in (default: $HF_HUB_CACHE or
     huggingface_hub's ~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 reads it alone."""
     dtype: str = "auto"
-    """float32, bfloat16, or auto (bfloat16 where the CPU has native bf16 support)."""
+    """float32, bfloat16, or auto (bfloat16 where the CPU has native bf16 support); vLLM's
+    half / float16 map to what auto picks (no float16 compute here), float to float32."""
+    tokenizer: str | None = None
+    """A tokenizer directory (or .gguf file) other than the model's own."""
     max_model_len: int | None = None
     """Longest prompt + output; default: the checkpoint's context length."""
     block_size: int = 16
@@ -77,8 +84,32 @@ class EngineArgs:
     after the reasoning's end marker, and the chat server returns ``reasoning_content``
     (docs/reasoning.md)."""
 
+    scheduling_policy: str = "fcfs"
+    """fcfs (arrival order) or priority (lower `priority` value first, ties by arrival)."""
+    max_logprobs: int = MAX_LOGPROBS
+    """Most logprobs (and prompt_logprobs) a request may ask for per position."""
+    generation_config: str = "auto"
+    """Sampling defaults: auto (the checkpoint's generation_config.json or GGUF
+    general.sampling.* keys), vllm (none: vLLM's neutral defaults), or a directory holding a
+    generation_config.json."""
+    override_generation_config: dict | None = None
+    """Sampling defaults laid over those of generation_config, e.g. {"temperature": 0.5}."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's GPU memory share; refused on CPUs (see check_device_memory_args)."""
+    disable_log_stats: bool = False
+    """No periodic stats log line (the metrics are still served)."""
+
     def __post_init__(self) -> None:
         ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        SchedulerConfig(scheduling_policy=self.scheduling_policy)  # type: ignore[arg-type]
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(
+                f"generation_config={self.generation_config!r} is not auto, vllm or a directory "
+                "holding a generation_config.json"
+            )
+        check_device_memory_args(self.gpu_memory_utilization)
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the choices
 
@@ -90,10 +121,14 @@ class EngineArgs:
             help="the hub cache to download a hub id into and read it from (default: $HF_HUB_CACHE or "
             "~/.cache/huggingface/hub); with HF_HUB_OFFLINE=1 the cache alone",
         )
-        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+        parser.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES))
+        parser.add_argument("--tokenizer", default=None, help="a tokenizer directory other than the model's")
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--block-size", type=int, default=16)
-        parser.add_argument("--kv-cache-memory-bytes", default="4GiB")
+        # None when not given, so VLLM_CPU_KVCACHE_SPACE can apply (entrypoints/vllm_flags.py).
+        parser.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache budget (default 4GiB)")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                            help="GPU backends only; on CPUs size the KV cache with --kv-cache-memory-bytes")
         parser.add_argument("--max-num-seqs", type=int, default=256)
         parser.add_argument("--max-num-batched-tokens", type=int, default=None)
         parser.add_argument(
@@ -125,6 +160,16 @@ class EngineArgs:
             "--reasoning-parser", default=None, choices=list(REASONING_PARSER_NAMES),
             help="split the reasoning (<think>...</think>) from the answer; grammars start after it",
         )
+        parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                            help="priority: lower request `priority` first, ties by arrival")
+        parser.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                            help="most logprobs a request may ask for per position")
+        parser.add_argument("--generation-config", default="auto",
+                            help="sampling defaults: auto (from the checkpoint), vllm (none), or a directory")
+        parser.add_argument("--override-generation-config", type=_json_dict, default=None,
+                            help='sampling defaults over generation-config\'s, e.g. \'{"temperature": 0.5}\'')
+        parser.add_argument("--disable-log-stats", action="store_true", default=False,
+                            help="no periodic stats log line")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -149,14 +194,21 @@ class EngineArgs:
     def resolve_dtype(self) -> str:
         if self.dtype in ("float32", "bfloat16"):
             return self.dtype
-        if self.dtype != "auto":
-            raise ValueError(f"dtype={self.dtype!r} is not one of 'auto', 'float32', 'bfloat16'")
+        if self.dtype == "float":
+            return "float32"
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(map(repr, DTYPE_CHOICES))}")
         import torch
 
-        # bf16 pays off only where the CPU computes it natively (AVX512-BF16 / AMX).
+        # bf16 pays off only where the CPU computes it natively (AVX512-BF16 / AMX): without it
+        # bf16 weights are widened to float32 per matmul (docs/bfloat16.md).
         native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         chosen = "bfloat16" if native else "float32"
-        logger.info("dtype=auto chose %s (native bf16: %s)", chosen, native)
+        if self.dtype in ("half", "float16"):
+            logger.warning("dtype=%s: no float16 compute on CPUs; using %s (native bf16: %s)",
+                           self.dtype, chosen, native)
+        else:
+            logger.info("dtype=auto chose %s (native bf16: %s)", chosen, native)
         return chosen
 
     def create_engine_config(self, model_config: ModelConfig, num_blocks: int) -> EngineConfig:
@@ -173,11 +225,22 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=model_config.max_model_len,
+                scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             ),
             num_blocks=num_blocks,
             seed=self.seed,
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
             attention_config=AttentionConfig(backend=self.attention_backend),  # type: ignore[arg-type]
+        )
+
+
+def check_device_memory_args(gpu_memory_utilization: float | None) -> None:
+    """The one place that decides whether a GPU memory share is accepted: on CPUs the KV cache
+    is sized in bytes. (A CUDA device path accepts it here once it exists.)"""
+    if gpu_memory_utilization is not None:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} applies to GPU backends only; on CPUs "
+            "size the KV cache with --kv-cache-memory-bytes (e.g. 4GiB) or VLLM_CPU_KVCACHE_SPACE (GiB)"
         )
 
 

@@ -33,7 +33,7 @@ from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore
 from pagedllm.engine.core_messages import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import KVSnapshot
-from pagedllm.engine.llm_engine import make_requests
+from pagedllm.engine.llm_engine import check_priority, make_requests
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_stats import RequestStatsTracker
 from pagedllm.kv_backends import get_kv_backend
@@ -139,6 +139,7 @@ class AsyncLLM:
         self.dead_error: BaseException | None = None
         self.model_config: ModelConfig | None = None
         self.config: EngineConfig | None = None
+        self.generation_defaults: dict[str, Any] = {}  # the checkpoint's sampling defaults, once ready
         self.tokenizer: Any = None
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
@@ -200,10 +201,11 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
-    async def encode(self, text: str) -> list[int]:
-        """A prompt's token ids (a BOS as the model adds it), on the tokenizer thread."""
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (a BOS as the model adds it, unless add_special_tokens is
+        False), on the tokenizer thread."""
         assert self.input_processor is not None
-        return await self.run_tokenizer(self.input_processor.encode, text)
+        return await self.run_tokenizer(self.input_processor.encode, text, add_special_tokens)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -243,10 +245,13 @@ class AsyncLLM:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate and queue a request. Raises ValueError on bad input."""
         self._check_ready()
         assert self.input_processor is not None and self.model_config is not None
+        assert self.config is not None
+        check_priority(priority, self.config.scheduler_config.scheduling_policy)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_admission(params.n)
@@ -262,7 +267,7 @@ class AsyncLLM:
         assert self.output_processor is not None
         request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
-            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params,
+            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params, priority,
         )
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         stream = RequestStream(request_id, self, deadline)
@@ -436,7 +441,9 @@ class AsyncLLM:
         try:
             info = await self._client.wait_ready()
             self.model_config, self.config, self.tokenizer = info.model_config, info.config, info.tokenizer
-            self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.config.speculative_config)
+            self.generation_defaults = info.generation_defaults
+            self.input_processor = InputProcessor(
+                self.tokenizer, self.model_config, self.config.speculative_config, self.args.max_logprobs)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.metrics.engine_ready(self.model_config.max_model_len, _cache_info(info))
             self.ready = True
@@ -544,7 +551,8 @@ class AsyncLLM:
                 stream.put(out)
         if core_outputs.stats is not None:
             self.metrics.record_stats(core_outputs.stats)
-        self.metrics.maybe_log(now)
+        if not self.args.disable_log_stats:
+            self.metrics.maybe_log(now)
 
 
 def _cache_info(info: Any) -> dict[str, Any]:

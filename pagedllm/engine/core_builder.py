@@ -13,6 +13,7 @@ from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.generation_config import resolve_generation_defaults
 from pagedllm.kv_backends import get_kv_backend
 from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -29,6 +30,8 @@ class BuiltEngine:
     config: EngineConfig
     model_dir: str
     """HF-format directory of the weights (GGUF: the converted cache)."""
+    generation_defaults: dict[str, Any]
+    """Sampling defaults from --generation-config (engine/generation_config.py)."""
 
 
 def build_engine_core(args: EngineArgs) -> BuiltEngine:
@@ -52,6 +55,12 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         revision=args.revision,
         download_dir=args.download_dir,
     )
+    if args.tokenizer is not None:
+        from pagedllm.models.loader import with_tokenizer
+
+        loaded = with_tokenizer(loaded, args.tokenizer)
+    generation_defaults = resolve_generation_defaults(
+        args.generation_config, args.override_generation_config, loaded.model_dir, loaded.gguf_path)
     model_config = loaded.model_config
     kv = kv_backend.build(args, loaded)
     config = kv.config
@@ -96,6 +105,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         model_config=model_config,
         config=config,
         model_dir=loaded.model_dir,
+        generation_defaults=generation_defaults,
     )
 
 

@@ -32,6 +32,8 @@ class ReadyInfo:
     tokenizer: Any
     num_total_blocks: int
     """Usable KV blocks (the null block excluded)."""
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint's sampling defaults (engine/generation_config.py)."""
 
 
 @dataclass

@@ -121,7 +121,8 @@ class EngineCoreProc:
             "reset_prefix_cache": self.kv.reset_prefix_cache, "kv_snapshot": self._kv_snapshot,
         }
         self._warm_up()
-        info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks)
+        info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks,
+                         built.generation_defaults)
         out_sock.send(dumps("ready", info))
 
     def _warm_up(self) -> None:

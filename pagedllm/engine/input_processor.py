@@ -11,7 +11,7 @@ import inspect
 from typing import Any, Union
 
 from pagedllm.config import ModelConfig
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PromptType = Union[str, dict]
 """A string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; a dict may also carry a
@@ -26,11 +26,13 @@ def _template_call_params(tokenizer_type: type) -> frozenset[str]:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model_config: ModelConfig, speculative_config: object | None = None) -> None:
+    def __init__(self, tokenizer: Any, model_config: ModelConfig, speculative_config: object | None = None,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         # Structured outputs are refused while speculative decoding is on (see check_supported).
         self.speculative_config = speculative_config
+        self.max_logprobs = max_logprobs
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids)."""
@@ -49,8 +51,11 @@ class InputProcessor:
             f"got {type(prompt).__name__}"
         )
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; add_special_tokens=False: the text's own tokens, no BOS added."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not add_special_tokens:
+            return ids
         bos = self.model_config.bos_token_id
         # A prompt that already starts with the BOS text must not get a second BOS.
         if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
@@ -59,17 +64,18 @@ class InputProcessor:
 
     def render_chat(
         self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None, *,
+        continue_final_message: bool = False, documents: list[dict] | None = None, add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
         """Apply the chat template; the ids equal HF's `apply_chat_template(tokenize=True)`."""
         text = render_chat_text(self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs,
-                                tools)
-        return text, self.encode_rendered(text)
+                                tools, continue_final_message=continue_final_message, documents=documents)
+        return text, self.encode_rendered(text, add_special_tokens)
 
-    def encode_rendered(self, text: str) -> list[int]:
-        """A rendered chat prompt's ids: the template writes any BOS itself, so no special
-        tokens are added again."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_rendered(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A rendered chat prompt's ids: the template writes any BOS itself, so by default no
+        special tokens are added again (add_special_tokens=True adds them, as vLLM's field)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check the prompt against the model; return the resolved max_tokens."""
@@ -86,6 +92,13 @@ class InputProcessor:
                 f"the prompt has {n} tokens, but max_model_len is {max_len}, which leaves no "
                 f"room for output; shorten the prompt or raise max_model_len"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} is more than this engine's max_logprobs={self.max_logprobs} "
+                    "(--max-logprobs)"
+                )
         params.validate_vocab(vocab)
         params.update_from_tokenizer(self.tokenizer)
         if params.structured_outputs is not None:
@@ -101,7 +114,8 @@ class InputProcessor:
 
 def render_chat_text(
     tokenizer: Any, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None, *,
+    continue_final_message: bool = False, documents: list[dict] | None = None,
 ) -> str:
     """The chat template applied to the messages (ValueError if it refuses them); ``tools``
     (OpenAI's tool objects) are the template's ``tools`` variable.
@@ -109,6 +123,8 @@ def render_chat_text(
     chat_template_kwargs are variables for the template (e.g. `enable_thinking`); as in
     vLLM, an `add_generation_prompt` among them overrides the argument. A key naming one of
     apply_chat_template's own parameters is refused: it would change the call, not the template.
+    continue_final_message: the last (assistant) message is left open for the model to go on
+    (no end-of-turn after it). documents: handed to the template (retrieval templates).
     """
     variables = dict(chat_template_kwargs or {})
     add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
@@ -118,6 +134,8 @@ def render_chat_text(
             f"chat_template_kwargs may not set {', '.join(reserved)}: they are parameters of the "
             "template call, not template variables"
         )
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -125,6 +143,8 @@ def render_chat_text(
             tools=tools,
             tokenize=False,
             add_generation_prompt=bool(add_generation_prompt),
+            continue_final_message=continue_final_message,
+            documents=documents,
             **variables,
         )
     except Exception as e:  # jinja errors, raise_exception() in templates

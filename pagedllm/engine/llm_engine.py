@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any
 
 from pagedllm.config import ModelConfig
@@ -28,7 +29,9 @@ class LLMEngine:
         self.tokenizer = built.tokenizer
         self.model_config = built.model_config
         self.model_dir = built.model_dir  # HF-format directory of the weights (GGUF: converted cache)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.config.speculative_config)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config, self.config.speculative_config, args.max_logprobs)
+        self.generation_defaults = built.generation_defaults  # generation_config.py
         self.output_processor = OutputProcessor(self.tokenizer)
         # The engine's reasoning parser (--reasoning-parser), or None: LLM.chat reads it.
         self.reasoning_parser = self.engine_core.structured_output.reasoning if self.engine_core.structured_output else None
@@ -43,8 +46,10 @@ class LLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        check_priority(priority, self.config.scheduler_config.scheduling_policy)
         if prompt_token_ids is None:
             text, prompt_token_ids = self.input_processor.tokenize(prompt)
         else:
@@ -53,7 +58,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         core_request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
-            self.tokenizer, self.output_processor, cache_salt,
+            self.tokenizer, self.output_processor, cache_salt, priority=priority,
         )
         try:
             self.engine_core.add_request(core_request)
@@ -95,16 +100,20 @@ def make_requests(
     output_processor: OutputProcessor,
     cache_salt: str | None = None,
     kv_transfer_params: dict | None = None,
+    priority: int = 0,
 ) -> Request:
     """Register a validated request with the output processor; return the core request to
     submit. For n > 1, one core request per sequence ("{i}_{request_id}", as vLLM) in one
-    group: the first is submitted and forks the others once its prompt is computed."""
+    group: the first is submitted and forks the others once its prompt is computed. The
+    sequences of a group share one arrival time and priority (the scheduler keeps them
+    together in its queues)."""
+    arrival_time = time.monotonic()
 
     def core_request(core_id: str, child: SamplingParams, group_id: str | None) -> Request:
         return Request(
             core_id, prompt_token_ids, child, eos_token_ids=model_config.eos_token_ids,
-            max_tokens=max_tokens, group_id=group_id, cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
+            max_tokens=max_tokens, arrival_time=arrival_time, group_id=group_id, cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params, priority=priority,
         )
 
     if params.n == 1:
@@ -122,6 +131,17 @@ def make_requests(
     ]
     output_processor.add_parent_request(ParentRequest(request_id, states))
     return leader
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A request priority other than 0 needs --scheduling-policy priority (as vLLM)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(
+            f"priority={priority} needs --scheduling-policy priority; this engine schedules "
+            f"{scheduling_policy}"
+        )
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -5,9 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedllm.entrypoints.vllm_flags import (
+    add_vllm_compat_args,
+    api_keys_from,
+    check_vllm_compat_args,
+    kv_cache_bytes_from_env,
+)
+
+logger = logging.getLogger(__name__)
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -24,6 +33,19 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_MODEL}), or a Hugging Face hub id such as Qwen/Qwen3-0.6B",
     )
     EngineArgs.add_cli_args(parser)
+    add_vllm_compat_args(parser)
+
+
+def _engine_args(args: argparse.Namespace, command: str) -> EngineArgs:
+    """EngineArgs from the command line and vLLM's environment; a flag this engine cannot
+    honour, or a bad value, stops here (before anything loads) with the reason."""
+    try:
+        for warning in check_vllm_compat_args(args):
+            logger.warning(warning)
+        args.kv_cache_memory_bytes = kv_cache_bytes_from_env(os.environ, args.kv_cache_memory_bytes)
+        return EngineArgs.from_cli_args(args)
+    except ValueError as e:
+        raise SystemExit(f"pagedllm {command}: {e}") from None
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +73,9 @@ def _sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.llm import LLM
 
+    engine_args = _engine_args(args, "generate")
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    llm = LLM(**vars(engine_args))
     params = _sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -74,9 +97,7 @@ def cmd_chat_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
-    import os
-
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = _engine_args(args, "serve")
     from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
     try:
@@ -96,8 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
+        served_model_names=tuple(args.served_model_name or ()),
+        api_keys=api_keys_from(args.api_key, os.environ),
         chat_template=load_chat_template(args.chat_template),
         trust_request_chat_template=args.trust_request_chat_template,
         request_chat_template_timeout_s=args.request_chat_template_timeout,
@@ -107,6 +128,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         request_timeout_s=args.request_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
         metrics_names=args.metrics_names,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
     )
     run_server(engine_args, config, started_core)
 
@@ -120,8 +148,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(max_num_seqs=128, max_num_batched_tokens=2048)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
-    serve.add_argument("--api-key", default=None, help="require this bearer token (or set PAGEDLLM_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the names clients may send as `model` (the first is reported)")
+    serve.add_argument("--api-key", nargs="+", default=None,
+                       help="require one of these bearer tokens (or set VLLM_API_KEY / PAGEDLLM_API_KEY)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template: a file path or the text")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="allow a chat_template in chat requests (arbitrary Jinja, rendered in a "
@@ -143,7 +173,27 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-names", choices=("pagedllm", "vllm"), default="pagedllm",
                        help="names on /metrics: pagedllm:* (label model_name), or vLLM's vllm:* with "
                             "its labels (model_name, engine), for vLLM's dashboards and autoscalers")
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request as it is queued: id, prompt tokens, parameters")
+    serve.add_argument("--max-log-len", type=int, default=None,
+                       help="prompt characters / ids logged per request (at DEBUG)")
+    serve.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, JSON: \'["*"]\'')
+    serve.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, JSON")
+    serve.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, JSON")
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per HTTP request")
     serve.set_defaults(func=cmd_serve)
+
+
+def _json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's CORS flags take them."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}')
+    return value
 
 
 def cmd_proxy(args: argparse.Namespace) -> None:

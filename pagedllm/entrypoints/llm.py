@@ -30,7 +30,9 @@ class LLM:
     ``attention_backend`` ("torch" or "reference"); ``tensor_parallel_size`` and ``distributed_executor_backend``
     ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers);
     ``reasoning_parser`` ("deepseek_r1", "qwen3": structured outputs start after the reasoning,
-    docs/reasoning.md).
+    docs/reasoning.md),
+    ``scheduling_policy`` ("fcfs" or "priority"), ``generation_config`` / ``override_generation_config``
+    (sampling defaults: docs/vllm_compatibility.md), ``tokenizer``, ``max_logprobs``.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
@@ -43,6 +45,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation defaults (--generation-config,
+        as vLLM): what generate and chat use when given no sampling_params."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (as vLLM); returns False if requests are running."""
         return self.llm_engine.reset_prefix_cache()
@@ -52,12 +59,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. priority: one per
+        prompt, lower first (needs scheduling_policy="priority"), as vLLM."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         requests = [(p, None) for p in prompts]
-        return self._run(requests, sampling_params, use_tqdm)
+        return self._run(requests, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -125,9 +134,13 @@ class LLM:
         requests: list[tuple[PromptType, list[int] | None]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
+        if priority is not None and len(priority) != len(requests):
+            raise ValueError(f"got {len(priority)} priorities for {len(requests)} prompts; pass one per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(requests)
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(requests)
         else:
@@ -140,9 +153,9 @@ class LLM:
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for i, ((prompt, ids), p) in enumerate(zip(requests, params)):
+            for i, ((prompt, ids), p, prio) in enumerate(zip(requests, params, priorities)):
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                order[engine.add_request(prompt, p, prompt_token_ids=ids, cache_salt=salt)] = i
+                order[engine.add_request(prompt, p, prompt_token_ids=ids, cache_salt=salt, priority=prio)] = i
         except Exception:
             engine.abort_request(list(order))  # a bad prompt: nothing half-queued stays behind
             raise

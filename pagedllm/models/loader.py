@@ -348,3 +348,24 @@ def _as_list(value: int | Iterable[int] | None) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def with_tokenizer(loaded: LoadedModel, tokenizer: str) -> LoadedModel:
+    """`loaded` with another tokenizer (--tokenizer: a directory, .gguf file or model name);
+    the EOS and BOS ids are taken again with it. ValueError if its vocabulary is larger than
+    the model's."""
+    import dataclasses
+
+    gguf_path, tokenizer_dir = resolve_checkpoint(tokenizer)
+    if gguf_path is not None:
+        tokenizer_dir = gguf_to_hf_dir(gguf_path)
+    assert tokenizer_dir is not None
+    tok = _load_tokenizer(tokenizer_dir)
+    vocab = loaded.model_config.vocab_size
+    if tok.vocab_size > vocab:
+        raise ValueError(f"the tokenizer {tokenizer!r} has {tok.vocab_size} tokens, more than the model's {vocab}")
+    bos = tok.bos_token_id if tok.bos_token_id is not None else loaded.model_config.bos_token_id
+    model_config = dataclasses.replace(
+        loaded.model_config, eos_token_ids=eos_token_ids(loaded.model_dir, loaded.hf_config, tok), bos_token_id=bos)
+    logger.info("tokenizer from %s", tokenizer)
+    return dataclasses.replace(loaded, tokenizer=tok, model_config=model_config)

@@ -28,6 +28,8 @@ def make_request(
     ignore_eos: bool = False,
     eos_token_ids: tuple[int, ...] = (EOS,),
     cache_salt: str | None = None,
+    priority: int = 0,
+    arrival_time: float | None = None,
 ) -> Request:
     """A request; without ``prompt_token_ids`` its prompt is 100, 101, ... (no EOS in it)."""
     if prompt_token_ids is None:
@@ -44,6 +46,8 @@ def make_request(
         params,
         eos_token_ids=eos_token_ids,
         cache_salt=cache_salt,
+        priority=priority,
+        arrival_time=arrival_time,
     )
 
 
@@ -81,11 +85,13 @@ def make_scheduler(
     num_blocks: int = 128,
     block_size: int = 4,
     enable_caching: bool = True,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
+        scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
     )
     kv = make_kv_cache_manager(num_blocks, block_size, max_model_len, enable_caching)
     return Scheduler(config, kv)

@@ -37,3 +37,27 @@ def test_add_generation_prompt_among_the_kwargs_overrides(processor):
 def test_call_parameters_are_refused(processor, key):
     with pytest.raises(ValueError, match=f"chat_template_kwargs may not set {key}"):
         processor.render_chat(MESSAGES, chat_template_kwargs={key: True})
+
+
+def test_max_logprobs_bounds_logprobs_and_prompt_logprobs(processor):
+    from pagedllm.sampling_params import SamplingParams
+
+    ids = processor.tokenizer.encode("Hello")
+    for name in ("logprobs", "prompt_logprobs"):
+        processor.validate(ids, SamplingParams(max_tokens=1, **{name: 20}))
+        with pytest.raises(ValueError, match=f"{name}=21 is more than this engine's max_logprobs=20"):
+            processor.validate(ids, SamplingParams(max_tokens=1, **{name: 21}))
+    processor.max_logprobs = 50  # --max-logprobs 50
+    processor.validate(ids, SamplingParams(max_tokens=1, logprobs=50))
+
+
+def test_continue_final_message_and_documents_reach_the_template(processor):
+    template = "{% for d in documents or [] %}<{{ d['text'] }}>{% endfor %}{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    messages = [*MESSAGES, {"role": "assistant", "content": "Fine"}]
+    text, _ = processor.render_chat(messages, template, add_generation_prompt=False,
+                                    documents=[{"text": "doc"}])
+    assert text == "<doc>How are you?|Fine|"
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        processor.render_chat(messages, continue_final_message=True)
+    open_text, _ = processor.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert open_text.endswith("Fine")

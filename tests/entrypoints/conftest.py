@@ -16,12 +16,14 @@ def server():
     srv.stop()
 
 
-# One server behind an API key (--api-key) under another model name, shared by the auth tests
-# (test_auth.py), the dashboard's (test_dashboard.py) and the SIGTERM test (test_shutdown.py,
-# which stops it: last in file order).
+# One server behind an API key (--api-key) under another model name, logging its requests,
+# shared by the auth tests (test_auth.py), the dashboard's (test_dashboard.py), the request
+# log's (test_vllm_launch.py) and the SIGTERM test (test_shutdown.py, which stops it: last in
+# file order).
 API_KEY = "s3cret-key"
 SERVED_NAME = "my-model"
-KEYED_SERVER_ARGS = [*SMALL_SERVER_ARGS, "--served-model-name", SERVED_NAME, "--api-key", API_KEY]
+KEYED_SERVER_ARGS = [*SMALL_SERVER_ARGS, "--served-model-name", SERVED_NAME, "--api-key", API_KEY,
+                     "--enable-log-requests"]
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,6 @@ COMPLETION_CASES = [
     ("beam search with logprobs", {**OK_BODY, "use_beam_search": True, "logprobs": 2}, 400, "logprobs",
      "not supported with use_beam_search"),
     ("beam width too large", {**OK_BODY, "use_beam_search": True, "n": 1000}, 400, "n", "beam width"),
-    ("unknown field", {**OK_BODY, "frobnicate": 1}, 400, "frobnicate", "unknown field"),
     ("bad logit_bias key", {**OK_BODY, "logit_bias": {"abc": 1.0}}, 400, "logit_bias", ""),
     ("min_tokens above max_tokens", {**OK_BODY, "min_tokens": 5}, 400, "min_tokens", "min_tokens"),
     ("empty stop string", {**OK_BODY, "stop": [""]}, 400, "stop", "stop"),
@@ -94,6 +93,23 @@ def test_malformed_json(server):
         r = httpx.post(server.url + path, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
         assert_error(r, 400, contains="malformed JSON")
     assert_still_serving(server)
+
+
+def test_unknown_fields_are_ignored_with_a_warning(server):
+    """As vLLM: a field the server does not know (a newer client's, a typo) is dropped and named
+    in a warning, at any depth; the request is served as if it were not there."""
+    plain = httpx.post(server.url + "/v1/completions", json=OK_BODY, timeout=60)
+    body = {**OK_BODY, "frobnicate": 1, "stream_options": None}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 2, "stream": True,
+        "stream_options": {"include_usage": True, "zebra": 2}})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    log = server.log_path.read_text()
+    assert "CompletionRequest: ignoring unknown field(s) frobnicate" in log
+    assert "StreamOptions: ignoring unknown field(s) zebra" in log
 
 
 def test_unknown_route_is_404_in_openai_shape(server):

@@ -191,6 +191,26 @@ HUGE_AND_ODD = [
 ]
 
 
+# Fields the server does not know are ignored (with a warning), as vLLM: a 200, never a 400.
+UNKNOWN_FIELDS = [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "frobnicate": {"nested": [1, None]}, "": 1}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"x" * 1000: 1}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                              "\u202e\U0010ffff": [], "max_tokens_typo": 10**30}),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens_": False}),
+    ("/detokenize", {"tokens": [1, 2], "skip_special_tokens": True}),
+]
+
+
+@pytest.mark.parametrize("path,body", UNKNOWN_FIELDS, ids=[str(i) for i in range(len(UNKNOWN_FIELDS))])
+def test_unknown_fields_are_ignored(fuzz_server, path, body):
+    COUNTS["cases"] += 1
+    r = httpx.post(fuzz_server.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 200, r.text[:2000]
+    check_response(r, f"{path} {str(body)[:300]}")
+
+
 @pytest.mark.parametrize("body", HUGE_AND_ODD, ids=[str(i) for i in range(len(HUGE_AND_ODD))])
 def test_huge_and_odd_values(fuzz_server, body):
     for stream in (False, True):

@@ -1,5 +1,6 @@
 """Every request field the protocol accepts, sent to a real server through the official openai
-client: each changes what it should, or is refused with a 400 naming it; none is dropped.
+client: each changes what it should, or is refused with a 400 naming it; none is dropped. (A
+field the protocol does not know is ignored with a warning: test_errors.py.)
 
 FIELD_CHECKS has one check per field of CompletionRequest, ChatCompletionRequest and
 StreamOptions; test_every_field_has_a_check keeps it complete when a field is added.
@@ -368,6 +369,7 @@ def check_kv_transfer_params(ctx: Ctx) -> None:
 def check_echo(ctx: Ctx) -> None:
     out = ctx.complete(echo=True)
     assert text_of(out) == PROMPT + text_of(ctx.greedy())
+    ctx.refused(CHAT, {"messages": YES, "echo": True}, "echo", "not supported in chat")
 
 
 def check_logprobs(ctx: Ctx) -> None:
@@ -438,9 +440,88 @@ def check_include_reasoning(ctx: Ctx) -> None:
     assert message.reasoning_content is None and ctx.greedy_chat().choices[0].message.reasoning_content is None
 
 
+def check_priority(ctx: Ctx) -> None:
+    # This server schedules FCFS: 0 is the default, anything else is refused (as vLLM); the
+    # priority policy itself: test_vllm_launch.py and tests/core/test_priority_scheduler.py.
+    assert text_of(ctx.complete(priority=0)) == text_of(ctx.greedy())
+    ctx.refused(COMPLETIONS, {"prompt": PROMPT, "priority": 3}, "priority", "--scheduling-policy priority")
+    ctx.refused(CHAT, {"messages": YES, "priority": -1}, "priority", "--scheduling-policy priority")
+
+
+def check_truncate_prompt_tokens(ctx: Ctx) -> None:
+    ids = ctx.tokenizer.encode(COUNTING)
+    out = ctx.complete(COUNTING, truncate_prompt_tokens=3)
+    assert out.usage.prompt_tokens == 3
+    assert text_of(out) == text_of(ctx.complete(ids[-3:]))  # the last 3 tokens are what is kept
+    assert ctx.complete(COUNTING, truncate_prompt_tokens=-1).usage.prompt_tokens == len(ids)  # -1: max_model_len
+    assert ctx.chat(truncate_prompt_tokens=4).usage.prompt_tokens == 4
+    ctx.refused(COMPLETIONS, {"prompt": PROMPT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens",
+                "max_model_len")
+    ctx.refused(COMPLETIONS, {"prompt": PROMPT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens")
+
+
+def check_return_token_ids(ctx: Ctx) -> None:
+    plain = ctx.greedy().choices[0].model_extra or {}
+    assert plain.get("token_ids") is None and plain.get("prompt_token_ids") is None  # only when asked
+    out = ctx.complete(return_token_ids=True).choices[0]
+    assert out.model_extra["prompt_token_ids"] == ctx.tokenizer.encode(PROMPT)
+    token_ids = out.model_extra["token_ids"]
+    assert ctx.tokenizer.decode(token_ids) == out.text == text_of(ctx.greedy())
+    chunks = [c.choices[0] for c in stream_chunks(ctx, return_token_ids=True) if c.choices]
+    assert [t for c in chunks for t in c.model_extra["token_ids"]] == token_ids
+    assert [c.model_extra.get("prompt_token_ids") is not None for c in chunks] == [True] + [False] * (len(chunks) - 1)
+    chat = ctx.chat(return_token_ids=True)
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    assert ctx.tokenizer.decode(chat.choices[0].model_extra["token_ids"], skip_special_tokens=True) == \
+        chat.choices[0].message.content  # the ids include the EOS, as vLLM
+    streamed = list(ctx.chat(return_token_ids=True, stream=True))
+    assert streamed[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    ids = [t for c in streamed for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+    assert ids == chat.choices[0].model_extra["token_ids"]
+
+
+def check_add_special_tokens(ctx: Ctx) -> None:
+    # The default model's tokenizer adds no special tokens, so both values encode alike here;
+    # test_vllm_launch.py checks the field with a tokenizer that adds a BOS.
+    assert ctx.complete(add_special_tokens=False).usage.prompt_tokens == len(
+        ctx.tokenizer.encode(PROMPT, add_special_tokens=False))
+    assert ctx.chat(add_special_tokens=True).usage.prompt_tokens == ctx.greedy_chat().usage.prompt_tokens
+    ctx.refused(COMPLETIONS, {"prompt": PROMPT, "add_special_tokens": "maybe"}, "add_special_tokens")
+
+
+def check_continue_final_message(ctx: Ctx) -> None:
+    messages = [*YES, {"role": "assistant", "content": "Yes, and"}]
+    text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("Yes, and")  # left open: no end-of-turn after it
+    out = ctx.chat(messages, continue_final_message=True, add_generation_prompt=False)
+    assert out.usage.prompt_tokens == len(ctx.tokenizer.encode(text, add_special_tokens=False))
+    closed = ctx.chat(messages, add_generation_prompt=False, max_tokens=1)
+    assert closed.usage.prompt_tokens > out.usage.prompt_tokens
+    ctx.refused(CHAT, {"messages": messages, "continue_final_message": True}, "continue_final_message",
+                "add_generation_prompt")
+
+
+def check_documents(ctx: Ctx) -> None:
+    # The default template has no documents: the prompt stays as it was. A template that
+    # renders them: test_vllm_launch.py.
+    out = ctx.chat(documents=[{"title": "t", "text": "Paris is the capital of France."}])
+    assert out.usage.prompt_tokens == ctx.greedy_chat().usage.prompt_tokens
+    ctx.refused(CHAT, {"messages": YES, "documents": ["not an object"]}, "documents")
+
+
 def _unsupported(name: str, value: object) -> Callable[[Ctx], None]:
     def check(ctx: Ctx) -> None:
         ctx.refused(CHAT, {"messages": YES, name: value}, name, "not supported")
+
+    return check
+
+
+def _refused_everywhere(name: str, value: object) -> Callable[[Ctx], None]:
+    """A vLLM field this engine cannot honour: a 400 naming it, in completions and chat."""
+
+    def check(ctx: Ctx) -> None:
+        ctx.refused(COMPLETIONS, {"prompt": PROMPT, name: value}, name)
+        ctx.refused(CHAT, {"messages": YES, name: value}, name)
 
     return check
 
@@ -500,6 +581,16 @@ FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "functions": _unsupported("functions", [TOOL["function"]]),
     "function_call": _unsupported("function_call", "auto"),
     "parallel_tool_calls": check_parallel_tool_calls,
+    "priority": check_priority, "truncate_prompt_tokens": check_truncate_prompt_tokens,
+    "return_token_ids": check_return_token_ids, "add_special_tokens": check_add_special_tokens,
+    "continue_final_message": check_continue_final_message, "documents": check_documents,
+    "logits_processors": _refused_everywhere("logits_processors", ["some.Processor"]),
+    "return_tokens_as_token_ids": _refused_everywhere("return_tokens_as_token_ids", True),
+    "vllm_xargs": _refused_everywhere("vllm_xargs", {"k": 1}),
+    "prompt_embeds": lambda ctx: ctx.refused(COMPLETIONS, {"prompt": PROMPT, "prompt_embeds": "AAAA"},
+                                             "prompt_embeds", "not supported"),
+    "mm_processor_kwargs": lambda ctx: ctx.refused(CHAT, {"messages": YES, "mm_processor_kwargs": {}},
+                                                   "mm_processor_kwargs", "multimodal"),
 }
 
 

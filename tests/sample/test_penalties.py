@@ -92,7 +92,7 @@ def test_bad_words_tokenized_with_and_without_leading_space(default_tokenizer):
         (dict(frequency_penalty=-2.5), "frequency_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(logprobs=-1), "logprobs"),
-        (dict(prompt_logprobs=100), "prompt_logprobs"),
+        (dict(prompt_logprobs=-3), "prompt_logprobs"),  # the upper bound: --max-logprobs (test_input_processor.py)
         (dict(logit_bias={1: 500.0}), "logit_bias"),
         (dict(allowed_token_ids=[]), "allowed_token_ids"),
         (dict(bad_words=[""]), "bad_words"),

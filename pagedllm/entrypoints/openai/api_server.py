@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,6 +38,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 # All else needs the API key. The /dashboard page is static HTML that asks the user for the
 # key and sends it with its /dashboard/state requests.
-_OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/dashboard"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/dashboard"})
 T = TypeVar("T")
 
 
@@ -56,11 +58,12 @@ class ServerConfig:
     """Address to bind."""
     port: int = 8000
     """Port to bind."""
-    served_model_name: str | None = None
-    """The name clients use in `model`; default: the model argument."""
-    api_key: str | None = None
-    """Bearer token required on every path but /health, /version, /metrics and the /dashboard
-    page (its data, /dashboard/state, needs it)."""
+    served_model_names: tuple[str, ...] = ()
+    """The names clients may use in `model` (the first is the one responses and metrics
+    report); default: the model argument."""
+    api_keys: tuple[str, ...] = ()
+    """Bearer tokens, any one of which is required on every path but /health, /version,
+    /metrics and the /dashboard page (its data, /dashboard/state, needs one)."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
     trust_request_chat_template: bool = False
@@ -82,6 +85,20 @@ class ServerConfig:
     """Seconds an idle keep-alive connection stays open. Longer than the pool expiry of common
     clients (httpx and so the openai client: 5 s) so a client never reuses a connection at the
     moment the server closes it (that race shows up as "connection reset by peer")."""
+    enable_log_requests: bool = False
+    """Log one line per request as it is queued (id, prompt tokens, parameters)."""
+    max_log_len: int | None = None
+    """With enable_log_requests at DEBUG: the most prompt characters / ids logged."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    """CORS: origins allowed (vLLM's default: any)."""
+    allowed_methods: tuple[str, ...] = ("*",)
+    """CORS: methods allowed."""
+    allowed_headers: tuple[str, ...] = ("*",)
+    """CORS: request headers allowed."""
+    allow_credentials: bool = False
+    """CORS: allow credentials (cookies, authorization headers) in cross-origin requests."""
+    disable_uvicorn_access_log: bool = False
+    """No uvicorn access log line per HTTP request."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -98,8 +115,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
-    if first.get("type") == "extra_forbidden":
-        return f"unknown field {'.'.join(loc)!r}: not supported", param
     parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:3]]
     return "invalid request: " + "; ".join(parts), param
 
@@ -108,22 +123,24 @@ class APIKeyMiddleware:
     """Bearer-token check on every path but _OPEN_PATHS (docs and schema included), as plain
     ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
 
-    def __init__(self, app: Any, api_key: bytes) -> None:
+    def __init__(self, app: Any, api_keys: tuple[bytes, ...]) -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_keys = api_keys
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization", b"")
             given = header[7:] if header.lower().startswith(b"bearer ") else b""
-            if not hmac.compare_digest(given, self.api_key):
+            # Every key is compared (no early exit), each in constant time.
+            if not sum(hmac.compare_digest(given, key) for key in self.api_keys):
                 response = error_response(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ...]) -> FastAPI:
+    """model_names: what clients may send as `model`; the first is the one reported."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -132,13 +149,22 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         renderer.close()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    completion = OpenAIServingCompletion(engine, model_name)
+    model_name = model_names[0]
+    request_logger = RequestLogger(config.max_log_len) if config.enable_log_requests else None
+    completion = OpenAIServingCompletion(engine, model_name, request_logger)
     renderer = ChatRenderer(engine, config.chat_template, config.trust_request_chat_template,
                             config.request_chat_template_timeout_s)
-    chat = OpenAIServingChat(engine, model_name, renderer, config.tool_calls, engine.args.reasoning_parser)
+    chat = OpenAIServingChat(engine, model_name, renderer, config.tool_calls, engine.args.reasoning_parser,
+                             request_logger)
 
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key.encode())
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=tuple(k.encode() for k in config.api_keys))
+    # Added last, so outermost: a browser's preflight (OPTIONS, no key) is answered before
+    # the key check, as in vLLM.
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=list(config.allowed_methods),
+        allow_headers=list(config.allowed_headers), allow_credentials=config.allow_credentials,
+    )
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -168,7 +194,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500, "InternalServerError"))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name is not None and name not in model_names:
             raise OpenAIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
     def check_ready() -> None:
@@ -205,13 +231,18 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         max_len = engine.model_config.max_model_len if engine.model_config is not None else None
-        return ModelList(data=[ModelCard(id=model_name, root=engine.args.model, max_model_len=max_len)])
+        return ModelList(data=[ModelCard(id=name, root=engine.args.model, max_model_len=max_len) for name in model_names])
 
     @app.get("/health")
     async def health() -> Response:
         if engine.ready and not engine.shutting_down:
             return Response(status_code=200)
         return Response(status_code=503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's /ping (SageMaker's health check): /health's answer."""
+        return await health()
 
     @app.get("/version")
     async def version() -> dict:
@@ -290,15 +321,17 @@ def load_chat_template(value: str | None) -> str | None:
 async def serve(
     engine_args: EngineArgs, config: ServerConfig, started_core: StartedCore | None = None
 ) -> None:
-    model_name = config.served_model_name or engine_args.model
+    model_names = config.served_model_names or (engine_args.model,)
+    model_name = model_names[0]
     engine = AsyncLLM(
         engine_args, model_name, config.max_waiting_requests, config.request_timeout_s, started_core,
         metrics_names=config.metrics_names,
     )
-    app = build_app(engine, config, model_name)
+    app = build_app(engine, config, model_names)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
         timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive_s,
+        access_log=not config.disable_uvicorn_access_log,
     )
     server = _Server(uv_config, engine)
 

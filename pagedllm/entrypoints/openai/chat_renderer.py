@@ -36,17 +36,18 @@ class ChatTemplateError(ValueError):
 
 def _sandbox_main(conn: Any, tokenizer: Any, parent_pid: int) -> None:
     """The render process: (messages, template, add_generation_prompt, chat_template_kwargs,
-    tools) in, ("ok", text) or ("error", message) out, until the pipe closes."""
+    options) in (options: render_chat_text's keyword arguments: tools, continue_final_message,
+    documents), ("ok", text) or ("error", message) out, until the pipe closes."""
     die_with_parent(parent_pid)
     conn.send(("ready", None))
     while True:
         try:
-            messages, template, add_generation_prompt, chat_template_kwargs, tools = conn.recv()
+            messages, template, add_generation_prompt, chat_template_kwargs, options = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ok", render_chat_text(tokenizer, messages, template, add_generation_prompt, chat_template_kwargs,
-                                              tools)))
+            conn.send(("ok", render_chat_text(
+                tokenizer, messages, template, add_generation_prompt, chat_template_kwargs, **options)))
         except ValueError as e:  # the template refused the messages (its message says so)
             conn.send(("error", str(e)))
         except Exception as e:  # noqa: BLE001 -- anything else a template can raise
@@ -76,11 +77,11 @@ class TemplateSandbox:
         self._conn.recv()
 
     def render(self, messages: list[dict], template: str, add_generation_prompt: bool,
-               chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> str:
+               chat_template_kwargs: dict[str, Any] | None, options: dict[str, Any]) -> str:
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            self._conn.send((messages, template, add_generation_prompt, chat_template_kwargs, tools))
+            self._conn.send((messages, template, add_generation_prompt, chat_template_kwargs, options))
             if not self._conn.poll(self.timeout_s):
                 logger.warning("a request's chat template ran past %.1f s; killing its process", self.timeout_s)
                 self.close()
@@ -113,18 +114,22 @@ class ChatRenderer:
 
     async def render(
         self, messages: list[dict], request_chat_template: str | None, add_generation_prompt: bool,
-        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None, *,
+        continue_final_message: bool = False, documents: list[dict] | None = None, add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
         """ChatTemplateError (a 400) if the template refuses the messages, or a request's
         template is not allowed or runs out of time. Tools or tool messages under a model
         template that knows no tools use the shipped tool template (tool_parsers/chat_template.py)."""
         processor = self.engine.input_processor
         assert processor is not None
+        options: dict[str, Any] = {
+            "tools": tools, "continue_final_message": continue_final_message, "documents": documents}
         if not request_chat_template:
             template = choose_chat_template(self.chat_template, self.engine.tokenizer.chat_template, messages, tools)
             try:
                 return await self.engine.run_tokenizer(
-                    processor.render_chat, messages, template, add_generation_prompt, chat_template_kwargs, tools)
+                    processor.render_chat, messages, template, add_generation_prompt, chat_template_kwargs,
+                    add_special_tokens=add_special_tokens, **options)
             except ValueError as e:
                 raise ChatTemplateError(str(e)) from None
         if not self.trust_request_chat_template:
@@ -136,9 +141,9 @@ class ChatRenderer:
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(
             self._sandbox_thread, self._sandbox.render, messages, request_chat_template, add_generation_prompt,
-            chat_template_kwargs, tools)
-        # The template writes any BOS itself: do not add special tokens again.
-        return text, await self.engine.run_tokenizer(processor.encode_rendered, text)
+            chat_template_kwargs, options)
+        # The template writes any BOS itself: special tokens are added again only when asked.
+        return text, await self.engine.run_tokenizer(processor.encode_rendered, text, add_special_tokens)
 
     def close(self) -> None:
         if self._sandbox is not None:

@@ -1,33 +1,47 @@
 """Request and response bodies of the OpenAI API (plus vLLM's extra sampling fields).
 
-Requests forbid unknown fields: a field we do not know is a 400 that names it, never
-silently ignored. Fields OpenAI defines that we do not support are declared, so the error
-can say "not supported" rather than "unknown".
+A field we do not know is ignored with a warning in the server's log that names it, as vLLM
+does (clients send fields of newer API versions). Fields we know but cannot honour are
+declared, so that setting one is a 400 that names it, never silently dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+logger = logging.getLogger(__name__)
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RequestModel(BaseModel):
+    """A request body: unknown fields are dropped, each named in one warning."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(str(k) for k in data if k not in cls.model_fields)
+            if unknown:
+                logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, ", ".join(unknown))
+        return data
 
 
-class StreamOptions(StrictModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -70,6 +84,17 @@ class SamplingFields(StrictModel):
     kv_transfer_params: dict[str, Any] | None = None
     """Disaggregated prefill (set by `pagedllm proxy`): {"do_remote_decode": true} to a prefill
     instance; the prefill response's kv_transfer_params to a decode instance."""
+    priority: int = 0
+    """With --scheduling-policy priority: lower values are scheduled first (a 400 otherwise
+    unless 0, as vLLM)."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """Keep only the last k prompt tokens (-1: max_model_len), as vLLM."""
+    return_token_ids: bool = False
+    """Add prompt_token_ids and each choice's token_ids to the response, as vLLM."""
+    # vLLM fields this engine cannot honour (a 400 when set): serving_base.UNHONOURED_FIELDS.
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
 
 # Token ids must be ints: a list of strings is a list of prompts, not ids.
@@ -78,11 +103,17 @@ PromptField = Union[list[int], list[list[int]], str, list[str]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptField
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS) to a text prompt."""
     max_tokens: int | None = 16
+    """Left out: the generation default (--generation-config), else 16; null: the generation
+    default, else all the room left."""
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    prompt_embeds: Any = None
+    """vLLM's prompt embeddings: not supported (a 400)."""
 
 
 class ChatMessage(BaseModel):
@@ -92,7 +123,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class FunctionDefinition(StrictModel):
+class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -100,16 +131,16 @@ class FunctionDefinition(StrictModel):
     strict: bool | None = None
 
 
-class ChatTool(StrictModel):
+class ChatTool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(StrictModel):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(StrictModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -121,6 +152,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Leave the last (assistant) message open for the model to continue."""
+    add_special_tokens: bool = False
+    """Add special tokens over the rendered template's (which writes its own BOS)."""
+    documents: list[dict[str, str]] | None = None
+    """Documents for retrieval-augmented chat templates, handed to the template."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
@@ -130,6 +167,10 @@ class ChatCompletionRequest(SamplingFields):
     """Default: "auto" with tools (needs --enable-auto-tool-choice), else "none"."""
     parallel_tool_calls: bool | None = None
     """False: at most one call (exactly one under "required" or a named function)."""
+    echo: bool = False
+    """vLLM's: echo the last message in the reply; not supported (a 400 when true)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """vLLM's multimodal processor arguments: no multimodal models here (a 400)."""
     # OpenAI's legacy function calling, not supported (400 when set)
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
@@ -182,6 +223,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: the prompt's ids (in a stream, on the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """return_token_ids: the choice's output ids (in a stream, the chunk's new ones)."""
 
 
 class CompletionResponse(BaseModel):
@@ -259,6 +304,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """return_token_ids: the choice's output ids."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -269,6 +316,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: the rendered prompt's ids."""
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -285,6 +334,8 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """return_token_ids: the chunk's new output ids."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -294,6 +345,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: the prompt's ids, on the first chunk."""
 
 
 # ---- models, tokenize ------------------------------------------------------------------
@@ -313,7 +366,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -321,6 +374,6 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]

@@ -21,6 +21,7 @@ from pagedllm.engine.async_llm import (
     RequestStream,
 )
 from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -188,11 +189,32 @@ def usage_info(num_prompt: int, num_completion: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
 
 
+UNHONOURED_FIELDS = {
+    "logits_processors": "custom logits processors are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported (return_token_ids gives the ids)",
+    "vllm_xargs": "vllm_xargs (arguments for custom logits processors) is not supported",
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+    "mm_processor_kwargs": "there are no multimodal models here",
+}
+"""vLLM request fields this engine cannot honour: a 400 naming them when set."""
+
+
+def check_unhonoured_fields(req: SamplingFields) -> None:
+    for name, reason in UNHONOURED_FIELDS.items():
+        if getattr(req, name, None) is not None:
+            raise bad_request(f"{name}: {reason}", name)
+    if getattr(req, "messages", None) is not None and getattr(req, "echo", False):
+        raise bad_request("echo is not supported in chat completions (only in completions)", "echo")
+
+
 def sampling_params_from(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams | BeamSearchRequest:
     """Map a request body onto SamplingParams (or beam search); an invalid value becomes a
-    400 naming it."""
+    400 naming it. defaults: the server's generation defaults (generation_config.py), used
+    for the sampling fields the request leaves out."""
+    check_unhonoured_fields(req)
     structured_outputs = structured_outputs_from(req)
     if req.use_beam_search and structured_outputs is not None:
         raise bad_request("structured outputs cannot be combined with beam search", "use_beam_search")
@@ -210,17 +232,23 @@ def sampling_params_from(
             logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    defaults = defaults or {}
+
+    def given_or_default(name: str, neutral: Any) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, neutral)
+
     kwargs: dict[str, Any] = dict(
         n=req.n,
-        max_tokens=max_tokens,
+        max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens"),
         min_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=given_or_default("temperature", 1.0),
+        top_p=given_or_default("top_p", 1.0),
+        top_k=given_or_default("top_k", None),
+        min_p=given_or_default("min_p", 0.0),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=given_or_default("repetition_penalty", 1.0),
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
@@ -241,6 +269,18 @@ def sampling_params_from(
         match = re.match(r"(\w+)", str(e))
         param = match.group(1) if match and match.group(1) in kwargs else None
         raise bad_request(str(e), param) from None
+
+
+def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len)."""
+    if truncate_prompt_tokens is None:
+        return ids
+    k = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if not 1 <= k <= max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens={truncate_prompt_tokens} must be -1 or between 1 and "
+            f"max_model_len={max_model_len}", "truncate_prompt_tokens")
+    return ids[-k:]
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -327,12 +367,17 @@ def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
 # ---- running prompts ---------------------------------------------------------------------
 
 
+_ENGINE_CHECKED_FIELDS = frozenset({"kv_transfer_params", "priority", "logprobs", "prompt_logprobs"})
+
+
 def add_requests(
     engine: AsyncLLM, base_id: str, prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams | BeamSearchRequest, cache_salt: str | None,
-    kv_transfer_params: dict | None = None,
+    kv_transfer_params: dict | None = None, *, priority: int = 0,
+    request_logger: RequestLogger | None = None,
 ) -> list[RequestStream]:
-    """Queue one request per prompt; on a bad one, abort those already queued and raise a 400."""
+    """Queue one request per prompt; on a bad one, abort those already queued and raise a 400.
+    Each queued request is logged by request_logger (--enable-log-requests)."""
     try:
         width = params.params.beam_width if isinstance(params, BeamSearchRequest) else params.n
         engine.check_admission(len(prompts) * width)
@@ -347,19 +392,26 @@ def add_requests(
             if isinstance(params, BeamSearchRequest):
                 if kv_transfer_params is not None:
                     raise ValueError("kv_transfer_params cannot be combined with use_beam_search")
+                if priority != 0:
+                    raise ValueError("priority cannot be combined with use_beam_search")
                 assert engine.model_config is not None
                 beam = params.params_for(len(ids), engine.model_config.max_model_len)
                 streams.append(engine.add_beam_search(request_id, text, beam, prompt_token_ids=ids))
-                continue
-            streams.append(engine.add_request(
-                request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt,
-                kv_transfer_params=kv_transfer_params,
-            ))
+            else:
+                streams.append(engine.add_request(
+                    request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt,
+                    kv_transfer_params=kv_transfer_params, priority=priority,
+                ))
+            if request_logger is not None:
+                request_logger.log(request_id, text, ids, params.params if isinstance(params, BeamSearchRequest) else params)
     except ValueError as e:
         for s in streams:
             s.abort()
-        param = "kv_transfer_params" if "kv_transfer_params" in str(e) else "prompt"
-        raise bad_request(str(e), param) from None
+        message = str(e)
+        first = re.match(r"\w+", message)  # the engine's messages name their field first
+        param = first.group(0) if first and first.group(0) in _ENGINE_CHECKED_FIELDS else (
+            "kv_transfer_params" if "kv_transfer_params" in message else "prompt")
+        raise bad_request(message, param) from None
     except BaseException:
         for s in streams:
             s.abort()

@@ -10,6 +10,7 @@ from typing import Any
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.entrypoints.openai.chat_reasoning import RequestReasoning, ServerReasoning
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer, ChatTemplateError
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -37,6 +38,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     prompt_logprobs_of,
     sampling_params_from,
     sse,
+    truncate_prompt,
     usage_info,
     usage_of,
 )
@@ -79,29 +81,37 @@ class OpenAIServingChat:
     def __init__(
         self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer,
         tool_config: ToolCallConfig | None = None, reasoning_parser: str | None = None,
+        request_logger: RequestLogger | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.renderer = renderer
         self.tool_config = tool_config or ToolCallConfig()
         self.reasoning = ServerReasoning(engine, reasoning_parser)
+        self.request_logger = request_logger
 
     async def render(
         self, req_messages: list[Any], chat_template: str | None, add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+        **options: Any,
     ):
-        """(prompt text, token ids), rendered off the event loop (see chat_renderer.py)."""
+        """(prompt text, token ids), rendered off the event loop (see chat_renderer.py);
+        options: ChatRenderer.render's (continue_final_message, documents, add_special_tokens)."""
         if not req_messages:
             raise bad_request("messages must not be empty", "messages")
         try:
             return await self.renderer.render(
-                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs, tools)
+                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs, tools,
+                **options)
         except ChatTemplateError as e:
-            if str(e).startswith("chat_template_kwargs"):
+            message = str(e)
+            if message.startswith("chat_template_kwargs"):
                 param = "chat_template_kwargs"
+            elif message.startswith("continue_final_message"):
+                param = "continue_final_message"
             else:
                 param = "chat_template" if chat_template else "messages"
-            raise bad_request(str(e), param) from None
+            raise bad_request(message, param) from None
 
     def _check(self, req: ChatCompletionRequest) -> int | None:
         """Reject what we do not support; return the logprobs count for SamplingParams."""
@@ -115,20 +125,26 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         num_logprobs = self._check(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params_from(req, max_tokens, num_logprobs)
+        params = sampling_params_from(req, max_tokens, num_logprobs, self.engine.generation_defaults)
         await check_structured_outputs(req, params)
         tools = tool_call_handler(req, self.tool_config)
         params = await constrain_tool_calls(tools, params)
-        text, ids = await self.render(req.messages, req.chat_template, req.add_generation_prompt,
-                                      req.chat_template_kwargs, request_tools(req))
+        text, ids = await self.render(
+            req.messages, req.chat_template, req.add_generation_prompt, req.chat_template_kwargs, request_tools(req),
+            continue_final_message=req.continue_final_message, documents=req.documents,
+            add_special_tokens=req.add_special_tokens)
         assert self.engine.model_config is not None
-        check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
+        max_len = self.engine.model_config.max_model_len
+        kept = truncate_prompt(ids, req.truncate_prompt_tokens, max_len)
+        text, ids = (text if len(kept) == len(ids) else None), kept
+        check_context_length(len(ids), max_tokens, max_len)
         reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning)
         reasoning.apply_to(params)
         request_id = req.request_id or random_id("chatcmpl")
-        streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params)
+        streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params,
+                               priority=req.priority, request_logger=self.request_logger)
         if req.stream:
-            return self._stream(req, request_id, streams, len(ids), tools, reasoning)
+            return self._stream(req, request_id, streams, ids, tools, reasoning)
         try:
             (out,) = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
@@ -144,19 +160,23 @@ class OpenAIServingChat:
             choices.append(ChatChoice(
                 index=c.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason_with_calls(c.finish_reason, made_calls), stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage_info(*usage_of([out])), prompt_logprobs=prompt_logprobs_of(out),
+                                      prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
                                       kv_transfer_params=out.kv_transfer_params)
 
     def _decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def _chunk(self, request_id: str, choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage))
+    def _chunk(self, request_id: str, choice: ChatStreamChoice, usage: UsageInfo | None = None,
+               prompt_token_ids: list[int] | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage,
+                                       prompt_token_ids=prompt_token_ids))
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, streams, num_prompt_tokens: int,
+        self, req: ChatCompletionRequest, request_id: str, streams, prompt_token_ids: list[int],
         tools: ToolCallHandler | None, reasoning: RequestReasoning,
     ) -> AsyncIterator[str]:
         # Per choice index: the reasoning split runs first on each text delta; tool parsing
@@ -169,11 +189,13 @@ class OpenAIServingChat:
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         out = None
         # Continuous usage, as vLLM: the prompt and the chunk's choice's tokens so far.
-        num_prompt = num_prompt_tokens if continuous_usage(req) else None
+        num_prompt = len(prompt_token_ids) if continuous_usage(req) else None
+        return_ids = req.return_token_ids
         try:
-            for index in range(req.n):  # the role first, for every choice
+            for index in range(req.n):  # the role first, for every choice (with the prompt's ids)
                 yield self._chunk(request_id, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
-                                  None if num_prompt is None else usage_info(num_prompt, 0))
+                                  None if num_prompt is None else usage_info(num_prompt, 0),
+                                  list(prompt_token_ids) if return_ids and index == 0 else None)
             async for _, out in merge_streams(streams):
                 for c in out.outputs:
                     final = c.finish_reason is not None
@@ -184,8 +206,9 @@ class OpenAIServingChat:
                     message = delta_message(state.update(content, final=final))
                     message.reasoning_content = part.reasoning or None
                     finish_reason = finish_reason_with_calls(c.finish_reason, state.made_calls)
-                    if (message.content is None and message.tool_calls is None
-                            and message.reasoning_content is None and finish_reason is None):
+                    start = sent_tokens.get(c.index, 0)
+                    if (message.content is None and message.tool_calls is None and message.reasoning_content is None
+                            and finish_reason is None and not (return_ids and len(c.token_ids) > start)):
                         continue  # nothing settled yet (a marker may be arriving)
                     logprobs = None
                     if num_logprobs is not None and c.logprobs is not None:
@@ -195,6 +218,7 @@ class OpenAIServingChat:
                     yield self._chunk(request_id, ChatStreamChoice(
                         index=c.index, delta=message,
                         logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids[start:]) if return_ids else None,
                     ), None if num_prompt is None else usage_info(num_prompt, len(c.token_ids)))
             if out is not None and req.stream_options is not None and req.stream_options.include_usage:
                 usage = usage_info(*usage_of([out]))

@@ -11,6 +11,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     random_id,
 )
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
     add_requests,
@@ -26,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     prompt_logprobs_of,
     sampling_params_from,
     sse,
+    truncate_prompt,
     usage_info,
     usage_of,
 )
@@ -33,9 +35,10 @@ from pagedllm.outputs import RequestOutput
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, request_logger: RequestLogger | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.request_logger = request_logger
 
     async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt; tokenized off the event loop."""
@@ -51,9 +54,17 @@ class OpenAIServingCompletion:
         prompts = []
         for item in raw:
             if isinstance(item, str):
-                prompts.append((item, await self.engine.encode(item)))
+                prompts.append((item, await self.engine.encode(item, req.add_special_tokens)))
             else:
                 prompts.append((None, list(item)))
+        if req.truncate_prompt_tokens is not None:
+            assert self.engine.model_config is not None
+            max_len = self.engine.model_config.max_model_len
+            truncated = []
+            for text, ids in prompts:
+                kept = truncate_prompt(ids, req.truncate_prompt_tokens, max_len)
+                truncated.append((text if len(kept) == len(ids) else None, kept))  # echo decodes what is kept
+            prompts = truncated
         return prompts
 
     def _check(self, req: CompletionRequest) -> None:
@@ -66,14 +77,18 @@ class OpenAIServingCompletion:
 
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self._check(req)
-        params = sampling_params_from(req, req.max_tokens, req.logprobs)
+        defaults = self.engine.generation_defaults
+        # Left out: the checkpoint's default, else OpenAI's 16 (null: the default, else the room left).
+        max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else defaults.get("max_tokens", 16)
+        params = sampling_params_from(req, max_tokens, req.logprobs, defaults)
         await check_structured_outputs(req, params)
         prompts = await self._prompts(req)
         assert self.engine.model_config is not None
         for _, ids in prompts:
-            check_context_length(len(ids), req.max_tokens, self.engine.model_config.max_model_len)
+            check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("cmpl")
-        streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt, req.kv_transfer_params)
+        streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt, req.kv_transfer_params,
+                               priority=req.priority, request_logger=self.request_logger)
         if req.stream:
             return self._stream(req, request_id, prompts, streams)
         try:
@@ -103,6 +118,8 @@ class OpenAIServingCompletion:
                 choices.append(CompletionChoice(
                     index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs,
+                    prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 ))
         usage = usage_info(*usage_of(outputs))
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
@@ -111,6 +128,7 @@ class OpenAIServingCompletion:
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list, streams) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}  # choice index -> chars sent
         sent_tokens: dict[int, int] = {}
+        sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
         last: dict[int, RequestOutput] = {}
         continuous = continuous_usage(req)
         try:
@@ -131,14 +149,18 @@ class OpenAIServingCompletion:
                         logprobs = completion_logprobs(ids, lps, req.logprobs, self._decode, sent_text.get(index, 0))
                     sent_text[index] = len(c.text)
                     sent_tokens[index] = len(c.token_ids)
-                    if not delta and c.finish_reason is None:
+                    ids = req.return_token_ids
+                    if not delta and c.finish_reason is None and not (ids and len(c.token_ids) > start):
                         continue
                     # Continuous usage, as vLLM: this choice's prompt and its tokens so far.
                     usage = usage_info(len(out.prompt_token_ids), len(c.token_ids)) if continuous else None
                     chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=logprobs,
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        prompt_token_ids=list(out.prompt_token_ids) if ids and index not in sent_prompt else None,
+                        token_ids=list(c.token_ids[start:]) if ids else None,
                     )], usage=usage)
+                    sent_prompt.add(index)
                     yield sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = usage_info(*usage_of(list(last.values())))
