@@ -111,6 +111,10 @@ class GGUFSpec:
     skipped_tensors: tuple[str, ...] = ()
     """Tensors that are not parameters here (e.g. precomputed rope factors)."""
     global_names: Mapping[str, str] = field(default_factory=lambda: dict(GGUF_GLOBAL_NAMES))
+    config_from_metadata: Callable[[Any, Mapping[str, Any]], None] | None = None
+    """Sets, on the HF config transformers builds from the file, what its GGUF reader leaves
+    at the config's defaults, from the file's `<architecture>.*` metadata (prefix stripped,
+    e.g. "attn_logit_softcapping"); called once, at conversion."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ What sets it apart from Llama: RMSNorm scaling by (1 + weight), embeddings multi
 sqrt(hidden_size), RMSNorm on each query and key head, norms after attention and after the
 MLP as well as before them, a GELU(tanh)-gated MLP, attention scaled by
 query_pre_attn_scalar**-0.5, and interleaved local (sliding-window) and global layers, each
-kind with its own rotary base. Optional final logit soft-capping; tied embeddings.
+kind with its own rotary base. Optional attention and final logit soft-capping (Gemma 2's;
+Gemma 3's checkpoints leave them unset); tied embeddings.
 Parameter names are HF's except the fused `qkv_proj` and `gate_up_proj`.
 """
 
@@ -76,6 +77,7 @@ class Gemma3Attention(nn.Module):
             num_kv_heads,
             scale=config.query_pre_attn_scalar**-0.5,
             sliding_window=sliding_window_of(config, layer_idx),
+            logit_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -151,8 +153,6 @@ class Gemma3ForCausalLM(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         hf_config = arch.hf
-        if arch.attn_logit_softcap is not None:
-            raise ValueError("Gemma 3 with attn_logit_softcapping is not supported")
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention=True is not supported")
         self.config = hf_config

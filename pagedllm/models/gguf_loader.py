@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -101,9 +101,10 @@ def _convert(gguf_path: str, out_dir: str) -> None:
 
     index = gguf_index(gguf_path)  # parsed once per process, shared with resolve_quantization
     try:
-        gguf_family(index.architecture)
+        spec = gguf_family(index.architecture).gguf
     except ValueError as e:
         raise ValueError(f"{gguf_path}: {e}") from None
+    assert spec is not None
     check_tensor_types(index.type_names(), gguf_path)
     # transformers reads the GGUF from a directory of its own: tokenizer or config files lying
     # beside the GGUF would otherwise be mixed into what it builds.
@@ -113,6 +114,8 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
     hf_config.architectures = [architecture_of(hf_config)]
+    if spec.config_from_metadata is not None:
+        spec.config_from_metadata(hf_config, architecture_metadata(gguf_path, index.architecture))
     tensors = dict(read_gguf_tensors(index, hf_config))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del tensors
@@ -120,6 +123,20 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     AutoTokenizer.from_pretrained(src_dir, gguf_file=basename).save_pretrained(out_dir)
     shutil.rmtree(src_dir)
     save_index(index, out_dir)
+
+
+def architecture_metadata(gguf_path: str, arch: str) -> dict[str, Any]:
+    """The file's `<arch>.*` metadata values by key without the prefix, e.g.
+    {"attn_logit_softcapping": 50.0, "attention.sliding_window": 4096, ...}."""
+    import gguf
+
+    prefix = f"{arch}."
+    reader = gguf.GGUFReader(gguf_path)
+    return {
+        key.removeprefix(prefix): field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith(prefix)
+    }
 
 
 def check_tensor_types(type_names: Iterable[str], gguf_path: str) -> None:
