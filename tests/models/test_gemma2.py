@@ -75,13 +75,21 @@ def test_layers_take_the_config(tiny_gemma2: tuple[Any, str]) -> None:
     assert loaded.model.final_logit_softcap == FINAL_CAP
 
 
-def test_engine_greedy_matches_hf_across_the_window(tiny_gemma2: tuple[Any, str]) -> None:
+@pytest.mark.parametrize("backend", ["paged", "vattention"])
+def test_engine_greedy_matches_hf_across_the_window(tiny_gemma2: tuple[Any, str], backend: str) -> None:
     # Prefill in chunks of 16 (continuation chunks read the cache), then decodes: every path
-    # of the soft-capped attention, on local and global layers.
+    # of the soft-capped attention, on local and global layers, on both KV backends.
     hf_model, path = tiny_gemma2
-    llm = LLM(path, dtype="float32", kv_cache_memory_bytes="8MiB", max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    llm = LLM(
+        path, dtype="float32", kv_cache_backend=backend, kv_cache_memory_bytes="64MiB", max_model_len=256,
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
+    )  # fmt: skip
     params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    if backend == "paged":
+        # 2 global layers, 2 local ones: one KV cache group of each kind (the kernel's windows).
+        windows = [spec.sliding_window for spec in llm.llm_engine.scheduler.kv_cache_manager.group_specs]
+        assert sorted(windows, key=str) == [8, None], windows
     for out in outs:
         assert len(out.prompt_token_ids) > 2 * WINDOW
         ref, gaps = hf_greedy(hf_model, out.prompt_token_ids, NUM_STEPS)
