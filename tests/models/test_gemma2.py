@@ -105,18 +105,23 @@ def test_engine_greedy_matches_hf_across_the_window(tiny_gemma2: tuple[Any, str]
 
 
 def test_the_soft_caps_bite(tiny_gemma2: tuple[Any, str], tmp_path: Path) -> None:
-    # Negative control: the same weights with either cap removed give other logprobs (HF and
-    # ours alike), so the matches above depend on both caps being applied.
+    # Prompt logprobs within 1e-4 of HF's; and the negative control: the same weights with
+    # either cap removed give other logprobs, so the matches depend on both caps being applied.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     hf_model, path = tiny_gemma2
     prompt = _prompts()[0]
     logprobs = {}
-    for name, caps in {"both": (ATTN_CAP, FINAL_CAP), "no_attn": (None, FINAL_CAP), "no_final": (ATTN_CAP, None)}.items():
-        from transformers import AutoModelForCausalLM
-
-        overrides = dict(attn_logit_softcapping=caps[0], final_logit_softcapping=caps[1])
-        model_dir = tmp_path / name
-        AutoModelForCausalLM.from_pretrained(path, **overrides).save_pretrained(model_dir)
-        loaded = load_model(path if name == "both" else _with_tokenizer(model_dir, path))
+    variants = {"both": (ATTN_CAP, FINAL_CAP), "no_attn": (None, FINAL_CAP), "no_final": (ATTN_CAP, None)}
+    for name, (attn_cap, final_cap) in variants.items():
+        model_path = path
+        if name != "both":
+            model_path = str(tmp_path / name)
+            overrides = dict(attn_logit_softcapping=attn_cap, final_logit_softcapping=final_cap)
+            AutoModelForCausalLM.from_pretrained(path, **overrides).save_pretrained(model_path)
+            AutoTokenizer.from_pretrained(path).save_pretrained(model_path)
+        loaded = load_model(model_path)
+        assert {layer.self_attn.attn.logit_soft_cap for layer in loaded.model.model.layers} == {attn_cap}
         bind_kv_caches(loaded.model, num_blocks=16, block_size=4)
         logprobs[name] = prompt_logprobs(loaded.model, prompt, block_size=4)
     with torch.inference_mode():
@@ -124,13 +129,6 @@ def test_the_soft_caps_bite(tiny_gemma2: tuple[Any, str], tmp_path: Path) -> Non
     torch.testing.assert_close(logprobs["both"], ref, atol=1e-4, rtol=0)
     for name in ("no_attn", "no_final"):
         assert float((logprobs[name] - logprobs["both"]).abs().max()) > 0.1, name
-
-
-def _with_tokenizer(model_dir: Path, tokenizer_dir: str) -> str:
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(model_dir)
-    return str(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +157,9 @@ def test_gguf_config_and_names(tiny_gemma2_gguf: Path, monkeypatch: pytest.Monke
     assert loaded.model.final_logit_softcap == FINAL_CAP
 
 
-def test_gguf_kept_quantized_matches_dequantized_and_hf(tiny_gemma2_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_kept_quantized_matches_dequantized_and_hf(
+    tiny_gemma2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tiny_gemma2_gguf.parent / "cache"))
