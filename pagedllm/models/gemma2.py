@@ -8,12 +8,15 @@ Attention layer: each attention path applies it), the logits soft-capped the sam
 (`final_logit_softcapping`), and sliding-window layers alternating with global ones
 (`layer_types`; HF's default: even layers slide). One rotary base for every layer (Gemma 3
 has two), no q/k norm (Gemma 3 has one). Tied embeddings.
-Parameter names are HF's except the fused `qkv_proj` and `gate_up_proj`.
+Parameter names are HF's except the fused `qkv_proj` and `gate_up_proj`. Gemma 3
+(models/gemma3.py) is built on these modules: its attention adds the q/k norms, its model
+a rotary base per layer kind.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -37,6 +40,15 @@ PACKED_MODULES = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
+
+
+# llama.cpp's block names of the sandwich layout (Gemma 2; Gemma 3 adds the q/k norms).
+GEMMA_GGUF_BLOCK_NAMES = {
+    **LLAMA_GGUF_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 class Gemma2Attention(nn.Module):
@@ -76,10 +88,12 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention_class: type[Gemma2Attention] = Gemma2Attention
+
     def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden, eps = arch.hidden_size, arch.norm_eps
-        self.self_attn = Gemma2Attention(arch, layer_idx, rotary_emb)
+        self.self_attn = self.attention_class(arch, layer_idx, rotary_emb)
         self.mlp = Gemma2MLP(arch)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
@@ -95,17 +109,24 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
+    decoder_layer: type[Gemma2DecoderLayer] = Gemma2DecoderLayer
+
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        assert arch.rope is not None, arch
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
         # sqrt(hidden) rounded to the model dtype first, as HF does.
         normalizer = torch.tensor(math.sqrt(arch.hidden_size), dtype=torch.get_default_dtype())
         self.register_buffer("normalizer", normalizer, persistent=False)
-        # One cos/sin cache shared by every layer, local and global alike.
-        rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, dict(arch.rope))
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(arch, i, rotary_emb) for i in range(arch.num_layers))
+        rotary = self.rotary_embeddings(arch)
+        self.layers = nn.ModuleList(self.decoder_layer(arch, i, rotary[i]) for i in range(arch.num_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.norm_eps)
+
+    @staticmethod
+    def rotary_embeddings(arch: ArchConfig) -> list[RotaryEmbedding]:
+        """Each layer's rotary embedding: one cos/sin cache shared by every layer."""
+        assert arch.rope is not None, arch
+        rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, dict(arch.rope))
+        return [rotary_emb] * arch.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] int64 -> [T, hidden]
@@ -116,14 +137,18 @@ class Gemma2Model(nn.Module):
 
 
 class Gemma2ForCausalLM(nn.Module):
+    inner_model: type[Gemma2Model] = Gemma2Model
+    checkpoint_prefix: str | None = None
+    """Stripped from checkpoint names (Gemma 3: a multimodal checkpoint's "language_model.")."""
+
     def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if getattr(arch.hf, "use_bidirectional_attention", False):
-            raise ValueError("Gemma 2 with use_bidirectional_attention=True is not supported")
+            raise ValueError(f"{type(self).__name__} with use_bidirectional_attention=True is not supported")
         self.config = arch.hf
         self.arch = arch
         with default_dtype(dtype):
-            self.model = Gemma2Model(arch)
+            self.model = self.inner_model(arch)
             self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
         self.tie_word_embeddings = arch.tie_word_embeddings
         if self.tie_word_embeddings:
@@ -146,14 +171,17 @@ class Gemma2ForCausalLM(nn.Module):
         def transform(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 return None  # the tied head is the embedding, loaded under its own name
+            if self.checkpoint_prefix is not None:
+                name = name.removeprefix(self.checkpoint_prefix)
             return name, tensor
 
         return load_named_weights(self, weights, stacked=PACKED_MODULES, transform=transform)
 
 
-def _gemma2_arch_config(hf: Any) -> ArchConfig:
+def gemma_arch_config(hf: Any, **overrides: Any) -> ArchConfig:
+    """The ArchConfig of a Gemma 2 or 3 config; `overrides` state a family's differences."""
     bias = bool(getattr(hf, "attention_bias", False))
-    return ArchConfig(
+    fields: dict[str, Any] = dict(
         **decoder_sizes(hf),
         norm_eps=hf.rms_norm_eps,
         norm_offset=1.0,
@@ -168,6 +196,7 @@ def _gemma2_arch_config(hf: Any) -> ArchConfig:
         final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
         hf=hf,
     )
+    return replace(ArchConfig(**fields), **overrides)
 
 
 def _config_from_gguf_metadata(hf: Any, metadata: Mapping[str, Any]) -> None:
@@ -190,19 +219,13 @@ FAMILIES = (
         name="Gemma 2",
         architectures=("Gemma2ForCausalLM",),
         model_class=Gemma2ForCausalLM,
-        arch_config=_gemma2_arch_config,
+        arch_config=gemma_arch_config,
         packed_modules=PACKED_MODULES,
-        # llama.cpp's "gemma2": Gemma 3's names without the q/k norms, RMSNorm scales stored
-        # as (1 + weight); the soft-caps are metadata keys (`gemma2.attn_logit_softcapping`,
+        # llama.cpp's "gemma2": RMSNorm scales stored as (1 + weight); the soft-caps are metadata keys (`gemma2.attn_logit_softcapping`,
         # `gemma2.final_logit_softcapping`), read at conversion (gguf_loader.py).
         gguf=GGUFSpec(
             "gemma2",
-            {
-                **LLAMA_GGUF_BLOCK_NAMES,
-                "ffn_norm": "pre_feedforward_layernorm",
-                "post_attention_norm": "post_attention_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm",
-            },
+            GEMMA_GGUF_BLOCK_NAMES,
             norm_plus_one=True,
             config_from_metadata=_config_from_gguf_metadata,
         ),
