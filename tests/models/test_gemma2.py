@@ -75,8 +75,16 @@ def test_layers_take_the_config(tiny_gemma2: tuple[Any, str]) -> None:
     assert loaded.model.final_logit_softcap == FINAL_CAP
 
 
+@pytest.fixture(scope="module")
+def hf_references(tiny_gemma2: tuple[Any, str]) -> list[tuple[list[int], list[float]]]:
+    """HF's greedy tokens and top-2 gaps for each of _prompts(), computed once."""
+    return [hf_greedy(tiny_gemma2[0], p, NUM_STEPS) for p in _prompts()]
+
+
 @pytest.mark.parametrize("backend", ["paged", "vattention"])
-def test_engine_greedy_matches_hf_across_the_window(tiny_gemma2: tuple[Any, str], backend: str) -> None:
+def test_engine_greedy_matches_hf_across_the_window(
+    tiny_gemma2: tuple[Any, str], hf_references: list[tuple[list[int], list[float]]], backend: str
+) -> None:
     # Prefill in chunks of 16 (continuation chunks read the cache), then decodes: every path
     # of the soft-capped attention, on local and global layers, on both KV backends.
     hf_model, path = tiny_gemma2
@@ -86,15 +94,15 @@ def test_engine_greedy_matches_hf_across_the_window(tiny_gemma2: tuple[Any, str]
     )  # fmt: skip
     params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
-    if backend == "paged":
-        # 2 global layers, 2 local ones: one KV cache group of each kind (the kernel's windows).
-        windows = [spec.sliding_window for spec in llm.llm_engine.scheduler.kv_cache_manager.group_specs]
-        assert sorted(windows, key=str) == [8, None], windows
-    for out in outs:
+    for out, (ref, gaps) in zip(outs, hf_references):
         assert len(out.prompt_token_ids) > 2 * WINDOW
-        ref, gaps = hf_greedy(hf_model, out.prompt_token_ids, NUM_STEPS)
         assert len(out.outputs[0].token_ids) == NUM_STEPS
         assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"gemma2 {len(out.prompt_token_ids)} tokens")
+    if backend != "paged":
+        return
+    # 2 global layers, 2 local ones: one KV cache group of each kind (the kernel's windows).
+    windows = [spec.sliding_window for spec in llm.llm_engine.scheduler.kv_cache_manager.group_specs]
+    assert sorted(windows, key=str) == [8, None], windows
     # Negative control: HF without the attention soft-cap decodes otherwise. (The final cap
     # is monotonic and keeps the argmax: its control is on logprobs, below.)
     uncapped = copy.deepcopy(hf_model)
