@@ -196,15 +196,17 @@ def torch_attention(
     config: AttentionConfig = DEFAULT_CONFIG,
     logit_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to kv_cache) -> [T, H, D]."""
-    if logit_soft_cap is not None:
-        return _soft_capped_attention(q, kv_cache, md, scale, sliding_window, logit_soft_cap)
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to kv_cache) -> [T, H, D].
+
+    ``logit_soft_cap`` c bounds every score s (after scaling) to c * tanh(s / c) on every path:
+    the decode kernels take it, the SDPA calls become explicit scores (`_attend`)."""
+    cap = logit_soft_cap
     nd = md.num_decodes
     if nd and nd == md.num_reqs:  # a pure decode step: one call, no copy into `out`
-        return _decode_attention(q, kv_cache, md, scale, sliding_window, config)
+        return _decode_attention(q, kv_cache, md, scale, sliding_window, config, cap)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window, config)
+        out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window, config, cap)
     # Short query runs over a cached context (speculative verification): one padded call.
     short = [
         i for i in range(nd, md.num_reqs)
@@ -212,7 +214,7 @@ def torch_attention(
         and md.query_start_loc[i + 1] - md.query_start_loc[i] < md.seq_lens_list[i]
     ]
     if len(short) > 1:
-        _short_runs_attention(q, out, kv_cache, md, short, scale, sliding_window)
+        _short_runs_attention(q, out, kv_cache, md, short, scale, sliding_window, cap)
     else:
         short = []
     for i in range(nd, md.num_reqs):
@@ -229,13 +231,30 @@ def torch_attention(
         # fall back to the math path, 2-5x slower at 256-1024 tokens).
         qi = q[start:end].transpose(0, 1)[None]  # [1, H, Q, D]
         ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
-        if query_len == seq_len and sliding_window is None:
+        if query_len == seq_len and sliding_window is None and cap is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            mask = _causal_mask(query_len, seq_len, sliding_window)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = _attend(qi, ki, vi, _causal_mask(query_len, seq_len, sliding_window), scale, cap)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float | None
+) -> torch.Tensor:
+    """softmax(masked scores) @ v with grouped-query heads: q [..., H, Q, D], k/v
+    [..., Hkv, S, D], mask [..., Q, S] bool (True = attend; None: every key) -> [..., H, Q, D].
+    SDPA without a soft-cap; with one (SDPA has none) explicit scores cap * tanh(q.k * scale / cap)."""
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k = k.to(q.dtype).repeat_interleave(group, dim=-3)
+    v = v.to(q.dtype).repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * scale  # [..., H, Q, S]
+    scores = cap * torch.tanh(scores / cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    return scores.softmax(-1) @ v
 
 
 _MAX_SHORT_RUN = 16  # query lengths batched into one padded call (drafts + 1)
@@ -249,6 +268,7 @@ def _short_runs_attention(
     rows: list[int],
     scale: float,
     sliding_window: int | None,
+    cap: float | None = None,
 ) -> None:
     """Requests ``rows`` each have a short query run after a cached context: gather every
     context (block tables, or the rows' slots), pad the runs to the longest, one SDPA call;
@@ -274,9 +294,8 @@ def _short_runs_attention(
     mask = k_pos <= q_pos.unsqueeze(2)  # [R, Qmax, L]; also keeps keys < seq_len
     if sliding_window is not None:
         mask &= k_pos > q_pos.unsqueeze(2) - sliding_window
-    o = F.scaled_dot_product_attention(
-        qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True,
+    o = _attend(
+        qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask.unsqueeze(1), scale, cap
     ).transpose(1, 2)  # [R, Qmax, H, D]
     valid = offsets < lens_t  # [R, Qmax]
     out[index[valid]] = o[valid]
@@ -284,18 +303,18 @@ def _short_runs_attention(
 
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, sliding_window: int | None,
-    config: AttentionConfig = DEFAULT_CONFIG,
+    config: AttentionConfig = DEFAULT_CONFIG, cap: float | None = None,
 ) -> torch.Tensor:
     """One query token per request: q [nd, H, D] -> [nd, H, D]."""
     nd = q.shape[0]
     ops = paged_attention_ops() if config.compiled_kernels and q.device.type == "cpu" else None
     if md.slots is not None:
         use_kernel = ops is not None and config.contiguous_decode == "kernel"
-        return _contiguous_decode_attention(q, kv_cache, md, scale, sliding_window, ops if use_kernel else None)
+        return _contiguous_decode_attention(q, kv_cache, md, scale, sliding_window, ops if use_kernel else None, cap)
     if ops is not None:
-        # Reads K/V through the block table in place (no dense copy).
+        # Reads K/V through the block table in place (no dense copy); soft-cap 0 is none.
         return ops.paged_decode_attention(
-            q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, sliding_window or 0
+            q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, sliding_window or 0, cap or 0.0
         )
     # Torch fallback: gather each request's blocks, pad to the longest, mask the rest.
     max_blocks = (max(md.seq_lens_list[:nd]) + md.block_size - 1) // md.block_size
@@ -306,15 +325,13 @@ def _decode_attention(
     mask = key_pos < seq_lens  # [nd, L]
     if sliding_window is not None:
         mask &= key_pos >= seq_lens - sliding_window
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
+    o = _attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, cap)
     return o.squeeze(2)
 
 
 def _contiguous_decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-    sliding_window: int | None, ops,
+    sliding_window: int | None, ops, cap: float | None = None,
 ) -> torch.Tensor:
     """Decodes of the contiguous-slot layout: each request's K/V is a slice of its slot;
     through the compiled kernel when ``ops`` is given."""
@@ -322,7 +339,7 @@ def _contiguous_decode_attention(
     assert md.slots is not None and md.slots_list is not None
     if ops is not None:
         return ops.contiguous_decode_attention(
-            q.contiguous(), kv_cache, md.slots[:nd], md.seq_lens[:nd], scale, sliding_window or 0
+            q.contiguous(), kv_cache, md.slots[:nd], md.seq_lens[:nd], scale, sliding_window or 0, cap or 0.0
         )
     # Torch formulation: one SDPA per request over views of its slot (no gather, no padding).
     out = torch.empty_like(q)
@@ -332,8 +349,7 @@ def _contiguous_decode_attention(
         slot = md.slots_list[i]
         k = kv_cache[0, slot, start:seq_len].transpose(0, 1)  # [Hkv, S, D]
         v = kv_cache[1, slot, start:seq_len].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True)
-        out[i] = o.squeeze(1)
+        out[i] = _attend(q[i].unsqueeze(1), k, v, None, scale, cap).squeeze(1)  # the slice is the window
     return out
 
 
@@ -375,24 +391,3 @@ def reference_attention(
             out[start:end, h] = (scores.softmax(-1) @ vh).to(q.dtype)
     return out
 
-
-def _soft_capped_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-    sliding_window: int | None, cap: float,
-) -> torch.Tensor:
-    """Every request with explicit scores (SDPA has no soft-cap): per request, scores
-    [H, Q, S] = cap * tanh(q.k * scale / cap), masked, softmax, times V; q: [T, H, D]."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // kv_cache.shape[-2]
-    for i in range(md.num_reqs):
-        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-        seq_len = md.seq_lens_list[i]
-        k, v = _context(kv_cache, md, i, seq_len)  # [S, Hkv, D]
-        k = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-        v = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = q[start:end].transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, Q, S]
-        scores = cap * torch.tanh(scores / cap)
-        mask = _causal_mask(end - start, seq_len, sliding_window)
-        scores = scores.masked_fill(~mask, -math.inf)
-        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
-    return out

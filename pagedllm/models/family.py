@@ -110,9 +110,10 @@ class GGUFSpec:
     """RMSNorm scales stored as (1 + weight) where HF keeps the offset from one."""
     skipped_tensors: tuple[str, ...] = ()
     """Tensors that are not parameters here (e.g. precomputed rope factors)."""
-    config_overrides: Callable[[Any], Mapping[str, Any]] | None = None
-    """gguf-py's GGUFReader of a file -> HF config fields that transformers' GGUF reader does
-    not map (e.g. Phi-3's long rope), set on the config at conversion."""
+    config_from_gguf: Callable[[Any, Any], Mapping[str, Any]] | None = None
+    """(gguf-py's GGUFReader of the file, the HF config transformers built from it) -> HF
+    config fields its GGUF reader leaves out or at their defaults (Phi-3's long rope and
+    window, Gemma 2's soft-caps and attention scale), set on the config once, at conversion."""
     global_names: Mapping[str, str] = field(default_factory=lambda: dict(GGUF_GLOBAL_NAMES))
 
 

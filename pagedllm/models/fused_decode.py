@@ -70,13 +70,15 @@ class DecodeLayout:
     o_bias: bool = False
     mlp_bias: bool = False
     attn_logit_softcap: float | None = None
+    """Attention scores soft-capped to c * tanh(s / c) (the layers' Attention.logit_soft_cap)."""
     query_rows_per_request: int = 1
     """Query rows each request brings to a decode step (k + 1 when verifying k drafts)."""
     row_deltas: bool = False
     """Per-row additive deltas on the projections' outputs (e.g. LoRA adapters per request)."""
 
 
-# The layout fields the kernel runs as they are (biases: any; the rest: these values).
+# The layout fields the kernel runs as they are (biases, q/k norm, soft-cap: any; the rest:
+# these values).
 _KERNEL_RUNS: dict[str, object] = {
     "norm": "rms",
     "norm_offset": 0.0,
@@ -85,7 +87,6 @@ _KERNEL_RUNS: dict[str, object] = {
     "gated_mlp": True,
     "positional": "rope",
     "partial_rotary_factor": 1.0,
-    "attn_logit_softcap": None,
     "query_rows_per_request": KERNEL_QUERY_ROWS_PER_REQUEST,
     "row_deltas": False,
 }
@@ -185,6 +186,7 @@ class FusedDecoderLayers(nn.Module):
                 k_norm,
                 a.attn.kv_cache,
                 a.attn.sliding_window or 0,
+                a.attn.logit_soft_cap or 0.0,
                 bits, weights, scales, zeros, biases,
             )
         self._decoder = decoder
@@ -204,6 +206,8 @@ class FusedDecoderLayers(nn.Module):
         for layer in layers:
             a = layer.self_attn
             attn = a.attn
+            if attn.logit_soft_cap != layouts[0].attn_logit_softcap:  # type: ignore[union-attr]
+                return "an attention layer's soft-cap is not its declared layout's"
             if attn.kv_cache is None or attn.kv_cache.dtype != torch.float32:
                 return "the KV cache is not float32"
             if attn.kv_cache_group != 0:

@@ -1,44 +1,33 @@
-"""Gemma 3 (text only) over a flat batch of tokens.
+"""Gemma 3 (text only): the Gemma 2 layer (models/gemma2.py) with an RMSNorm over each query
+and key head, and a rotary base per layer kind.
 
-What sets it apart from Llama: RMSNorm scaling by (1 + weight), embeddings multiplied by
-sqrt(hidden_size), RMSNorm on each query and key head, norms after attention and after the
-MLP as well as before them, a GELU(tanh)-gated MLP, attention scaled by
-query_pre_attn_scalar**-0.5, and interleaved local (sliding-window) and global layers, each
-kind with its own rotary base. Optional final logit soft-capping; tied embeddings.
-Parameter names are HF's except the fused `qkv_proj` and `gate_up_proj`.
+Gemma 3's differences from Gemma 2, all stated here: per-head q/k RMSNorm (scaling by
+1 + weight) before the rotary embedding; the local (sliding-window) and global layers each
+with their own rotary base (1e4 and 1e6 in the released checkpoints); a sliding-window
+pattern of five local layers to one global (from `layer_types`); no soft-caps in its
+checkpoints (the attention and final ones apply where a config sets them, as Gemma 2's);
+the text weights of a multimodal checkpoint under "language_model.". Sandwich norms, the
+(1 + weight) scale, sqrt(hidden) embeddings, GELU(tanh), query_pre_attn_scalar and tied
+embeddings are Gemma 2's.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-from torch import nn
 
-from pagedllm.layers.activation import GeluAndMul, gelu_approximation
-from pagedllm.layers.attention import Attention
-from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
-from pagedllm.layers.utils import default_dtype
-from pagedllm.models.config_utils import (
-    decoder_sizes,
-    head_dim_of,
-    num_kv_heads_of,
-    sliding_window_of,
-    sliding_windows_of,
-)
-from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
-from pagedllm.models.utils import load_named_weights
-
-PACKED_MODULES = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
+from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.gemma2 import (
+    GEMMA_GGUF_BLOCK_NAMES,
+    PACKED_MODULES,
+    Gemma2Attention,
+    Gemma2DecoderLayer,
+    Gemma2ForCausalLM,
+    Gemma2Model,
+    gemma_arch_config,
 )
 
 
@@ -59,24 +48,12 @@ def layer_rope_parameters(config: Any, sliding: bool) -> dict[str, Any]:
     return rope_parameters(config)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        num_heads, num_kv_heads = config.num_attention_heads, num_kv_heads_of(config)
-        self.head_dim = head_dim = head_dim_of(config)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, bias)
-        self.o_proj = Linear(num_heads * head_dim, config.hidden_size, bias=bias)
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            num_heads,
-            head_dim,
-            num_kv_heads,
-            scale=config.query_pre_attn_scalar**-0.5,
-            sliding_window=sliding_window_of(config, layer_idx),
-        )
+class Gemma3Attention(Gemma2Attention):
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__(arch, layer_idx, rotary_emb)
+        self.head_dim = arch.head_dim
+        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.norm_eps)
+        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [T, hidden] -> [T, hidden]
@@ -89,123 +66,30 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter])
-        self.down_proj = Linear(inter, config.hidden_size)
-        self.act_fn = GeluAndMul(gelu_approximation(config.hidden_activation))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, 2 * intermediate] -> [T, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+class Gemma3DecoderLayer(Gemma2DecoderLayer):
+    attention_class = Gemma3Attention
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, layer_idx, rotary_emb)
-        self.mlp = Gemma3MLP(config)
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+class Gemma3Model(Gemma2Model):
+    decoder_layer = Gemma3DecoderLayer
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states))
-        hidden_states = hidden_states + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        return hidden_states + self.post_feedforward_layernorm(mlp_out)
+    @staticmethod
+    def rotary_embeddings(arch: ArchConfig) -> list[RotaryEmbedding]:
+        """One cos/sin cache per layer kind, shared by the layers of that kind."""
+        head_dim, max_pos = arch.head_dim, arch.max_position_embeddings
+        local_rope = RotaryEmbedding(head_dim, max_pos, layer_rope_parameters(arch.hf, sliding=True))
+        global_rope = RotaryEmbedding(head_dim, max_pos, layer_rope_parameters(arch.hf, sliding=False))
+        return [local_rope if arch.sliding_window(i) is not None else global_rope for i in range(arch.num_layers)]
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        # sqrt(hidden) rounded to the model dtype first, as HF does.
-        normalizer = torch.tensor(math.sqrt(config.hidden_size), dtype=torch.get_default_dtype())
-        self.register_buffer("normalizer", normalizer, persistent=False)
-        head_dim, max_pos = head_dim_of(config), config.max_position_embeddings
-        # One cos/sin cache per layer kind, shared by the layers of that kind.
-        local_rope = RotaryEmbedding(head_dim, max_pos, layer_rope_parameters(config, sliding=True))
-        global_rope = RotaryEmbedding(head_dim, max_pos, layer_rope_parameters(config, sliding=False))
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(
-                config, i, local_rope if sliding_window_of(config, i) is not None else global_rope
-            )
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T] int64 -> [T, hidden]
-        hidden_states = self.embed_tokens(input_ids) * self.normalizer
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
-
-
-class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        hf_config = arch.hf
-        if arch.attn_logit_softcap is not None:
-            raise ValueError("Gemma 3 with attn_logit_softcapping is not supported")
-        if getattr(hf_config, "use_bidirectional_attention", False):
-            raise ValueError("Gemma 3 with use_bidirectional_attention=True is not supported")
-        self.config = hf_config
-        self.arch = arch
-        with default_dtype(dtype):
-            self.model = Gemma3Model(hf_config)
-            self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.tie_word_embeddings = arch.tie_word_embeddings
-        if self.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
-        self.final_logit_softcapping = arch.final_logit_softcap
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [num_tokens] int64 -> hidden_states: [num_tokens, hidden]
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # hidden_states: [N, hidden] -> logits: [N, vocab] float32
-        logits = self.lm_head(hidden_states).float()
-        cap = self.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap  # smoothly bounded to (-cap, cap)
-        return logits
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def transform(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                return None  # the tied head is the embedding, loaded under its own name
-            if name.startswith("language_model."):  # text weights of a multimodal checkpoint
-                name = name.removeprefix("language_model.")
-            return name, tensor
-
-        return load_named_weights(self, weights, stacked=PACKED_MODULES, transform=transform)
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    inner_model = Gemma3Model
+    checkpoint_prefix = "language_model."  # the text weights of a multimodal checkpoint
 
 
 def _gemma3_arch_config(hf: Any) -> ArchConfig:
-    bias = bool(getattr(hf, "attention_bias", False))
-    return ArchConfig(
-        **decoder_sizes(hf),
-        norm_eps=hf.rms_norm_eps,
-        norm_offset=1.0,
-        norm_placement="sandwich",
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm=True,
-        activation=hf.hidden_activation,
-        rope=rope_parameters(hf),  # the global layers'; the local ones': layer_rope_parameters
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
-        sliding_windows=sliding_windows_of(hf),
-        attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None),
-        final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
-        hf=hf,
-    )
+    # rope: the global layers'; the local ones' come from layer_rope_parameters.
+    return gemma_arch_config(hf, qk_norm=True)
 
 
 FAMILIES = (
@@ -215,18 +99,10 @@ FAMILIES = (
         model_class=Gemma3ForCausalLM,
         arch_config=_gemma3_arch_config,
         packed_modules=PACKED_MODULES,
-        # Its norms sit around attention and MLP, it norms q and k, and llama.cpp's converter
-        # stored its RMSNorm scales as (1 + weight).
+        # Gemma 2's names and (1 + weight) norm scales, plus the q/k norms.
         gguf=GGUFSpec(
             "gemma3",
-            {
-                **LLAMA_GGUF_BLOCK_NAMES,
-                "ffn_norm": "pre_feedforward_layernorm",
-                "post_attention_norm": "post_attention_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm",
-                "attn_q_norm": "self_attn.q_norm",
-                "attn_k_norm": "self_attn.k_norm",
-            },
+            {**GEMMA_GGUF_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
             norm_plus_one=True,
         ),
     ),

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -101,9 +101,10 @@ def _convert(gguf_path: str, out_dir: str) -> None:
 
     index = gguf_index(gguf_path)  # parsed once per process, shared with resolve_quantization
     try:
-        gguf_family(index.architecture)
+        spec = gguf_family(index.architecture).gguf
     except ValueError as e:
         raise ValueError(f"{gguf_path}: {e}") from None
+    assert spec is not None
     check_tensor_types(index.type_names(), gguf_path)
     # transformers reads the GGUF from a directory of its own: tokenizer or config files lying
     # beside the GGUF would otherwise be mixed into what it builds.
@@ -113,11 +114,10 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
     hf_config.architectures = [architecture_of(hf_config)]
-    overrides = gguf_spec(index.architecture).config_overrides
-    if overrides is not None:
+    if spec.config_from_gguf is not None:
         import gguf
 
-        for key, value in overrides(gguf.GGUFReader(gguf_path)).items():
+        for key, value in spec.config_from_gguf(gguf.GGUFReader(gguf_path), hf_config).items():
             setattr(hf_config, key, value)
     tensors = dict(read_gguf_tensors(index, hf_config))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

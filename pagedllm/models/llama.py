@@ -56,6 +56,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             scale=head_dim**-0.5,
             sliding_window=arch.sliding_window(layer_idx),
+            logit_soft_cap=arch.attn_logit_softcap,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -117,6 +118,7 @@ def llama_layout(layer: LlamaDecoderLayer) -> DecodeLayout:
     a = layer.self_attn
     return DecodeLayout(
         partial_rotary_factor=a.rotary_emb.rotary_dim / a.rotary_emb.head_dim,
+        attn_logit_softcap=a.attn.logit_soft_cap,
         qkv_bias=a.qkv_proj.bias is not None,
         o_bias=a.o_proj.bias is not None,
         mlp_bias=layer.mlp.down_proj.bias is not None,

@@ -54,7 +54,7 @@ def _phi3_arch_config(hf: Any) -> ArchConfig:
     return llama_arch_config(hf, rope=rope)
 
 
-def gguf_config_overrides(reader: Any) -> dict[str, Any]:
+def gguf_config_overrides(reader: Any, hf_config: Any) -> dict[str, Any]:
     """HF config fields of a phi3 GGUF that transformers' GGUF reader leaves out (gguf-py's
     GGUFReader of the file -> {field: value}): llama.cpp's converter writes the long rope as
     `phi3.rope.scaling.original_context_length` and `.attn_factor` plus the factor tensors,
@@ -102,7 +102,7 @@ FAMILIES = (
                 "ffn_down": "mlp.down_proj",
             },
             skipped_tensors=_ROPE_FACTOR_TENSORS,
-            config_overrides=gguf_config_overrides,
+            config_from_gguf=gguf_config_overrides,
         ),
         supports_tensor_parallel=True,
     ),

@@ -116,9 +116,10 @@ def test_paged_decode_attention(mode: str, D: int) -> None:
             cache.view(2, -1, HKV, D)[:, slot] = torch.randn(2, HKV, D)
     q, k, v = torch.randn(3, HKV * GROUP, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
     write_kv(cache, k, v, md.slot_mapping)
-    for window in (None, 5):
-        want = reference_attention(q, cache, md, 0.3, window)
-        torch.testing.assert_close(torch_attention(q, k, v, cache, md, 0.3, window), want, atol=1e-5, rtol=1e-5)
+    for window, cap in ((None, None), (5, None), (None, 1.5), (5, 1.5)):  # cap 1.5 bites: |scores| reach ~4
+        want = reference_attention(q, cache, md, 0.3, window, cap)
+        got = torch_attention(q, k, v, cache, md, 0.3, window, logit_soft_cap=cap)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_contiguous_decode_attention(mode: str) -> None:
@@ -142,8 +143,10 @@ def test_contiguous_decode_attention(mode: str) -> None:
     )
     q, k, v = torch.randn(3, HKV * GROUP, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
     write_kv(cache, k, v, md.slot_mapping)
-    want = reference_attention(q, cache, md, 0.3, None)
-    torch.testing.assert_close(torch_attention(q, k, v, cache, md, 0.3, None), want, atol=1e-5, rtol=1e-5)
+    for cap in (None, 1.5):
+        want = reference_attention(q, cache, md, 0.3, None, cap)
+        got = torch_attention(q, k, v, cache, md, 0.3, None, logit_soft_cap=cap)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedllm.layers.attention import forward_context
-from pagedllm.models.fused_decode import FUSED_MAX_ROWS, DecodeLayout, kernel_refusal
+from pagedllm.models.fused_decode import FUSED_MAX_ROWS, DecodeLayout, declared_layout, kernel_refusal
 from pagedllm.models.llama import LlamaDecoderLayer
 from pagedllm.models.loader import LoadedModel, load_model
 from tests.models.test_llama import tiny_config
@@ -167,13 +167,34 @@ def test_an_undeclared_extra_op_runs_module_by_module(tiny_llama_dir: Path) -> N
     assert tokens["extra-op"] != tokens["plain"]  # the op changes the output: fused would lose it
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_fused_decode_runs_the_attention_soft_cap(tiny_llama_dir: Path, quantization: str) -> None:
+    # A Llama whose attention layers soft-cap their scores at 2.0 (Gemma 2's op on Llama's
+    # layout): the declared layout carries the cap, the kernel runs it, and the fused steps
+    # agree with the module path (whose decode kernel and torch paths apply it too).
+    loaded = load_model(tiny_llama_dir, quantization=quantization)
+    for layer in loaded.model.model.layers:
+        layer.self_attn.attn.logit_soft_cap = 2.0
+    assert declared_layout(loaded.model.model.layers[0]).attn_logit_softcap == 2.0
+    bind_kv_caches(loaded.model, num_blocks=8 * 3 + 1, block_size=BLOCK_SIZE)
+    atol = 2e-5 if quantization == "none" else 0.0
+    assert compare_decode_steps(loaded, 3, steps=4, atol=atol) == 4
+    assert _fused(loaded)._unsupported is None
+    # Negative control: the cap changes the tokens.
+    capped = greedy_generate(loaded.model, PROMPTS[0], 10, block_size=BLOCK_SIZE).token_ids
+    for layer in loaded.model.model.layers:
+        layer.self_attn.attn.logit_soft_cap = None
+    bind_kv_caches(loaded.model, num_blocks=16, block_size=BLOCK_SIZE)
+    assert greedy_generate(loaded.model, PROMPTS[0], 10, block_size=BLOCK_SIZE).token_ids != capped
+
+
 def test_the_kernel_refuses_layouts_it_does_not_run() -> None:
-    assert kernel_refusal(DecodeLayout(qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True)) is None
+    runs = DecodeLayout(qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True, attn_logit_softcap=50.0)
+    assert kernel_refusal(runs) is None
     refused = {
         "norm_offset": DecodeLayout(norm_offset=1.0),
         "norm_placement": DecodeLayout(norm_placement="sandwich"),
         "activation": DecodeLayout(activation="gelu_pytorch_tanh"),
-        "attn_logit_softcap": DecodeLayout(attn_logit_softcap=50.0),
         "query_rows_per_request": DecodeLayout(query_rows_per_request=4),
         "row_deltas": DecodeLayout(row_deltas=True),
     }

@@ -230,8 +230,9 @@ def save_tiny_gguf(
     extra: Callable[[Any], None] | None = None,
 ) -> None:
     """Write a Llama-shaped HF model and its (byte-level BPE) tokenizer as a llama.cpp-style
-    GGUF of the GGUF architecture `arch`, with that family's declared tensor names and Q/K
-    permutation (models/family.py's GGUFSpec).
+    GGUF of the GGUF architecture `arch`, with that family's declared tensor names, Q/K
+    permutation and (1 + w) norms (models/family.py's GGUFSpec), and the keys llama.cpp's
+    converter writes for what the config has (head_dim, sliding window, soft-caps: Gemma).
 
     2-D projection weights are quantized to `qtype`, the embedding to Q8_0, norms stay F32.
     `extra(writer)` adds the family's own metadata and tensors (e.g. Phi-3's long rope).
@@ -254,6 +255,15 @@ def save_tiny_gguf(
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "head_dim", None):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+    if getattr(cfg, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if getattr(cfg, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     vocab = tokenizer.get_vocab()
     tokens = [f"<unused{i}>" for i in range(cfg.vocab_size)]
     types = [gguf.TokenType.UNUSED] * cfg.vocab_size
@@ -280,6 +290,8 @@ def save_tiny_gguf(
             w = _llama_cpp_permute(w, cfg.num_attention_heads)
         elif spec.permuted_qk and ".k_proj." in name:
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        elif spec.norm_plus_one and name.endswith("norm.weight"):
+            w = w + 1.0  # llama.cpp stores Gemma's scales as (1 + weight)
         gguf_name = _gguf_name(name, arch)
         if w.ndim == 1:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w))

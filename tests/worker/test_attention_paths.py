@@ -1,11 +1,11 @@
 """Every attention path on every KV backend against the reference attention.
 
 The metadata comes from each backend's worker side (``KVCacheWorker.attention_metadata``)
-over its own cache tensors, and the layer runs end to end (write, then attend), once with
-the fast implementation and once with the float64 reference. Paths: decodes, a prompt's
-first chunk, continuation chunks, two or more short continuation runs in one step (batched
-into one padded call), and speculative verification (k + 1 query tokens after a context,
-next to decodes).
+over its own cache tensors, and the layer runs end to end (write, then attend), with the
+fast implementations (the compiled decode kernels; torch ops alone) and with the float64
+reference. Paths: decodes, a prompt's first chunk, continuation chunks, two or more short
+continuation runs in one step (batched into one padded call), and speculative verification
+(k + 1 query tokens after a context, next to decodes); each plain, windowed, soft-capped.
 """
 
 from __future__ import annotations
@@ -33,7 +33,16 @@ PATHS = {
     "short_runs": ([9, 21, 2], [5, 3, 2]),
     "spec_verify": ([12, 10, 12, 31], [1, 1, 4, 4]),  # two decodes, two requests with k = 3 drafts
 }
-VARIANTS = {"full": {}, "window": {"sliding_window": 5}, "soft_cap": {"logit_soft_cap": 2.0}}
+# The soft-cap (Gemma 2's attention logit soft-capping) at 2.0 bites: the scaled scores of these
+# random q, k spread over about +-3, where 2 * tanh(s / 2) is well below s.
+VARIANTS = {
+    "full": {},
+    "window": {"sliding_window": 5},
+    "soft_cap": {"logit_soft_cap": 2.0},
+    "soft_cap_window": {"logit_soft_cap": 2.0, "sliding_window": 5},
+}
+# The fast implementations: the compiled decode kernels, and torch ops alone (their fallbacks).
+FAST = {"kernels": AttentionConfig(), "torch_ops": AttentionConfig(compiled_kernels=False)}
 
 
 def _worker(backend: str, layer: Attention) -> KVCacheWorker:
@@ -87,11 +96,16 @@ def test_path_matches_reference(backend: str, path: str, variant: str) -> None:
     k = torch.randn(num_tokens, HKV * D)
     v = torch.randn(num_tokens, HKV * D)
     outs = {}
-    for impl in ("torch", "reference"):
-        layer.config = AttentionConfig(backend=impl)
+    for impl, config in {**FAST, "reference": AttentionConfig(backend="reference")}.items():
+        layer.config = config
         with forward_context(md):
             outs[impl] = layer(q, k, v)  # rewrites the same K/V at the same slots
-    torch.testing.assert_close(outs["torch"], outs["reference"], atol=1e-5, rtol=1e-5)
+    for impl in FAST:
+        torch.testing.assert_close(outs[impl], outs["reference"], atol=1e-5, rtol=1e-5, msg=impl)
+    if "logit_soft_cap" in VARIANTS[variant]:  # negative control: the cap changes the output
+        layer.config, layer.logit_soft_cap = AttentionConfig(backend="reference"), None
+        with forward_context(md):
+            assert (layer(q, k, v) - outs["reference"]).abs().max() > 1e-2
     # The step's K landed where the backend's metadata says, for the last request's last token.
     flat = layer.kv_cache.view(2, -1, HKV, D)
     torch.testing.assert_close(flat[0, md.slot_mapping[-1]], k[-1].view(HKV, D))

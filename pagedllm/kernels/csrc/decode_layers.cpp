@@ -13,7 +13,8 @@
 //   residual += h (the first layer: residual = h); x = rms_norm(residual)
 //   qkv = x W_qkv^T (+ b); [q, k = rms_norm per head (q/k norm layouts only)]
 //   q, k = rotary(q, k); K/V rows written to the cache at slot_mapping
-//   a = decode attention over each request's cached context (block table or contiguous slot)
+//   a = decode attention over each request's cached context (block table or contiguous slot),
+//       its scores soft-capped to c * tanh(s / c) where the layer has a cap c
 //   residual += a W_o^T (+ b); x = rms_norm(residual)
 //   h = silu(x W_gate^T) * (x W_up^T), then h W_down^T (+ b)
 // The caller applies the final norm to (h, residual), as the per-module model does.
@@ -123,6 +124,7 @@ struct DecodeLayer {
   DecodeLinear qkv, o, gate_up, down;
   torch::Tensor kv_cache;  // float32 [2, blocks, block_size, Hkv, D] or the contiguous-slot layout [2, slots, capacity, Hkv, D]
   int64_t window;          // sliding window, 0 = full attention
+  float softcap;           // attention logit soft-cap, 0 = none
 };
 
 }  // namespace
@@ -145,8 +147,9 @@ class LlamaDecodeLayers {
   // Linears in order qkv, o, gate_up, down: bits (32, 8 or 4), weight (float32 or quantized
   // qweight), scales and zeros (empty where the format has none), bias (empty for none).
   // q_norm, k_norm: the per-head RMSNorm weights [head_dim], or both empty for none.
+  // window: the sliding window (0: full attention); softcap: the attention logit soft-cap (0: none).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
-                 torch::Tensor kv_cache, int64_t window,
+                 torch::Tensor kv_cache, int64_t window, double softcap,
                  std::vector<int64_t> bits, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
                  std::vector<torch::Tensor> zeros, std::vector<torch::Tensor> biases) {
     TORCH_CHECK(bits.size() == 4 && weights.size() == 4 && scales.size() == 4 && zeros.size() == 4 &&
@@ -168,7 +171,9 @@ class LlamaDecodeLayers {
     TORCH_CHECK(lin[1].N == hidden_ && lin[1].K == hq_ * d_, "o_proj shape");
     TORCH_CHECK(lin[2].N == 2 * inter_ && lin[2].K == hidden_, "gate_up_proj shape");
     TORCH_CHECK(lin[3].N == hidden_ && lin[3].K == inter_, "down_proj shape");
-    layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, window});
+    TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+    layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, window,
+                                 static_cast<float>(softcap)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -245,10 +250,12 @@ class LlamaDecodeLayers {
         decode_kernel<float>(q_.data(), k_cache, v_cache,
                              PagedRows{block_tables.data_ptr<int64_t>(), block_tables.stride(0),
                                        layer.kv_cache.size(2)},
-                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window);
+                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window,
+                             layer.softcap);
       } else {
         decode_kernel<float>(q_.data(), k_cache, v_cache, SlotRows{slots.data_ptr<int64_t>(), layer.kv_cache.size(2)},
-                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window);
+                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window,
+                             layer.softcap);
       }
       layer.o(attn_.data(), M, h, int16_max_rows_, tile_max_rows_);
       add_rows<float>(h, H, res, H, res, M, H);

@@ -6,9 +6,10 @@
 using namespace pagedllm;
 
 // q: [B, Hq, D]; kv_cache: [2, num_blocks, bs, Hkv, D]; block_tables: [B, max_blocks] int64;
-// seq_lens: [B] int64; window <= 0 means full attention. Returns [B, Hq, D].
+// seq_lens: [B] int64; window <= 0 means full attention; softcap <= 0 means none (else each
+// scaled score s becomes softcap * tanh(s / softcap)). Returns [B, Hq, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, int64_t window) {
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous(), "q and kv_cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "block_tables and seq_lens must be int64");
@@ -25,7 +26,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), base, base + plane,
                             PagedRows{bt.data_ptr<int64_t>(), bt.size(1), bs},
                             sl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D,
-                            static_cast<float>(scale), window);
+                            static_cast<float>(scale), window, static_cast<float>(std::max(softcap, 0.0)));
   });
   return out;
 }
@@ -33,7 +34,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 // The contiguous-slot layout (one slot per request): kv_cache [2, num_slots, capacity, Hkv, D], request b's tokens
 // contiguous at slot slots[b]; no block table. Returns [B, Hq, D].
 torch::Tensor contiguous_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor slots,
-                                          torch::Tensor seq_lens, double scale, int64_t window) {
+                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous(), "q and kv_cache must be contiguous");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "slots and seq_lens must be int64");
@@ -50,7 +51,7 @@ torch::Tensor contiguous_decode_attention(torch::Tensor q, torch::Tensor kv_cach
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), base, base + plane,
                             SlotRows{sl_.data_ptr<int64_t>(), capacity},
                             sl.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D,
-                            static_cast<float>(scale), window);
+                            static_cast<float>(scale), window, static_cast<float>(std::max(softcap, 0.0)));
   });
   return out;
 }

@@ -3,7 +3,8 @@
 //
 // For each (request, kv head) pair, in parallel: the query heads of that group score every
 // cached position, reached through the request's block table, then a softmax and a weighted
-// sum of V. Scores and sums are float32 whatever the cache dtype.
+// sum of V. Scores and sums are float32 whatever the cache dtype. A soft-cap c > 0 bounds
+// each score s (after scaling) to c * tanh(s / c) before the softmax (Gemma 2); c = 0 is none.
 #include <cstdint>
 
 #include <algorithm>
@@ -139,7 +140,7 @@ void decode_kernel(const T* q,            // [B, Hq, D]
                    const int64_t* seq_lens,      // [B]
                    T* out,                // [B, Hq, D]
                    int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                   float scale, int64_t window) {
+                   float scale, int64_t window, float softcap) {
   const int64_t G = Hq / Hkv;
   const int64_t token_stride = Hkv * D;  // between consecutive slots
 #pragma omp parallel
@@ -187,6 +188,8 @@ void decode_kernel(const T* q,            // [B, Hq, D]
           }
         }
       }
+      if (softcap > 0.f)
+        for (int64_t i = 0; i < G * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
       // Softmax per query head.
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
