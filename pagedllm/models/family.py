@@ -19,6 +19,8 @@ from typing import Any, Callable, Literal, Mapping
 
 from torch import nn
 
+from pagedllm.layers.moe import MoEConfig
+
 NormKind = Literal["rms", "layer"]
 # pre: norm before attention and MLP (Llama, GPT-2); post: after the residual add (OPT-350m);
 # sandwich: before and after each of them (Gemma 3).
@@ -62,6 +64,8 @@ class ArchConfig:
     """Per layer: its attention window, None for full attention (empty: all full)."""
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    moe: MoEConfig | None = None
+    """Sparse mixture-of-experts MLPs (layers/moe.py): experts, top-k, which layers."""
     hf: Any = field(default=None, repr=False, compare=False)
     """The HF config, for settings only the family's own model file reads."""
 
@@ -104,6 +108,9 @@ class GGUFSpec:
     """general.architecture in the file, e.g. "llama"."""
     block_names: Mapping[str, str]
     """blk.N.<name> -> model.layers.N.<HF name> (without .weight / .bias)."""
+    optional_block_names: Mapping[str, str] = field(default_factory=dict)
+    """Block tensors only some files of the architecture hold (Mixtral's experts in a `llama`
+    file); a value with `{expert}` names a 3-D tensor split per expert at load."""
     permuted_qk: bool = False
     """Q/K rows interleaved per head for llama.cpp's rope kernel (undone at load)."""
     norm_plus_one: bool = False

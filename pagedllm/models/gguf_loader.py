@@ -153,7 +153,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, kind = gguf_name.rpartition(".")
     if base in spec.global_names:
         return f"{spec.global_names[base]}.{kind}"
-    block_names = spec.block_names
+    block_names = {**spec.block_names, **spec.optional_block_names}
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m is None or m.group(2) not in block_names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
@@ -196,6 +196,10 @@ def read_gguf_tensors(
         elif permute_qk and ".k_proj." in name:
             heads = num_kv_heads
         data = tensor_data(file_map, t)
+        if "{expert}" in name:  # a 3-D stack [E, rows, cols]: one 2-D tensor per expert
+            for e in range(shape[0]):
+                yield from _tensor_items(name.format(expert=e), data[e], t.type_name, shape[1:], keep_quantized)
+            continue
         if keep_quantized and t.type_name not in GGUF_FLOAT_TYPES and len(shape) == 2:
             qw = gguf_quantized_weight(data, t.type_name, shape)  # type: ignore[arg-type]
             if heads is not None:
@@ -211,13 +215,28 @@ def read_gguf_tensors(
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 
+def _tensor_items(
+    name: str, data: np.ndarray, type_name: str, shape: tuple[int, ...], keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    # One expert's 2-D slice of a 3-D tensor (no permutation, no norm: experts have neither).
+    if keep_quantized and type_name not in GGUF_FLOAT_TYPES:
+        yield name, gguf_quantized_weight(data, type_name, shape)  # type: ignore[arg-type]
+        return
+    w = _dequantize_raw(data, type_name).reshape(shape)
+    yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
 def _dequantize(data: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:
-    if tensor.type_name in ("F32", "F16"):
+    return _dequantize_raw(data, tensor.type_name)
+
+
+def _dequantize_raw(data: np.ndarray, type_name: str) -> np.ndarray:
+    if type_name in ("F32", "F16"):
         return data  # gguf-py would only convert it
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    return dequantize(data, GGMLQuantizationType[tensor.type_name])
+    return dequantize(data, GGMLQuantizationType[type_name])
 
 
 @functools.lru_cache(maxsize=4)

@@ -88,9 +88,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.self_attn = self.attention_class(arch, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = self.build_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
+
+    def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
+        """The layer's MLP: [T, hidden] -> [T, hidden] (a sparse one in models/moe_utils.py)."""
+        return LlamaMLP(arch)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -214,6 +218,30 @@ def llama_arch_config(hf: Any, **overrides: Any) -> ArchConfig:
     return replace(ArchConfig(**fields), **overrides)
 
 
+# llama.cpp's MoE tensors in a `llama` file (Mixtral) -> ours (models/moe_utils.py's names;
+# `{expert}`: a 3-D tensor split per expert).
+MIXTRAL_GGUF_BLOCK_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+}
+
+
+def _mixtral_config_from_gguf(reader: Any, hf_config: Any) -> dict[str, Any]:
+    """A `llama` file with `llama.expert_count` is a Mixtral (transformers' GGUF reader has no
+    Mixtral and builds a LlamaConfig): name the architecture and its experts."""
+    count = reader.fields.get("llama.expert_count")
+    if count is None or int(count.contents()) == 0:
+        return {}
+    used = reader.fields["llama.expert_used_count"]
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": int(count.contents()),
+        "num_experts_per_tok": int(used.contents()),
+    }
+
+
 def _qwen2_arch_config(hf: Any) -> ArchConfig:
     # Qwen2 has biases on q/k/v but not on o_proj, whatever attention_bias says.
     return llama_arch_config(hf, qkv_bias=True, o_bias=False)
@@ -228,7 +256,15 @@ FAMILIES = (
         packed_modules=PACKED_MODULES,
         # llama.cpp permutes Q/K rows for its rope kernel and precomputes llama3 rope
         # factors (rope_freqs), which our rotary embedding derives from the config.
-        gguf=GGUFSpec("llama", LLAMA_GGUF_BLOCK_NAMES, permuted_qk=True, skipped_tensors=("rope_freqs.weight",)),
+        # Mixtral files are `llama` too, with expert tensors (models/mixtral.py).
+        gguf=GGUFSpec(
+            "llama",
+            LLAMA_GGUF_BLOCK_NAMES,
+            optional_block_names=MIXTRAL_GGUF_BLOCK_NAMES,
+            permuted_qk=True,
+            skipped_tensors=("rope_freqs.weight",),
+            config_from_gguf=_mixtral_config_from_gguf,
+        ),
         supports_tensor_parallel=True,
     ),
     ModelFamily(

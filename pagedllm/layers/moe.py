@@ -1,0 +1,151 @@
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): route, group, compute
+only the experts some token chose.
+
+Per step, over the whole flat batch of T tokens:
+1. router: logits = x W_gate^T ([T, E]), softmax in float32, top-k per token (HF's order:
+   softmax over all E, then top-k, then renormalise the k weights when `norm_topk_prob`);
+2. grouping: the T * k (token, expert) pairs sorted by expert id (a stable argsort), with the
+   number of pairs per expert (bincount), so each expert's tokens are one contiguous run;
+3. one gate/up matmul (fused), silu-and-mul and one down matmul per *active* expert over its
+   run of tokens, each row scaled by its routing weight and scatter-added into the output.
+An expert no token chose is never called: its weights are not read.
+
+Each expert is an `ExpertMLP` of the shared linear layers, so float, int8/int4
+(--quantization) and GGUF-quantized expert weights (2-D slices of llama.cpp's 3-D
+`ffn_*_exps` tensors) all run through `Linear.forward`'s kernels, as dense MLPs do.
+
+Tensor parallelism: over each expert's intermediate columns (like a dense MLP). Every rank
+routes all tokens (the router is replicated), holds 1/size of every expert's gate/up rows and
+down columns, and sums its partial outputs over all experts (and the shared expert) before a
+single all-reduce per layer. Over-experts (expert parallelism) would balance worse on a small
+batch and need an all-to-all; per-column reuses the dense layers' sharding as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import current_tp
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.linear import Linear, MergedLinear, RowParallelLinear
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP's shape and routing (models/family.ArchConfig.moe)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    """Of each routed expert."""
+    norm_topk_prob: bool
+    """Renormalise the top-k weights to sum to one (Mixtral, Qwen3-MoE), else keep the
+    softmax probabilities (Qwen2-MoE's default)."""
+    shared_expert_intermediate_size: int = 0
+    """> 0: a dense expert every token runs, scaled by sigmoid(x W_shared_gate^T) (Qwen2-MoE)."""
+    sparse_layers: tuple[bool, ...] = ()
+    """Per layer: a sparse MLP (True) or the dense one (`decoder_sparse_step`,
+    `mlp_only_layers`); empty: every layer is sparse."""
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.sparse_layers[layer_idx] if self.sparse_layers else True
+
+
+class _PartialDown(RowParallelLinear):
+    """A down projection sharded over its input columns like RowParallelLinear, whose
+    forward returns this rank's partial sum (the MoE block all-reduces once per layer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, in_features / size] -> [n, out_features] (partial over ranks)
+        return Linear.forward(self, x)
+
+
+class ExpertMLP(nn.Module):
+    """One expert: down(silu(x W_gate^T) * (x W_up^T)), without the all-reduce."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = _PartialDown(intermediate_size, hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, hidden] -> [n, 2 * I / size] -> [n, I / size] -> [n, hidden] (partial)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+@dataclass
+class Routing:
+    """The routing of one step (kept as `SparseMoE.last_routing` for tests and counters)."""
+
+    expert_ids: torch.Tensor
+    """[T, k] int64: the chosen experts, best first."""
+    weights: torch.Tensor
+    """[T, k]: their weights (renormalised or not), in the activations' dtype."""
+    probs: torch.Tensor
+    """[T, E] float32: the router's softmax."""
+    counts: list[int]
+    """Per expert, the number of tokens routed to it."""
+
+
+def route(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype
+) -> Routing:
+    """logits: [T, E] -> the top-k experts and weights per token (HF's order: softmax over all
+    experts in float32, top-k, optional renormalisation, cast to the activations' dtype)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    counts = torch.bincount(expert_ids.flatten(), minlength=logits.shape[-1]).tolist()
+    return Routing(expert_ids, weights.to(dtype), probs, counts)
+
+
+class SparseMoE(nn.Module):
+    """The sparse MLP: `gate` (the router), `experts.<e>`, optional `shared_expert` and
+    `shared_expert_gate` (HF's Qwen2-MoE names; Mixtral's checkpoint names map onto these)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.tp = current_tp()
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = Linear(hidden_size, moe.num_experts)  # replicated on every rank
+        self.experts = nn.ModuleList(
+            ExpertMLP(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts)
+        )
+        self.shared_expert: ExpertMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if moe.shared_expert_intermediate_size > 0:
+            self.shared_expert = ExpertMLP(hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1)
+        self.last_routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        routing = route(self.gate(x), self.top_k, self.norm_topk_prob, x.dtype)
+        self.last_routing = routing
+        # Pairs (token, slot) flattened as token * k + slot, sorted by expert: expert e's
+        # pairs are order[start_e : start_e + counts[e]].
+        order = torch.argsort(routing.expert_ids.flatten(), stable=True)
+        flat_weights = routing.weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(routing.counts):
+            if n == 0:
+                continue  # no token chose it: nothing computed, nothing read
+            pairs = order[start : start + n]
+            start += n
+            tokens = pairs // self.top_k
+            y = self.experts[e](x[tokens]) * flat_weights[pairs, None]
+            out.index_add_(0, tokens, y)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            # The sigmoid gate scales the rank's partial sum (linear in it) before the reduce.
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tp.size > 1:
+            self.tp.all_reduce(out)
+        return out

@@ -1,0 +1,48 @@
+"""Mixtral: Llama's attention, every MLP a sparse mixture of experts (layers/moe.py):
+softmax over `num_local_experts`, top-`num_experts_per_tok` (2 of 8 in Mixtral 8x7B), always
+renormalised; each expert a SiLU-gated MLP of `intermediate_size`.
+
+Checkpoint names `block_sparse_moe.gate`, `block_sparse_moe.experts.<e>.w1 / w3 / w2`
+(gate, up, down) map onto ours (models/moe_utils.py). GGUF: llama.cpp writes Mixtral as the
+`llama` architecture with expert tensors and `llama.expert_count`; the Llama family's spec
+reads them (llama.py's `optional_block_names`, `config_from_gguf`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pagedllm.models.family import ArchConfig, ModelFamily
+from pagedllm.models.llama import PACKED_MODULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, llama_arch_config
+from pagedllm.models.moe_utils import MoEWeightsMixin, build_mlp, moe_config
+
+
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
+        return build_mlp(arch, layer_idx)
+
+
+class MixtralModel(LlamaModel):
+    decoder_layer = MixtralDecoderLayer
+
+
+class MixtralForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
+    inner_model = MixtralModel
+
+
+def mixtral_arch_config(hf: Any) -> ArchConfig:
+    moe = moe_config(hf, hf.num_local_experts, hf.intermediate_size, norm_topk_prob=True)
+    return llama_arch_config(hf, moe=moe)
+
+
+FAMILIES = (
+    ModelFamily(
+        name="Mixtral",
+        architectures=("MixtralForCausalLM",),
+        model_class=MixtralForCausalLM,
+        arch_config=mixtral_arch_config,
+        packed_modules=PACKED_MODULES,
+    ),
+)

@@ -1,0 +1,65 @@
+"""Qwen2-MoE: Qwen2's attention (q/k/v biases, `qkv_bias`), sparse MLPs (layers/moe.py) with
+top-`num_experts_per_tok` of `num_experts` weights kept as softmax probabilities unless
+`norm_topk_prob`, plus a shared expert every token runs (`shared_expert_intermediate_size`),
+scaled by sigmoid(x W_shared_expert_gate^T). `decoder_sparse_step` / `mlp_only_layers` make
+some layers the dense MLP of `intermediate_size` (models/moe_utils.py). GGUF: llama.cpp's
+`qwen2moe` with `ffn_*_exps`, `ffn_gate_inp` and the `*_shexp` tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.llama import PACKED_MODULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, llama_arch_config
+from pagedllm.models.moe_utils import (
+    MOE_GGUF_BLOCK_NAMES,
+    SHARED_EXPERT_GGUF_BLOCK_NAMES,
+    MoEWeightsMixin,
+    build_mlp,
+    moe_config,
+    moe_config_from_gguf,
+)
+
+
+class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
+    def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
+        return build_mlp(arch, layer_idx)
+
+
+class Qwen2MoeModel(LlamaModel):
+    decoder_layer = Qwen2MoeDecoderLayer
+
+
+class Qwen2MoeForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
+    inner_model = Qwen2MoeModel
+
+
+def qwen2_moe_arch_config(hf: Any) -> ArchConfig:
+    moe = moe_config(
+        hf,
+        hf.num_experts,
+        hf.moe_intermediate_size,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+    )
+    # Biases on q/k/v (`qkv_bias`), never on o_proj, as in Qwen2.
+    return llama_arch_config(hf, qkv_bias=bool(getattr(hf, "qkv_bias", True)), o_bias=False, moe=moe)
+
+
+FAMILIES = (
+    ModelFamily(
+        name="Qwen2-MoE",
+        architectures=("Qwen2MoeForCausalLM",),
+        model_class=Qwen2MoeForCausalLM,
+        arch_config=qwen2_moe_arch_config,
+        packed_modules=PACKED_MODULES,
+        gguf=GGUFSpec(
+            "qwen2moe",
+            {**LLAMA_GGUF_BLOCK_NAMES, **MOE_GGUF_BLOCK_NAMES, **SHARED_EXPERT_GGUF_BLOCK_NAMES},
+            config_from_gguf=moe_config_from_gguf,
+        ),
+    ),
+)

@@ -1,0 +1,272 @@
+"""Mixture of experts (layers/moe.py; models/mixtral.py, qwen2_moe.py, qwen3_moe.py).
+
+- Only the experts some token chose run: with top-2 of 8 and one token exactly two experts'
+  projections are called (counted by hooks on every expert's linears, on the real forward).
+- Greedy equal to HF transformers in float32 on tiny random checkpoints of each family, with
+  steps where some experts get no token (asserted), under DESIGN.md's tie rule extended to
+  the router: at a step where some token's k-th and (k+1)-th router probabilities in HF's
+  run are within ROUTER_TIE (1e-5) in some layer, the expert choice is a tie, and that step
+  and all after it count as near-ties (nothing from there on is compared).
+- GGUF (qwen2moe, qwen3moe): llama.cpp's 3-D expert tensors kept quantized, greedy equal to HF
+  loading the same file with `gguf_file=`.
+The engine path of each case (batched prompts, bf16, the declaration) is test_families.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from pagedllm.layers.moe import MoEConfig, SparseMoE
+from pagedllm.models.loader import load_model
+from tests.models.utils import FamilyCase, bind_kv_caches, greedy_generate, save_random_model, save_tiny_gguf
+from tests.utils import assert_greedy_match, hf_greedy
+
+ROUTER_TIE = 1e-5
+NUM_STEPS = 24
+VOCAB = 262
+
+
+def tiny_mixtral_config() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def tiny_qwen2_moe_config(mlp_only_layers: tuple[int, ...] = (1,)) -> Any:
+    from transformers import Qwen2MoeConfig
+
+    # Layer 1 dense (mlp_only_layers); top-2 weights not renormalised (the default).
+    return Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, mlp_only_layers=list(mlp_only_layers),
+        max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def tiny_qwen3_moe_config(sparse_step: int = 1) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=sparse_step,
+        max_position_embeddings=256,
+    )  # fmt: skip
+
+
+CONFIGS = {
+    "mixtral": tiny_mixtral_config,
+    "qwen2-moe": tiny_qwen2_moe_config,
+    "qwen3-moe": tiny_qwen3_moe_config,
+    "qwen3-moe-sparse-step": lambda: tiny_qwen3_moe_config(sparse_step=2),
+}
+FAMILY_CASES = [FamilyCase(name, config, fused=False) for name, config in CONFIGS.items()]
+
+
+def _expert_calls(moe: SparseMoE) -> tuple[list[int], list[Any]]:
+    """Hooks counting, per expert, the calls of its two projections (the only modules that
+    read its weights)."""
+    calls = [0] * len(moe.experts)
+    handles = []
+    for e, expert in enumerate(moe.experts):
+        for linear in (expert.gate_up_proj, expert.down_proj):
+            handles.append(linear.register_forward_hook(lambda *_, e=e: calls.__setitem__(e, calls[e] + 1)))
+    return calls, handles
+
+
+def _random_moe(norm_topk_prob: bool = True) -> SparseMoE:
+    torch.manual_seed(0)
+    moe = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=norm_topk_prob))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(0.2 * torch.randn_like(p))
+    return moe
+
+
+def _dense_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    # Every expert on every token, weighted by the routing (0 for experts not chosen).
+    probs = torch.softmax(x @ moe.gate.weight.T, dim=-1)
+    top, ids = probs.topk(moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    weights = torch.zeros_like(probs).scatter(1, ids, top)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(moe.experts):
+        gate, up = (x @ expert.gate_up_proj.weight.T).chunk(2, dim=-1)
+        out += weights[:, e : e + 1] * ((torch.nn.functional.silu(gate) * up) @ expert.down_proj.weight.T)
+    return out
+
+
+def test_one_token_top_2_of_8_reads_exactly_two_experts() -> None:
+    moe = _random_moe()
+    calls, handles = _expert_calls(moe)
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        out = moe(x)
+    for h in handles:
+        h.remove()
+    chosen = set(moe.last_routing.expert_ids[0].tolist())
+    assert len(chosen) == 2
+    assert [e for e, n in enumerate(calls) if n] == sorted(chosen)
+    assert all(calls[e] == 2 for e in chosen)  # gate_up and down once each
+    torch.testing.assert_close(out, _dense_reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_batch_grouped_by_expert_matches_dense_and_calls_each_active_expert_once(norm_topk_prob: bool) -> None:
+    moe = _random_moe(norm_topk_prob)
+    calls, _ = _expert_calls(moe)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        out = moe(x)
+    routing = moe.last_routing
+    active = sorted(set(routing.expert_ids.flatten().tolist()))
+    assert [e for e, n in enumerate(calls) if n] == active
+    assert all(calls[e] == 2 for e in active)  # one matmul pair per active expert, not per token
+    assert routing.counts == [int((routing.expert_ids == e).sum()) for e in range(8)]
+    torch.testing.assert_close(out, _dense_reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def hf_greedy_router_ties(hf_model: Any, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens and top-2 gaps, the gaps zeroed from the first step at which a
+    router's k-th and (k+1)-th probabilities of some token are within ROUTER_TIE."""
+    margins: list[float] = []  # per forward call (= generation step), the smallest margin
+    handles = [hf_model.register_forward_pre_hook(lambda *_: margins.append(float("inf")))]
+
+    def record(module: Any, _inputs: Any, output: Any) -> None:
+        probs = torch.softmax(output[0].float(), dim=-1).sort(dim=-1, descending=True).values
+        k = module.top_k
+        margins[-1] = min(margins[-1], float((probs[:, k - 1] - probs[:, k]).min()))
+
+    for module in hf_model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            handles.append(module.register_forward_hook(record))
+    try:
+        tokens, gaps = hf_greedy(hf_model, prompt, steps)
+    finally:
+        for h in handles:
+            h.remove()
+    # hf_greedy's calls: the prefill (token 0), then one after each token (the last unused).
+    assert len(margins) == len(tokens) + 1 and len(handles) > 1
+    tie = next((s for s, m in enumerate(margins) if m < ROUTER_TIE), len(gaps))
+    return tokens, [g if s < tie else 0.0 for s, g in enumerate(gaps)]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Path]:
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, save_random_model(path, CONFIGS[request.param]()), path
+
+
+def test_greedy_matches_hf_with_idle_experts(checkpoint: tuple[str, Any, Path]) -> None:
+    name, hf_model, path = checkpoint
+    loaded = load_model(str(path))
+    model = loaded.model
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    sparse = loaded.model_config.num_layers - (1 if name in ("qwen2-moe", "qwen3-moe-sparse-step") else 0)
+    assert len(moes) == sparse
+    counts: list[list[int]] = []
+    for moe in moes:
+        moe.register_forward_hook(lambda m, *_: counts.append(m.last_routing.counts))
+    bind_kv_caches(model, num_blocks=8, block_size=16)
+    prompt = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(0, VOCAB, (20,), generator=prompt).tolist()
+    with torch.inference_mode():
+        ours = greedy_generate(model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
+    ref, gaps = hf_greedy_router_ties(hf_model, prompt_ids, NUM_STEPS)
+    assert_greedy_match(ours, ref, gaps, name)
+    # Steps where some expert got no token (every decode step: 2 of 8), and grouped steps
+    # where an expert ran over several tokens (the prompt).
+    assert any(0 in c for c in counts) and any(max(c) > 1 for c in counts)
+
+
+def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str) -> None:
+    """The HF model as llama.cpp's converter writes a `qwen2moe` / `qwen3moe` file: experts
+    as 3-D `ffn_{gate,up,down}_exps` [E, rows, cols], the router `ffn_gate_inp`, the shared
+    expert's `*_shexp` and its gate `ffn_gate_inp_shexp` as a vector."""
+    import gguf
+    import numpy as np
+
+    from tests.models.utils import save_tiny_tokenizer
+
+    cfg = hf_model.config
+    plain: dict[str, torch.Tensor] = {}
+    experts: dict[str, np.ndarray] = {}
+    for name, t in hf_model.state_dict().items():
+        if ".mlp.experts." in name:
+            layer = name.split(".")[2]
+            w = t.float().numpy()
+            if name.endswith("gate_up_proj"):
+                gate, up = np.split(w, 2, axis=1)
+                experts[f"blk.{layer}.ffn_gate_exps.weight"] = gate
+                experts[f"blk.{layer}.ffn_up_exps.weight"] = up
+            else:
+                experts[f"blk.{layer}.ffn_down_exps.weight"] = w
+        elif name.endswith("shared_expert_gate.weight"):
+            plain[name] = t[0]  # llama.cpp's [hidden] vector
+        else:
+            plain[name] = t
+
+    def extra(writer: Any) -> None:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        qt = gguf.GGMLQuantizationType[qtype]
+        for gguf_name, w in experts.items():
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(w), qt), raw_dtype=qt)
+
+    fake = SimpleNamespace(config=cfg, state_dict=lambda: plain)
+    save_tiny_gguf(path, fake, save_tiny_tokenizer(path.parent / "tok"), qtype=qtype, arch=arch, extra=extra)
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "qtype"), [("qwen2-moe", "qwen2moe", "Q8_0"), ("qwen3-moe", "qwen3moe", "Q4_0")]
+)
+def test_gguf_kept_quantized_matches_hf_on_the_same_file(
+    name: str, arch: str, qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.kernels import QuantizedWeight
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    # Every layer sparse: transformers' GGUF reader does not map a dense layer's ffn_* in a
+    # qwen2moe file (released Qwen2-MoE files have none).
+    config = tiny_qwen2_moe_config(mlp_only_layers=()) if name == "qwen2-moe" else CONFIGS[name]()
+    hf_model = save_random_model(src, config)
+    gguf_path = tmp_path / "gguf" / f"tiny-{arch}.gguf"
+    gguf_path.parent.mkdir()
+    _moe_gguf(gguf_path, hf_model, arch, qtype)
+    loaded = load_model(str(gguf_path), quantization="gguf")
+    cfg = hf_model.config
+    moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(isinstance(e.gate_up_proj.quant, QuantizedWeight) for m in moes for e in m.experts)
+    assert all(e.down_proj.quant is not None for m in moes for e in m.experts)
+    # transformers' GGUF reader leaves these at its defaults; pass the file's values.
+    overrides = {"moe_intermediate_size": cfg.moe_intermediate_size, "mlp_only_layers": cfg.mlp_only_layers}
+    if name == "qwen2-moe":
+        overrides["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    for key, value in overrides.items():
+        assert getattr(loaded.hf_config, key) == value, key  # our converter read them
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **overrides
+    ).eval()
+    bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
+    prompt_ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
+    ref, gaps = hf_greedy_router_ties(reference, prompt_ids, NUM_STEPS)
+    assert_greedy_match(ours, ref, gaps, f"{name} gguf")
