@@ -43,6 +43,7 @@ FAMILIES = (
         architectures=("MixtralForCausalLM",),
         model_class=MixtralForCausalLM,
         arch_config=mixtral_arch_config,
-        packed_modules=PACKED_MODULES,
+        # w1 / w3 (renamed to gate_proj / up_proj first, models/moe_utils.py) into gate_up_proj.
+        packed_modules=(*PACKED_MODULES[:3], ("gate_up_proj", "w1", 0), ("gate_up_proj", "w3", 1)),
     ),
 )

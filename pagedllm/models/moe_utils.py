@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.moe import MoEConfig, SparseMoE
-from pagedllm.models.family import ArchConfig
+from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig
 from pagedllm.models.llama import LlamaMLP
 
 # llama.cpp's MoE block tensors -> ours; `{expert}` marks a 3-D tensor [E, rows, cols] that the
@@ -28,6 +28,10 @@ MOE_GGUF_BLOCK_NAMES = {
     "ffn_up_exps": "mlp.experts.{expert}.up_proj",
     "ffn_down_exps": "mlp.experts.{expert}.down_proj",
 }
+# A MoE file's attention and norms (Llama's names); its dense MLP tensors (`ffn_gate`, ...)
+# only in files with dense layers (`mlp_only_layers`): GGUFSpec.optional_block_names.
+MOE_GGUF_COMMON_NAMES = {k: v for k, v in LLAMA_GGUF_BLOCK_NAMES.items() if not k.startswith("ffn_") or k == "ffn_norm"}
+DENSE_MLP_GGUF_NAMES = {k: v for k, v in LLAMA_GGUF_BLOCK_NAMES.items() if k not in MOE_GGUF_COMMON_NAMES}
 SHARED_EXPERT_GGUF_BLOCK_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",

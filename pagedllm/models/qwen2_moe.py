@@ -12,10 +12,12 @@ from typing import Any
 
 from torch import nn
 
-from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.llama import PACKED_MODULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, llama_arch_config
 from pagedllm.models.moe_utils import (
+    DENSE_MLP_GGUF_NAMES,
     MOE_GGUF_BLOCK_NAMES,
+    MOE_GGUF_COMMON_NAMES,
     SHARED_EXPERT_GGUF_BLOCK_NAMES,
     MoEWeightsMixin,
     build_mlp,
@@ -58,7 +60,8 @@ FAMILIES = (
         packed_modules=PACKED_MODULES,
         gguf=GGUFSpec(
             "qwen2moe",
-            {**LLAMA_GGUF_BLOCK_NAMES, **MOE_GGUF_BLOCK_NAMES, **SHARED_EXPERT_GGUF_BLOCK_NAMES},
+            {**MOE_GGUF_COMMON_NAMES, **MOE_GGUF_BLOCK_NAMES, **SHARED_EXPERT_GGUF_BLOCK_NAMES},
+            optional_block_names=DENSE_MLP_GGUF_NAMES,
             config_from_gguf=moe_config_from_gguf,
         ),
     ),

@@ -12,9 +12,17 @@ from typing import Any
 
 from torch import nn
 
-from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.llama import PACKED_MODULES, LlamaForCausalLM, LlamaModel, llama_arch_config
-from pagedllm.models.moe_utils import MOE_GGUF_BLOCK_NAMES, MoEWeightsMixin, build_mlp, moe_config, moe_config_from_gguf
+from pagedllm.models.moe_utils import (
+    DENSE_MLP_GGUF_NAMES,
+    MOE_GGUF_BLOCK_NAMES,
+    MOE_GGUF_COMMON_NAMES,
+    MoEWeightsMixin,
+    build_mlp,
+    moe_config,
+    moe_config_from_gguf,
+)
 from pagedllm.models.qwen3 import Qwen3DecoderLayer
 
 
@@ -47,11 +55,12 @@ FAMILIES = (
         gguf=GGUFSpec(
             "qwen3moe",
             {
-                **LLAMA_GGUF_BLOCK_NAMES,
+                **MOE_GGUF_COMMON_NAMES,
                 **MOE_GGUF_BLOCK_NAMES,
                 "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm",
             },
+            optional_block_names=DENSE_MLP_GGUF_NAMES,
             config_from_gguf=moe_config_from_gguf,
         ),
     ),

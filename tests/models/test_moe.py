@@ -23,7 +23,14 @@ import torch
 
 from pagedllm.layers.moe import MoEConfig, SparseMoE
 from pagedllm.models.loader import load_model
-from tests.models.utils import FamilyCase, bind_kv_caches, greedy_generate, save_random_model, save_tiny_gguf
+from tests.models.utils import (
+    FamilyCase,
+    bind_kv_caches,
+    greedy_generate,
+    router_margins,
+    save_random_model,
+    save_tiny_gguf,
+)
 from tests.utils import assert_greedy_match, hf_greedy
 
 ROUTER_TIE = 1e-5
@@ -140,25 +147,18 @@ def test_batch_grouped_by_expert_matches_dense_and_calls_each_active_expert_once
 def hf_greedy_router_ties(hf_model: Any, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """HF's greedy tokens and top-2 gaps, the gaps zeroed from the first step at which a
     router's k-th and (k+1)-th probabilities of some token are within ROUTER_TIE."""
-    margins: list[float] = []  # per forward call (= generation step), the smallest margin
-    handles = [hf_model.register_forward_pre_hook(lambda *_: margins.append(float("inf")))]
-
-    def record(module: Any, _inputs: Any, output: Any) -> None:
-        probs = torch.softmax(output[0].float(), dim=-1).sort(dim=-1, descending=True).values
-        k = module.top_k
-        margins[-1] = min(margins[-1], float((probs[:, k - 1] - probs[:, k]).min()))
-
-    for module in hf_model.modules():
-        if type(module).__name__.endswith("TopKRouter"):
-            handles.append(module.register_forward_hook(record))
-    try:
-        tokens, gaps = hf_greedy(hf_model, prompt, steps)
-    finally:
-        for h in handles:
-            h.remove()
+    calls: list[int] = []  # per forward call (= generation step): margins recorded before it
+    with router_margins(hf_model) as margins:
+        handle = hf_model.register_forward_pre_hook(lambda *_: calls.append(len(margins)))
+        try:
+            tokens, gaps = hf_greedy(hf_model, prompt, steps)
+        finally:
+            handle.remove()
     # hf_greedy's calls: the prefill (token 0), then one after each token (the last unused).
-    assert len(margins) == len(tokens) + 1 and len(handles) > 1
-    tie = next((s for s, m in enumerate(margins) if m < ROUTER_TIE), len(gaps))
+    assert len(calls) == len(tokens) + 1 and len(margins) >= len(calls)
+    bounds = [*calls, len(margins)]
+    step_min = [min(float(m.min()) for m in margins[a:b]) for a, b in zip(bounds, bounds[1:])]
+    tie = next((s for s, m in enumerate(step_min) if m < ROUTER_TIE), len(gaps))
     return tokens, [g if s < tie else 0.0 for s, g in enumerate(gaps)]
 
 

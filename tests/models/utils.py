@@ -210,7 +210,7 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if base in top:
         return f"{top[base]}.{kind}"
     _, _, layer, part = base.split(".", 3)
-    block = {hf: gguf for gguf, hf in spec.block_names.items()}
+    block = {hf: gguf for gguf, hf in {**spec.block_names, **spec.optional_block_names}.items()}
     return f"blk.{layer}.{block[part]}.{kind}"
 
 
@@ -369,3 +369,42 @@ def dequantized_like_ours(hf_model: Any, method: str) -> Any:
         if embedding.weight is not head.weight and embedding.weight.shape[1] % GROUP_SIZE == 0:
             embedding.weight.copy_(quantize(embedding.weight, 8).dequantize())
     return model
+
+
+@contextlib.contextmanager
+def router_margins(hf_model: Any) -> Iterator[list[torch.Tensor]]:
+    """While active, every call of an HF MoE router (`*TopKRouter`) appends its tokens' margin
+    p_k - p_(k+1) between the k-th and (k+1)-th softmax probabilities ([T] float32): where
+    it is tiny, the expert choice is a tie the two implementations may break differently.
+    A dense model records nothing."""
+    margins: list[torch.Tensor] = []
+
+    def record(module: Any, _inputs: Any, output: Any) -> None:
+        probs = torch.softmax(output[0].float(), dim=-1).sort(dim=-1, descending=True).values
+        margins.append(probs[:, module.top_k - 1] - probs[:, module.top_k])
+
+    handles = [
+        m.register_forward_hook(record) for m in hf_model.modules() if type(m).__name__.endswith("TopKRouter")
+    ]
+    try:
+        yield margins
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def router_choices(hf_model: Any) -> Iterator[list[torch.Tensor]]:
+    """While active, every call of an HF MoE router appends its tokens' chosen experts, sorted
+    ([T, k] int64)."""
+    choices: list[torch.Tensor] = []
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out: choices.append(out[2].sort(-1).values))
+        for m in hf_model.modules()
+        if type(m).__name__.endswith("TopKRouter")
+    ]
+    try:
+        yield choices
+    finally:
+        for h in handles:
+            h.remove()
