@@ -270,3 +270,21 @@ def test_gguf_kept_quantized_matches_hf_on_the_same_file(
         ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
     ref, gaps = hf_greedy_router_ties(reference, prompt_ids, NUM_STEPS)
     assert_greedy_match(ours, ref, gaps, f"{name} gguf")
+
+
+def test_random_qwen3_moe_checkpoint_script_loads_and_generates(tmp_path: Path) -> None:
+    # benchmarks/random_qwen3_moe.py at a shrunk size (its real one is Qwen3-30B-A3B's).
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.random_qwen3_moe import write_checkpoint
+
+    small = dict(
+        hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, vocab_size=300, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    write_checkpoint(str(tmp_path), num_layers=2, overrides=small)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes="4MiB", max_model_len=256)
+    model = llm.llm_engine.engine_core.runner.model
+    assert sum(isinstance(m, SparseMoE) for m in model.modules()) == 2
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
