@@ -44,6 +44,7 @@ FAMILIES = (
         model_class=MixtralForCausalLM,
         arch_config=mixtral_arch_config,
         # w1 / w3 (renamed to gate_proj / up_proj first, models/moe_utils.py) into gate_up_proj.
+        supports_tensor_parallel=True,  # over each expert's columns (layers/moe.py)
         packed_modules=(*PACKED_MODULES[:3], ("gate_up_proj", "w1", 0), ("gate_up_proj", "w3", 1)),
     ),
 )

@@ -57,6 +57,7 @@ FAMILIES = (
         architectures=("Qwen2MoeForCausalLM",),
         model_class=Qwen2MoeForCausalLM,
         arch_config=qwen2_moe_arch_config,
+        supports_tensor_parallel=True,  # over each expert's columns (layers/moe.py)
         packed_modules=PACKED_MODULES,
         gguf=GGUFSpec(
             "qwen2moe",

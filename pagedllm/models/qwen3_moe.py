@@ -51,6 +51,7 @@ FAMILIES = (
         architectures=("Qwen3MoeForCausalLM",),
         model_class=Qwen3MoeForCausalLM,
         arch_config=qwen3_moe_arch_config,
+        supports_tensor_parallel=True,  # over each expert's columns (layers/moe.py)
         packed_modules=PACKED_MODULES,
         gguf=GGUFSpec(
             "qwen3moe",

@@ -288,3 +288,25 @@ def test_random_qwen3_moe_checkpoint_script_loads_and_generates(tmp_path: Path) 
     assert sum(isinstance(m, SparseMoE) for m in model.modules()) == 2
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2-moe", "qwen3-moe"])
+def test_tensor_parallel_2_matches_hf(name: str, tmp_path: Path) -> None:
+    # Two ranks (mp), each with half of every expert's (and the shared expert's) columns.
+    from pagedllm import LLM, SamplingParams
+    from tests.utils import TEXT_PROMPTS
+
+    hf_model = save_random_model(tmp_path, CONFIGS[name]())
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory_bytes="8MiB")
+    try:
+        model = llm.llm_engine.engine_core.runner.runner.model
+        moe = next(m for m in model.modules() if isinstance(m, SparseMoE))
+        assert moe.experts[0].gate_up_proj.out_features == hf_model.config.moe_intermediate_size  # 2 * I / 2
+        params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(TEXT_PROMPTS[:3], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out in outs:
+        ref, gaps = hf_greedy_router_ties(hf_model, out.prompt_token_ids, NUM_STEPS)
+        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"{name} tp=2")
