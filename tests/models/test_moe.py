@@ -191,7 +191,8 @@ def test_greedy_matches_hf_with_idle_experts(checkpoint: tuple[str, Any, Path]) 
 
 
 def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str) -> None:
-    """The HF model as llama.cpp's converter writes a `qwen2moe` / `qwen3moe` file: experts
+    """The HF model as llama.cpp's converter writes a `qwen2moe` / `qwen3moe` / Mixtral
+    (`llama`, Q/K rows permuted) file: experts
     as 3-D `ffn_{gate,up,down}_exps` [E, rows, cols], the router `ffn_gate_inp`, the shared
     expert's `*_shexp` and its gate `ffn_gate_inp_shexp` as a vector."""
     import gguf
@@ -218,9 +219,10 @@ def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str) -> None:
             plain[name] = t
 
     def extra(writer: Any) -> None:
-        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "moe_intermediate_size", None):  # a `llama` (Mixtral) file has none
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         qt = gguf.GGMLQuantizationType[qtype]
@@ -310,3 +312,44 @@ def test_tensor_parallel_2_matches_hf(name: str, tmp_path: Path) -> None:
     for out in outs:
         ref, gaps = hf_greedy_router_ties(hf_model, out.prompt_token_ids, NUM_STEPS)
         assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"{name} tp=2")
+
+
+def _quantized_round_trip(hf_model: Any, qtype: str) -> Any:
+    """A copy of the HF model holding the weights a GGUF of it written by `_moe_gguf` stores:
+    every matrix (and expert stack) through gguf-py's quantize / dequantize, the embedding at
+    Q8_0 (save_tiny_gguf's rule), vectors (norms) untouched."""
+    import copy
+
+    import gguf
+
+    model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2:
+                continue
+            qt = gguf.GGMLQuantizationType["Q8_0" if "embed" in name else qtype]
+            w = param.numpy()
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qt), qt).reshape(w.shape)))
+    return model
+
+
+def test_mixtral_gguf_as_llama_with_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # llama.cpp writes Mixtral as `llama` with expert tensors and llama.expert_count;
+    # transformers has no Mixtral GGUF reader, so the reference is HF's Mixtral on the
+    # file's weights (quantized and back), and the file is loaded kept quantized.
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    hf_model = save_random_model(tmp_path / "src", CONFIGS["mixtral"]())
+    gguf_path = tmp_path / "gguf" / "tiny-mixtral.gguf"
+    gguf_path.parent.mkdir()
+    _moe_gguf(gguf_path, hf_model, "llama", "Q8_0")
+    loaded = load_model(str(gguf_path), quantization="gguf")
+    assert loaded.model_config.architecture == "MixtralForCausalLM"
+    moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
+    assert len(moes) == 2 and all(e.gate_up_proj.quant is not None for m in moes for e in m.experts)
+    reference = _quantized_round_trip(hf_model, "Q8_0")
+    bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
+    prompt_ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
+    ref, gaps = hf_greedy_router_ties(reference, prompt_ids, NUM_STEPS)
+    assert_greedy_match(ours, ref, gaps, "mixtral gguf")
