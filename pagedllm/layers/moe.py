@@ -54,6 +54,11 @@ class MoEConfig:
         return self.sparse_layers[layer_idx] if self.sparse_layers else True
 
 
+class RouterLinear(Linear):
+    """The router's [num_experts, hidden] projection, replicated on every rank; under
+    --quantization int4 it is kept at 8 bits (models/loader.py), like the embedding."""
+
+
 class _PartialDown(RowParallelLinear):
     """A down projection sharded over its input columns like RowParallelLinear, whose
     forward returns this rank's partial sum (the MoE block all-reduces once per layer)."""
@@ -113,7 +118,7 @@ class SparseMoE(nn.Module):
         self.tp = current_tp()
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
-        self.gate = Linear(hidden_size, moe.num_experts)  # replicated on every rank
+        self.gate = RouterLinear(hidden_size, moe.num_experts)  # replicated on every rank
         self.experts = nn.ModuleList(
             ExpertMLP(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts)
         )

@@ -27,6 +27,7 @@ from pagedllm.distributed.parallel_state import current_tp
 from pagedllm.models.config_utils import architecture_of
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.moe import RouterLinear
 from pagedllm.kernels import GROUP_SIZE, QUANTIZATION_METHODS, module_weight_bytes
 from pagedllm.models.gguf_index import GGUF_FLOAT_TYPES
 from pagedllm.models.gguf_loader import (
@@ -208,12 +209,15 @@ def _check_tensor_parallel(family: ModelFamily, architecture: str, quantization:
 
 def _prepare_quantization(net: nn.Module, quantization: str) -> None:
     """int8 / int4: have projections quantize their float weights as they load (the
-    embedding and LM head to int8 either way, as GGUF files keep them at 8 bits)."""
+    embedding, LM head and MoE routers to int8 either way, as GGUF files keep the former
+    at 8 bits and a router's top-k choice is sensitive to its logits' rounding)."""
     if quantization not in ("int8", "int4"):
         return
     bits = 8 if quantization == "int8" else 4
     for module in net.modules():
-        if isinstance(module, Linear) and module.in_features % GROUP_SIZE == 0:
+        if isinstance(module, RouterLinear) and module.in_features % GROUP_SIZE == 0:
+            module.quantize_bits = 8
+        elif isinstance(module, Linear) and module.in_features % GROUP_SIZE == 0:
             module.quantize_bits = bits
         elif isinstance(module, (VocabEmbedding, LMHead)) and module.weight.shape[1] % GROUP_SIZE == 0:
             module.quantize_bits = 8

@@ -353,3 +353,11 @@ def test_mixtral_gguf_as_llama_with_experts(tmp_path: Path, monkeypatch: pytest.
         ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
     ref, gaps = hf_greedy_router_ties(reference, prompt_ids, NUM_STEPS)
     assert_greedy_match(ours, ref, gaps, "mixtral gguf")
+
+
+def test_int4_keeps_the_router_at_8_bits(tmp_path: Path) -> None:
+    save_random_model(tmp_path, CONFIGS["qwen3-moe"]())
+    loaded = load_model(str(tmp_path), quantization="int4")
+    moe = next(m for m in loaded.model.modules() if isinstance(m, SparseMoE))
+    assert moe.gate.quant is not None and moe.gate.quant.bits == 8
+    assert moe.experts[0].gate_up_proj.quant.bits == moe.experts[0].down_proj.quant.bits == 4
