@@ -44,9 +44,15 @@ def _linear_weights(model) -> tuple[int, int]:
     tied head counts once."""
     import torch
 
+    from pagedllm.layers.moe import SparseMoE
+
+    # Routed experts are counted by the step's routing (_expert_weights), not all of them.
+    routed = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
     seen: dict[int, tuple[int, int]] = {}  # data pointer -> (numel, bytes)
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
+            continue
+        if id(module) in routed:
             continue
         quant = getattr(module, "quant", None)
         if quant is not None:
@@ -57,6 +63,38 @@ def _linear_weights(model) -> tuple[int, int]:
         if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel():
             seen[weight.data_ptr()] = (weight.numel(), weight.numel() * weight.element_size())
     return sum(n for n, _ in seen.values()), sum(b for _, b in seen.values())
+
+
+def _expert_weights(model) -> tuple[int, int]:
+    """(weight x token products, bytes read) of the routed experts in the last step, from each
+    sparse layer's routing: an expert chosen by n of the batch's tokens runs n rows over its
+    weights, which are read once; experts no token chose are not read (layers/moe.py)."""
+    from pagedllm.layers.moe import SparseMoE
+
+    products = read = 0
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        if moe.last_routing is None:
+            continue
+        for e, n in enumerate(moe.last_routing.counts):
+            if n:
+                numel, nbytes = _linear_weights_of(moe.experts[e])
+                products += n * numel
+                read += nbytes
+    return products, read
+
+
+def _linear_weights_of(module) -> tuple[int, int]:
+    numel = nbytes = 0
+    for linear in module.modules():
+        quant = getattr(linear, "quant", None)
+        weight = getattr(linear, "weight", None)
+        if quant is not None:
+            numel += quant.shape[0] * quant.shape[1]
+            nbytes += quant.nbytes
+        elif weight is not None and weight.dim() == 2:
+            numel += weight.numel()
+            nbytes += weight.numel() * weight.element_size()
+    return numel, nbytes
 
 
 def measure_decode(
@@ -86,6 +124,7 @@ def measure_decode(
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    expert_products, expert_bytes = _expert_weights(engine.engine_core.runner.model)  # the last timed step
     profile = None
     if profile_steps:
         profile = StepProfile()
@@ -99,13 +138,13 @@ def measure_decode(
     linear_numel, linear_bytes = _linear_weights(engine.engine_core.runner.model)
     itemsize = 4 if model_config.dtype == "float32" else 2  # the KV cache's dtype
     kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
-    read_bytes = linear_bytes + batch_size * (context_len + num_steps // 2) * kv_bytes_per_token
+    read_bytes = linear_bytes + expert_bytes + batch_size * (context_len + num_steps // 2) * kv_bytes_per_token
     result = LatencyResult(
         batch_size=batch_size,
         context_len=context_len,
         step_ms=step_s * 1e3,
         decode_tok_s=batch_size / step_s,
-        linear_gflop_s=2 * linear_numel * batch_size / step_s / 1e9,
+        linear_gflop_s=2 * (linear_numel * batch_size + expert_products) / step_s / 1e9,
         read_gb_s=read_bytes / step_s / 1e9,
     )
     return result, profile

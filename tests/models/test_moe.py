@@ -290,6 +290,17 @@ def test_random_qwen3_moe_checkpoint_script_loads_and_generates(tmp_path: Path) 
     assert sum(isinstance(m, SparseMoE) for m in model.modules()) == 2
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    # `bench latency` counts the routed experts a decode step reads, not all of them.
+    from pagedllm.benchmarks.latency import _expert_weights, _linear_weights, measure_decode
+
+    result, _ = measure_decode(llm, batch_size=2, context_len=8, num_steps=2, seed=0)
+    assert result.read_gb_s > 0
+    products, nbytes = _expert_weights(model)
+    per_expert = 3 * 64 * 32  # gate, up, down
+    assert products == 2 * 2 * 2 * per_expert  # 2 layers x 2 tokens x top-2
+    assert 2 * 2 * 4 * per_expert <= nbytes <= 2 * 4 * 4 * per_expert  # 2 to 4 distinct experts a layer, float32
+    numel, _ = _linear_weights(model)
+    assert numel < sum(p.numel() for p in model.parameters()) - 8 * per_expert  # experts not in the dense count
 
 
 @pytest.mark.slow
