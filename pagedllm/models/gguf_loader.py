@@ -54,6 +54,9 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Mixtral files written before llama.cpp stacked experts (early 2024): one 2-D tensor per
+# expert, blk.N.ffn_gate.E.weight; read as the stacked form's slices.
+_PER_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 
 
 def cache_root() -> str:
@@ -155,6 +158,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"{spec.global_names[base]}.{kind}"
     block_names = {**spec.block_names, **spec.optional_block_names}
     m = _BLOCK_RE.fullmatch(gguf_name)
+    legacy = _PER_EXPERT_RE.fullmatch(gguf_name)
+    if legacy is not None and f"{legacy.group(2)}_exps" in block_names:
+        part = block_names[f"{legacy.group(2)}_exps"].format(expert=legacy.group(3))
+        return f"model.layers.{legacy.group(1)}.{part}.weight"
     if m is None or m.group(2) not in block_names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
     return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"

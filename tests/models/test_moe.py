@@ -190,7 +190,7 @@ def test_greedy_matches_hf_with_idle_experts(checkpoint: tuple[str, Any, Path]) 
     assert any(0 in c for c in counts) and any(max(c) > 1 for c in counts)
 
 
-def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str) -> None:
+def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str, per_expert: bool = False) -> None:
     """The HF model as llama.cpp's converter writes a `qwen2moe` / `qwen3moe` / Mixtral
     (`llama`, Q/K rows permuted) file: experts
     as 3-D `ffn_{gate,up,down}_exps` [E, rows, cols], the router `ffn_gate_inp`, the shared
@@ -227,6 +227,11 @@ def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str) -> None:
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         qt = gguf.GGMLQuantizationType[qtype]
         for gguf_name, w in experts.items():
+            if per_expert:  # the early Mixtral files: blk.N.ffn_gate.E.weight, one per expert
+                stem = gguf_name.removesuffix("_exps.weight")
+                for e in range(w.shape[0]):
+                    writer.add_tensor(f"{stem}.{e}.weight", gguf.quants.quantize(np.ascontiguousarray(w[e]), qt), raw_dtype=qt)
+                continue
             writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(w), qt), raw_dtype=qt)
 
     fake = SimpleNamespace(config=cfg, state_dict=lambda: plain)
@@ -344,7 +349,8 @@ def _quantized_round_trip(hf_model: Any, qtype: str) -> Any:
     return model
 
 
-def test_mixtral_gguf_as_llama_with_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per-expert"])
+def test_mixtral_gguf_as_llama_with_experts(per_expert: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # llama.cpp writes Mixtral as `llama` with expert tensors and llama.expert_count;
     # transformers has no Mixtral GGUF reader, so the reference is HF's Mixtral on the
     # file's weights (quantized and back), and the file is loaded kept quantized.
@@ -352,7 +358,7 @@ def test_mixtral_gguf_as_llama_with_experts(tmp_path: Path, monkeypatch: pytest.
     hf_model = save_random_model(tmp_path / "src", CONFIGS["mixtral"]())
     gguf_path = tmp_path / "gguf" / "tiny-mixtral.gguf"
     gguf_path.parent.mkdir()
-    _moe_gguf(gguf_path, hf_model, "llama", "Q8_0")
+    _moe_gguf(gguf_path, hf_model, "llama", "Q8_0", per_expert=per_expert)
     loaded = load_model(str(gguf_path), quantization="gguf")
     assert loaded.model_config.architecture == "MixtralForCausalLM"
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
