@@ -84,14 +84,13 @@ class ExpertMLP(nn.Module):
 
 @dataclass
 class Routing:
-    """The routing of one step (kept as `SparseMoE.last_routing` for tests and counters)."""
+    """The routing of one step (kept as `SparseMoE.last_routing` for tests and counters; small:
+    [T, k] per layer)."""
 
     expert_ids: torch.Tensor
     """[T, k] int64: the chosen experts, best first."""
     weights: torch.Tensor
     """[T, k]: their weights (renormalised or not), in the activations' dtype."""
-    probs: torch.Tensor
-    """[T, E] float32: the router's softmax."""
     counts: list[int]
     """Per expert, the number of tokens routed to it."""
 
@@ -106,7 +105,7 @@ def route(
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     counts = torch.bincount(expert_ids.flatten(), minlength=logits.shape[-1]).tolist()
-    return Routing(expert_ids, weights.to(dtype), probs, counts)
+    return Routing(expert_ids, weights.to(dtype), counts)
 
 
 class SparseMoE(nn.Module):
