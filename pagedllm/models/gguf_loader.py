@@ -271,8 +271,10 @@ def gguf_index(gguf_path: str) -> GGUFIndex:
 
 
 def gguf_quant_types(gguf_path: str) -> set[str]:
-    """The tensor types of a GGUF file's 2-D weights."""
-    return gguf_index(gguf_path).type_names(ndim=2)
+    """The tensor types of a GGUF file's weights: its 2-D matrices and 3-D expert stacks
+    (each expert's slice a matrix)."""
+    index = gguf_index(gguf_path)
+    return index.type_names(ndim=2) | index.type_names(ndim=3)
 
 
 def check_gguf_quant_types(gguf_path: str) -> None:

@@ -191,7 +191,9 @@ def test_greedy_matches_hf_with_idle_experts(checkpoint: tuple[str, Any, Path]) 
     assert any(0 in c for c in counts) and any(max(c) > 1 for c in counts)
 
 
-def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str, per_expert: bool = False) -> None:
+def _moe_gguf(
+    path: Path, hf_model: Any, arch: str, qtype: str, per_expert: bool = False, expert_qtype: str | None = None
+) -> None:
     """The HF model as llama.cpp's converter writes a `qwen2moe` / `qwen3moe` / Mixtral
     (`llama`, Q/K rows permuted) file: experts
     as 3-D `ffn_{gate,up,down}_exps` [E, rows, cols], the router `ffn_gate_inp`, the shared
@@ -226,7 +228,7 @@ def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str, per_expert: bool
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-        qt = gguf.GGMLQuantizationType[qtype]
+        qt = gguf.GGMLQuantizationType[expert_qtype or qtype]
         for gguf_name, w in experts.items():
             if per_expert:  # the early Mixtral files: blk.N.ffn_gate.E.weight, one per expert
                 stem = gguf_name.removesuffix("_exps.weight")
@@ -240,10 +242,11 @@ def _moe_gguf(path: Path, hf_model: Any, arch: str, qtype: str, per_expert: bool
 
 
 @pytest.mark.parametrize(
-    ("name", "arch", "qtype"), [("qwen2-moe", "qwen2moe", "Q8_0"), ("qwen3-moe", "qwen3moe", "Q4_0")]
+    ("name", "arch", "qtype", "expert_qtype"),
+    [("qwen2-moe", "qwen2moe", "Q8_0", "Q4_1"), ("qwen3-moe", "qwen3moe", "Q4_0", "Q4_0")],
 )
 def test_gguf_kept_quantized_matches_hf_on_the_same_file(
-    name: str, arch: str, qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, arch: str, qtype: str, expert_qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -257,7 +260,12 @@ def test_gguf_kept_quantized_matches_hf_on_the_same_file(
     hf_model = save_random_model(src, config)
     gguf_path = tmp_path / "gguf" / f"tiny-{arch}.gguf"
     gguf_path.parent.mkdir()
-    _moe_gguf(gguf_path, hf_model, arch, qtype)
+    _moe_gguf(gguf_path, hf_model, arch, qtype, expert_qtype=expert_qtype)
+    from pagedllm.models.gguf_loader import gguf_quant_types
+    from pagedllm.models.loader import resolve_quantization
+
+    assert expert_qtype in gguf_quant_types(str(gguf_path))  # the 3-D expert stacks' type counts
+    assert resolve_quantization(None, str(gguf_path)) == "gguf"  # kept quantized by default
     loaded = load_model(str(gguf_path), quantization="gguf")
     cfg = hf_model.config
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
