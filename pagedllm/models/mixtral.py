@@ -12,24 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from pagedllm.models.family import ArchConfig, ModelFamily
-from pagedllm.models.llama import PACKED_MODULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, llama_arch_config
-from pagedllm.models.moe_utils import MoEWeightsMixin, build_mlp, moe_config
+from pagedllm.models.llama import PACKED_MODULES, llama_arch_config
+from pagedllm.models.moe_utils import MoEForCausalLM, moe_config
 
 
-class MixtralDecoderLayer(LlamaDecoderLayer):
-    def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
-        return build_mlp(arch, layer_idx)
-
-
-class MixtralModel(LlamaModel):
-    decoder_layer = MixtralDecoderLayer
-
-
-class MixtralForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
-    inner_model = MixtralModel
+class MixtralForCausalLM(MoEForCausalLM):
+    """Llama's layers with sparse MLPs (models/moe_utils.py's MoEModel)."""
 
 
 def mixtral_arch_config(hf: Any) -> ArchConfig:
@@ -43,8 +32,8 @@ FAMILIES = (
         architectures=("MixtralForCausalLM",),
         model_class=MixtralForCausalLM,
         arch_config=mixtral_arch_config,
-        # w1 / w3 (renamed to gate_proj / up_proj first, models/moe_utils.py) into gate_up_proj.
         supports_tensor_parallel=True,  # over each expert's columns (layers/moe.py)
+        # w1 / w3 (renamed to gate_proj / up_proj first, models/moe_utils.py) into gate_up_proj.
         packed_modules=(*PACKED_MODULES[:3], ("gate_up_proj", "w1", 0), ("gate_up_proj", "w3", 1)),
     ),
 )

@@ -18,7 +18,7 @@ from torch import nn
 
 from pagedllm.layers.moe import MoEConfig, SparseMoE
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig
-from pagedllm.models.llama import LlamaMLP
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # llama.cpp's MoE block tensors -> ours; `{expert}` marks a 3-D tensor [E, rows, cols] that the
 # GGUF reader splits into one 2-D tensor per expert (models/gguf_loader.py).
@@ -104,11 +104,25 @@ def expert_tensors(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
         yield name, tensor
 
 
-class MoEWeightsMixin:
-    """load_weights through `expert_tensors` (before a LlamaForCausalLM's own)."""
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer (attention, pre-norms) with `build_mlp`'s MLP: Mixtral, Qwen2-MoE."""
+
+    def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
+        return build_mlp(arch, layer_idx)
+
+
+class MoEModel(LlamaModel):
+    decoder_layer = MoEDecoderLayer
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """A LlamaForCausalLM of MoE layers whose checkpoint names its experts in any of the
+    forms above (Qwen3-MoE sets its own `inner_model`)."""
+
+    inner_model = MoEModel
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return super().load_weights(expert_tensors(weights))  # type: ignore[misc]
+        return super().load_weights(expert_tensors(weights))
 
 
 def moe_config_from_gguf(reader: Any, hf_config: Any) -> dict[str, Any]:

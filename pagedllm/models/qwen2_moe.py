@@ -10,33 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
-from pagedllm.models.llama import PACKED_MODULES, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, llama_arch_config
+from pagedllm.models.llama import PACKED_MODULES, llama_arch_config
 from pagedllm.models.moe_utils import (
     DENSE_MLP_GGUF_NAMES,
     MOE_GGUF_BLOCK_NAMES,
     MOE_GGUF_COMMON_NAMES,
     SHARED_EXPERT_GGUF_BLOCK_NAMES,
-    MoEWeightsMixin,
-    build_mlp,
+    MoEForCausalLM,
     moe_config,
     moe_config_from_gguf,
 )
 
 
-class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
-    def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
-        return build_mlp(arch, layer_idx)
-
-
-class Qwen2MoeModel(LlamaModel):
-    decoder_layer = Qwen2MoeDecoderLayer
-
-
-class Qwen2MoeForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
-    inner_model = Qwen2MoeModel
+class Qwen2MoeForCausalLM(MoEForCausalLM):
+    """Llama's layers with sparse MLPs (models/moe_utils.py's MoEModel)."""
 
 
 def qwen2_moe_arch_config(hf: Any) -> ArchConfig:

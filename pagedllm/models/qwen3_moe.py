@@ -13,12 +13,12 @@ from typing import Any
 from torch import nn
 
 from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
-from pagedllm.models.llama import PACKED_MODULES, LlamaForCausalLM, LlamaModel, llama_arch_config
+from pagedllm.models.llama import PACKED_MODULES, LlamaModel, llama_arch_config
 from pagedllm.models.moe_utils import (
     DENSE_MLP_GGUF_NAMES,
     MOE_GGUF_BLOCK_NAMES,
     MOE_GGUF_COMMON_NAMES,
-    MoEWeightsMixin,
+    MoEForCausalLM,
     build_mlp,
     moe_config,
     moe_config_from_gguf,
@@ -36,7 +36,7 @@ class Qwen3MoeModel(LlamaModel):
     decoder_layer = Qwen3MoeDecoderLayer
 
 
-class Qwen3MoeForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
+class Qwen3MoeForCausalLM(MoEForCausalLM):
     inner_model = Qwen3MoeModel
 
 
