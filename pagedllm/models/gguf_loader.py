@@ -118,10 +118,9 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
     hf_config.architectures = [architecture_of(hf_config)]
     if spec.config_from_gguf is not None:
-        import gguf
-
-        for key, value in spec.config_from_gguf(gguf.GGUFReader(gguf_path), hf_config).items():
+        for key, value in spec.config_from_gguf(_reader_of(gguf_path), hf_config).items():
             setattr(hf_config, key, value)
+    _reader.cache_clear()  # the conversion is its last user
     tensors = dict(read_gguf_tensors(index, hf_config))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del tensors
@@ -252,14 +251,27 @@ def _gguf_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
     index = load_index(cache_dir, path)
     if index is not None:
         return index
-    import gguf
-
     start = time.perf_counter()
-    index = index_from_reader(gguf.GGUFReader(path), path)
+    index = index_from_reader(_reader_of(path), path)
     logger.info("parsed the metadata of %s in %.1f s", path, time.perf_counter() - start)
     if os.path.isdir(cache_dir):  # else the conversion writes it
         save_index(index, cache_dir)
     return index
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, size: int, mtime_ns: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _reader_of(gguf_path: str) -> Any:
+    """gguf-py's reader of the file, parsed once for a cold index and the conversion's
+    `config_from_gguf` together (seconds for a large vocabulary); dropped after conversion."""
+    path = os.path.realpath(gguf_path)
+    st = os.stat(path)
+    return _reader(path, st.st_size, st.st_mtime_ns)
 
 
 def gguf_index(gguf_path: str) -> GGUFIndex:
