@@ -143,6 +143,9 @@ class PagedKVWorker(KVCacheWorker):
         req_of_token = step.req_of_token.numpy()
         max_blocks = (max(step.seq_lens_list) + bs - 1) // bs
         seq_lens = step.seq_lens.to(self.device)
+        starts = np.asarray(step.query_start_loc, dtype=np.int64)  # [R + 1]
+        query_start = torch.from_numpy(starts).to(self.device)
+        max_query_len = int((starts[1:] - starts[:-1]).max()) if len(starts) > 1 else 0
         # Per KV cache group: its own block table and slots (sliding-window groups hold
         # other blocks than full-attention ones); the rest of the metadata is shared.
         mds: list[AttentionMetadata] = []
@@ -161,6 +164,8 @@ class PagedKVWorker(KVCacheWorker):
                     seq_lens_list=step.seq_lens_list,
                     num_decodes=step.num_decodes,
                     block_size=bs,
+                    query_start_loc_tensor=query_start,
+                    max_query_len=max_query_len,
                 )
             )
         return mds[0] if len(mds) == 1 else mds
