@@ -128,10 +128,18 @@ class DeviceConfig:
     """CUDA only, vLLM's meaning: the fraction of the device's total memory this process may
     use; the KV cache gets what remains of it after the weights and the profiled peak of a
     forward pass (default 0.9). On CPU the KV budget is ``kv_cache_memory_bytes``."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """CUDA only: decode batch sizes to capture CUDA graphs for (worker/cuda_graphs.py); a
+    decode step of n rows replays the smallest size >= n. Empty: every step runs eagerly
+    (the default until the GPU check measures graphs faster, docs/gpu.md)."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of 'cpu', 'cuda' (or 'auto' in EngineArgs)")
+        if self.cuda_graph_sizes and self.device != "cuda":
+            raise ValueError(f"cuda_graph_sizes={list(self.cuda_graph_sizes)} needs device='cuda'")
+        if any(not isinstance(s, int) or s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes={list(self.cuda_graph_sizes)} must be integers >= 1")
         util = self.gpu_memory_utilization
         if util is None:
             return

@@ -38,6 +38,8 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     """CUDA: fraction of the device's memory the process may use (default 0.9); the KV cache
     gets what the weights and the profiled peak leave. An error on the CPU."""
+    cuda_graph_sizes: list[int] | None = None
+    """CUDA: decode batch sizes to capture CUDA graphs for (default none: eager)."""
     max_model_len: int | None = None
     """Longest prompt + output; default: the checkpoint's context length."""
     block_size: int = 16
@@ -79,7 +81,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         if self.device != "auto":
-            DeviceConfig(self.device, self.gpu_memory_utilization)  # type: ignore[arg-type]
+            DeviceConfig(self.device, self.gpu_memory_utilization, tuple(self.cuda_graph_sizes or ()))  # type: ignore[arg-type]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -88,6 +90,10 @@ class EngineArgs:
         parser.add_argument(
             "--gpu-memory-utilization", type=float, default=None,
             help="CUDA: fraction of the device's memory to use (default 0.9); CPU: use --kv-cache-memory-bytes",
+        )
+        parser.add_argument(
+            "--cuda-graph-sizes", type=int, nargs="+", default=None,
+            help="CUDA: decode batch sizes to capture CUDA graphs for (default: none, eager)",
         )
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--block-size", type=int, default=16)
@@ -196,7 +202,10 @@ class EngineArgs:
                 raise ValueError(f"device='cuda' does not support {what} yet; see docs/gpu.md, or use device='cpu'")
 
     def device_config(self) -> DeviceConfig:
-        return DeviceConfig(self.resolve_device(), self.gpu_memory_utilization)  # type: ignore[arg-type]
+        return DeviceConfig(
+            self.resolve_device(), self.gpu_memory_utilization,  # type: ignore[arg-type]
+            tuple(sorted(set(self.cuda_graph_sizes or ()))),
+        )
 
     def resolve_dtype(self) -> str:
         if self.dtype in ("float32", "bfloat16"):

@@ -8,10 +8,14 @@ host sync here; on CPU tensors the kernels run in Triton's interpreter (tests).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedllm.kernels.triton import triton_ops
-from pagedllm.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:  # layers/attention.py imports this module when a layer first runs
+    from pagedllm.layers.attention import AttentionMetadata
 
 
 def triton_attention(

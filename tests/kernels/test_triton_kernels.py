@@ -1,10 +1,12 @@
-"""Every Triton kernel (pagedllm/kernels/triton/) under Triton's interpreter, on CPU tensors,
-against the float64 reference attention and the torch formulations of the layer ops.
+"""Every Triton kernel (pagedllm/kernels/triton/) against the float64 reference attention and
+the torch formulations of the layer ops: in CI under Triton's interpreter on CPU tensors;
+with PAGEDLLM_TEST_DEVICE=cuda compiled, on the GPU (scripts/gpu_check.sh).
 
-TRITON_INTERPRET=1 is set around the first import of triton and of the kernels, and while
-this module's tests run, and restored after each (tests/kernels/interpreter.py). Float32 throughout; the kernels' ``tl.dot`` takes
-``input_precision="ieee"`` for float32 (no TF32), so the tolerances are float32 rounding.
-Shapes are tiny: the interpreter runs every program instance in numpy.
+On the CPU, TRITON_INTERPRET=1 is set around the first import of triton and of the kernels,
+and while this module's tests run, and restored after each (tests/kernels/interpreter.py).
+Float32 throughout; the kernels' ``tl.dot`` takes ``input_precision="ieee"`` for float32 (no
+TF32), so the tolerances are float32 rounding. Shapes are tiny: the interpreter runs every
+program instance in numpy.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.interpreter import import_interpreted, interpreter  # noqa: F401 (fixture)
+from tests.kernels.interpreter import import_interpreted, interpreter, interpreter_env  # noqa: F401
 
+DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
 _TRITON_IMPORTED_BEFORE = "triton" in sys.modules
-INTERPRETED = import_interpreted()
+INTERPRETED = import_interpreted() if DEVICE == "cpu" else False
 _ENV_AFTER = os.environ.get("TRITON_INTERPRET")
 
 from pagedllm.kernels.elementwise import _rms, _rotate  # noqa: E402
@@ -29,7 +32,8 @@ from pagedllm.kernels.triton import triton_ops  # noqa: E402
 from pagedllm.kernels.triton.attention import _paged_attention_kernel, _write_kv_kernel  # noqa: E402
 from pagedllm.layers.attention import AttentionMetadata, reference_attention, write_kv  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("interpreter")
+if DEVICE == "cpu":
+    pytestmark = pytest.mark.usefixtures("interpreter")
 
 HKV, D = 2, 16
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
@@ -37,16 +41,22 @@ SCALE = D**-0.5
 
 
 def ops():
-    assert INTERPRETED, (
+    assert INTERPRETED or DEVICE != "cpu", (
         "triton was imported before this module without TRITON_INTERPRET=1 "
         f"(imported earlier: {_TRITON_IMPORTED_BEFORE}); the kernels cannot run on CPU tensors"
     )
-    return triton_ops("cpu")
+    return triton_ops(DEVICE)
+
+
+def dev(*tensors: torch.Tensor):
+    """The tensors on the kernels' device (the references stay on the CPU)."""
+    moved = tuple(t.to(DEVICE) for t in tensors)
+    return moved if len(moved) > 1 else moved[0]
 
 
 def test_interpreter_env_does_not_leak() -> None:
     assert _ENV_AFTER == _ENV_BEFORE  # restored after the import (and after this module)
-    assert INTERPRETED
+    assert INTERPRETED == (DEVICE == "cpu")
 
 
 def _metadata(computed: list[int], counts: list[int], holes: int = 0) -> AttentionMetadata:
@@ -103,9 +113,9 @@ def test_paged_attention_matches_reference(case: str) -> None:
     cache[:, 0] = 0.0  # the null block
     q = torch.randn(md.query_start_loc[-1], HKV * group, D)
     got = ops().paged_attention(
-        q, cache, md.block_tables, md.seq_lens, md.query_start_loc_tensor, md.max_query_len, SCALE,
+        *dev(q, cache, md.block_tables, md.seq_lens, md.query_start_loc_tensor), md.max_query_len, SCALE,
         sliding_window=window, softcap=cap,
-    )
+    ).cpu()
     want = reference_attention(q, cache, md, SCALE, window, cap or None)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
@@ -118,9 +128,9 @@ def test_paged_attention_tiles_and_int32_tables() -> None:
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D)
     q = torch.randn(md.query_start_loc[-1], HKV * group, D)
     got = ops().paged_attention(
-        q, cache, md.block_tables.to(torch.int32), md.seq_lens, md.query_start_loc_tensor,
+        *dev(q, cache, md.block_tables.to(torch.int32), md.seq_lens, md.query_start_loc_tensor),
         md.max_query_len, SCALE, block_q=16, block_n=16,
-    )
+    ).cpu()
     torch.testing.assert_close(got, reference_attention(q, cache, md, SCALE, None), rtol=2e-5, atol=2e-5)
 
 
@@ -128,8 +138,9 @@ def test_write_kv_matches_torch_and_skips_padding() -> None:
     torch.manual_seed(3)
     k, v = torch.randn(5, HKV, D), torch.randn(5, HKV, D)
     slots = torch.tensor([7, 0, 33, -1, 120], dtype=torch.int64)  # row 3: a padding row
-    got = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D)
-    ops().write_kv(got, k, v, slots)
+    got = dev(torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D))
+    ops().write_kv(got, *dev(k, v, slots))
+    got = got.cpu()
     want = torch.zeros_like(got)
     keep = slots >= 0
     write_kv(want, k[keep], v[keep], slots[keep])
@@ -144,7 +155,7 @@ def test_kv_offsets_are_int64_past_2_pow_31() -> None:
     stride_block = 16 * stride_slot
     block_ids = torch.tensor([1, 2**17, 2**22 - 1, 2**22 - 2], dtype=torch.int32)
     offsets = torch.tensor([0, 3, 15, 7], dtype=torch.int32)
-    got = ops().kv_offsets(block_ids, offsets, stride_block, stride_slot)
+    got = ops().kv_offsets(*dev(block_ids, offsets), stride_block, stride_slot).cpu()
     want = [int(b) * stride_block + int(o) * stride_slot for b, o in zip(block_ids, offsets)]
     assert got.dtype == torch.int64 and got.tolist() == want
     assert max(want) > 2**31  # the shapes do reach past int32 ...
@@ -163,8 +174,8 @@ def test_kernels_address_the_pool_through_kv_offset() -> None:
 def test_rms_norm_and_residual_add() -> None:
     torch.manual_seed(4)
     x, r, w = torch.randn(3, 40), torch.randn(3, 40), torch.randn(40)
-    torch.testing.assert_close(ops().rms_norm(x, w, 1e-6), _rms(x, w, 1e-6), rtol=1e-6, atol=1e-6)
-    normed, summed = ops().add_rms_norm(x, r, w, 1e-6)
+    torch.testing.assert_close(ops().rms_norm(*dev(x, w), 1e-6).cpu(), _rms(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    normed, summed = (t.cpu() for t in ops().add_rms_norm(*dev(x, r, w), 1e-6))
     assert torch.equal(summed, x + r)
     torch.testing.assert_close(normed, _rms(x + r, w, 1e-6), rtol=1e-6, atol=1e-6)
 
@@ -172,7 +183,7 @@ def test_rms_norm_and_residual_add() -> None:
 def test_silu_and_mul() -> None:
     torch.manual_seed(5)
     x = torch.randn(3, 2 * 24)
-    torch.testing.assert_close(ops().silu_and_mul(x), F.silu(x[:, :24]) * x[:, 24:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ops().silu_and_mul(dev(x)).cpu(), F.silu(x[:, :24]) * x[:, 24:], rtol=1e-6, atol=1e-6)
 
 
 def test_rotary_on_strided_views() -> None:
@@ -182,7 +193,7 @@ def test_rotary_on_strided_views() -> None:
     positions = torch.tensor([3, 7, 49, 0])
     qkv = torch.randn(4, (hq + 2 * HKV) * head_dim)
     q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + HKV) * head_dim]  # row-strided views
-    got_q, got_k = ops().rotary_embedding(positions, q, k, cos_sin)
+    got_q, got_k = (t.cpu() for t in ops().rotary_embedding(dev(positions), *dev(q, k), dev(cos_sin)))
     cos, sin = cos_sin[positions][:, None, :].chunk(2, dim=-1)
     torch.testing.assert_close(got_q, _rotate(q, cos, sin, head_dim), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, _rotate(k, cos, sin, head_dim), rtol=1e-6, atol=1e-6)
