@@ -48,11 +48,19 @@ def padded_size(num_rows: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def cuda_graph_capture(pool: object | None = None) -> GraphCapture:
-    """Capture into CUDA graphs sharing one memory pool (the caller captures largest first)."""
+def cuda_graph_capture(pool: object | None = None, warmups: int = 2) -> GraphCapture:
+    """Capture into CUDA graphs sharing one memory pool (the caller captures largest first).
+    Each function first runs ``warmups`` times on a side stream, as torch.cuda.graph asks:
+    kernels compile and lazy allocations (cuBLAS workspaces) happen outside the capture."""
     shared = pool if pool is not None else torch.cuda.graph_pool_handle()
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=shared):
             out = fn()
@@ -144,10 +152,8 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.Tensor, Callable[[], None]]] = {}
 
     def capture_all(self) -> None:
-        """Capture every size, largest first (later, smaller graphs reuse its pool memory);
-        a warm-up run first compiles the kernels outside the capture."""
+        """Capture every size, largest first (later, smaller graphs reuse its pool memory)."""
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: JIT compilation and lazy allocations happen here
             self._graphs[size] = self._capture(lambda size=size: self._forward(size))
 
     def _forward(self, size: int) -> torch.Tensor:

@@ -197,3 +197,27 @@ def test_rotary_on_strided_views() -> None:
     cos, sin = cos_sin[positions][:, None, :].chunk(2, dim=-1)
     torch.testing.assert_close(got_q, _rotate(q, cos, sin, head_dim), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, _rotate(k, cos, sin, head_dim), rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_attention_and_layer_ops() -> None:
+    # bfloat16 caches and activations: loads, conversions and stores in bfloat16, within a
+    # bfloat16 step of the references. The interpreter rounds float32 -> bfloat16 toward zero
+    # (the GPU to nearest) and misreads bfloat16 tl.dot operands, so the kernel runs its
+    # products in float32 there; compiled, it uses bfloat16 dots.
+    md = _metadata([13, 0, 9], [1, 5, 4])
+    torch.manual_seed(7)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D).bfloat16()
+    cache[:, 0] = 0.0
+    q = torch.randn(md.query_start_loc[-1], HKV * 2, D).bfloat16()
+    got = ops().paged_attention(
+        *dev(q, cache, md.block_tables, md.seq_lens, md.query_start_loc_tensor), md.max_query_len, SCALE,
+        sliding_window=3,
+    ).cpu()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference_attention(q, cache, md, SCALE, 3).float(), rtol=2e-2, atol=2e-2)
+    x, r, w = torch.randn(3, 40).bfloat16(), torch.randn(3, 40).bfloat16(), torch.randn(40).bfloat16()
+    normed, summed = (t.cpu() for t in ops().add_rms_norm(*dev(x, r, w), 1e-6))
+    torch.testing.assert_close(summed, x + r, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(normed, _rms(x + r, w, 1e-6), rtol=1.6e-2, atol=1e-2)
+    g = torch.randn(3, 48).bfloat16()
+    torch.testing.assert_close(ops().silu_and_mul(dev(g)).cpu(), F.silu(g[:, :24]) * g[:, 24:], rtol=1.6e-2, atol=1e-2)

@@ -108,7 +108,7 @@ def _paged_attention_kernel(
     stride_bt_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -126,6 +126,8 @@ def _paged_attention_kernel(
     d_valid = d < HEAD_DIM
     q_rows = (q_start + tok) * stride_q_tok + head.to(tl.int64) * stride_q_head  # [BLOCK_Q] int64
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
 
     # Keys this tile can see: up to its last row's position, from its first row's window.
     last_tok = tl.minimum((q_tile + 1) * BLOCK_Q - 1, q_len * GROUP - 1) // GROUP
@@ -154,9 +156,11 @@ def _paged_attention_kernel(
         kv_mask = k_valid[:, None] & d_valid[None, :]
         k = tl.load(k_base + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(k_base + stride_c_kv + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
+        if FP32_DOT:  # IEEE float32 products, no TF32
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_Q, BLOCK_N]
-        else:
+        else:  # bfloat16 products into float32 sums
             s = tl.dot(q, tl.trans(k))
         s = s * scale
         if USE_SOFTCAP:
@@ -170,8 +174,8 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if FP32_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
@@ -234,6 +238,8 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32,
+        # The interpreter's tl.dot misreads bfloat16 operands (numpy has no bfloat16): there
+        # bfloat16 runs its products in float32; compiled, it uses the bfloat16 tensor cores.
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETED,
     )
     return out
