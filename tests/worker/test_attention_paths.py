@@ -2,7 +2,8 @@
 
 The metadata comes from each backend's worker side (``KVCacheWorker.attention_metadata``)
 over its own cache tensors, and the layer runs end to end (write, then attend), once with
-the fast implementation and once with the float64 reference. Paths: decodes, a prompt's
+the fast implementation (and, on the paged backend, the Triton one, interpreted) and once
+with the float64 reference. Paths: decodes, a prompt's
 first chunk, continuation chunks, two or more short continuation runs in one step (batched
 into one padded call), and speculative verification (k + 1 query tokens after a context,
 next to decodes).
@@ -19,6 +20,10 @@ from pagedllm.layers.attention import Attention, forward_context, write_kv
 from pagedllm.kernels import paged_attention_ops
 from pagedllm.worker.kv_cache import PagedKVWorker
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
+from tests.kernels.interpreter import import_interpreted, interpreter  # noqa: F401 (fixture)
+
+INTERPRETED = import_interpreted()
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 HKV, GROUP, D = 2, 3, 64
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
@@ -87,11 +92,15 @@ def test_path_matches_reference(backend: str, path: str, variant: str) -> None:
     k = torch.randn(num_tokens, HKV * D)
     v = torch.randn(num_tokens, HKV * D)
     outs = {}
-    for impl in ("torch", "reference"):
+    impls = ("torch", "reference", "triton") if backend == "paged" else ("torch", "reference")
+    for impl in impls:
         layer.config = AttentionConfig(backend=impl)
         with forward_context(md):
             outs[impl] = layer(q, k, v)  # rewrites the same K/V at the same slots
     torch.testing.assert_close(outs["torch"], outs["reference"], atol=1e-5, rtol=1e-5)
+    if backend == "paged":
+        assert INTERPRETED
+        torch.testing.assert_close(outs["triton"], outs["reference"], atol=1e-5, rtol=1e-5)
     # The step's K landed where the backend's metadata says, for the last request's last token.
     flat = layer.kv_cache.view(2, -1, HKV, D)
     torch.testing.assert_close(flat[0, md.slot_mapping[-1]], k[-1].view(HKV, D))
