@@ -14,11 +14,16 @@ Checks:
 - ``w1_offline`` / ``w1_served``: W1 (random prompts of 32-480 tokens, 128 output tokens)
   through ``LLM.generate`` and through ``pagedllm serve`` + ``pagedllm bench serve``, against
   HF transformers' static batching (batch 16) on the same GPU, output tokens/s.
+
+``--dry-run-cpu`` runs the device-neutral checks (greedy, W1 offline and served) on the CPU
+with a 2-layer model of the same vocabulary, to check this script before a GPU call.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import inspect
 import json
 import os
 import subprocess
@@ -38,6 +43,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.benchmarks.workloads import random_prompts  # noqa: E402
 
 VOCAB = 49152
+DEVICE = "cuda"  # --dry-run-cpu: "cpu"
 DEFAULT_SHAPE = dict(
     vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
@@ -45,40 +51,54 @@ DEFAULT_SHAPE = dict(
 )
 
 
-def build_checkpoint(path: str) -> str:
-    """Random weights of the default model's shape (seed 0) with the tests' tiny tokenizer."""
+def save_word_tokenizer(path: str) -> None:
+    """A word-level tokenizer with one word per id of the vocabulary, so every sampled id
+    detokenizes to text (the served benchmark counts streamed text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, VOCAB)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def build_checkpoint(path: str, **overrides: Any) -> str:
+    """Random weights of the default model's shape (seed 0) and a word-level tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.models.utils import save_tiny_tokenizer
-
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**DEFAULT_SHAPE)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**(DEFAULT_SHAPE | overrides))).eval()
     with torch.no_grad():  # HF initialises with std 0.02: scale up so greedy steps are decided
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(2.0)
     model.save_pretrained(path, safe_serialization=True)
-    save_tiny_tokenizer(path)
+    save_word_tokenizer(path)
     return path
 
 
 def hf_model(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE).eval()
 
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """HF greedy with its KV cache on the GPU: tokens and each step's top-2 logprob gap."""
+    # transformers 5.2x names the cache argument "cache", earlier ones "past_key_values".
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tokens, gaps = [], []
-    out = model(torch.tensor([prompt], device="cuda"), use_cache=True, logits_to_keep=1)
+    out = model(torch.tensor([prompt], device=DEVICE), use_cache=True, logits_to_keep=1)
     for _ in range(steps):
         top2 = torch.log_softmax(out.logits[0, -1].float(), -1).topk(2)
         token = int(top2.indices[0])
         tokens.append(token)
         gaps.append(float(top2.values[0] - top2.values[1]))
-        out = model(torch.tensor([[token]], device="cuda"), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[token]], device=DEVICE), use_cache=True, **{cache_arg: out.past_key_values})
     return tokens, gaps
 
 
@@ -109,8 +129,15 @@ def check_big_pool() -> dict[str, Any]:
     return {"ok": err < 1e-4, "elements_per_half": num_blocks * per_block, "max_abs_err": err}
 
 
-def _engine(path: str, **kwargs: Any) -> LLM:
-    return LLM(path, device="cuda", max_model_len=2048, seed=0, **kwargs)
+def _engine(path: str, kv_cache_memory_bytes: str | None = "16GiB", **kwargs: Any) -> LLM:
+    """An engine with a fixed KV pool (several share the GPU in one check); None sizes it
+    from gpu_memory_utilization (the greedy check, the first engine, does)."""
+    return LLM(path, device=DEVICE, max_model_len=2048, seed=0, kv_cache_memory_bytes=kv_cache_memory_bytes, **kwargs)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def check_greedy(path: str, steps: int = 48) -> dict[str, Any]:
@@ -118,11 +145,12 @@ def check_greedy(path: str, steps: int = 48) -> dict[str, Any]:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    prompts = random_prompts(8, 16, 300, VOCAB, seed=1)
+    prompts = random_prompts(8 if DEVICE == "cuda" else 3, 16, 300, VOCAB, seed=1)
     hf = hf_model(path, torch.float32)
     refs = [hf_greedy(hf, p, steps) for p in prompts]
     del hf
-    llm = _engine(path, dtype="float32")
+    llm = _engine(path, kv_cache_memory_bytes=None if DEVICE == "cuda" else "1GiB", dtype="float32")
+    config = llm.llm_engine.config
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     failures = []
@@ -132,7 +160,11 @@ def check_greedy(path: str, steps: int = 48) -> dict[str, Any]:
         except AssertionError as e:
             failures.append(str(e)[:500])
     identical = sum(o.outputs[0].token_ids == r for o, (r, _) in zip(outs, refs))
-    return {"ok": not failures, "prompts": len(prompts), "identical": identical, "failures": failures}
+    return {
+        "ok": not failures, "prompts": len(prompts), "identical": identical, "failures": failures,
+        "kv_cache_bytes_from_utilization": config.cache_config.kv_cache_memory_bytes,
+        "num_blocks": config.num_blocks,
+    }
 
 
 def check_syncs(path: str) -> dict[str, Any]:
@@ -190,23 +222,23 @@ def w1_prompts(num: int) -> list[list[int]]:
 def check_w1_offline(path: str, num: int) -> dict[str, Any]:
     prompts = w1_prompts(num)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    llm = _engine(path, dtype="bfloat16")
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    llm = _engine(path, dtype=dtype)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ours = num * 128 / (time.perf_counter() - t0)
     del llm
-    torch.cuda.empty_cache()
-    hf = hf_model(path, torch.bfloat16)
+    hf = hf_model(path, getattr(torch, dtype))
     t0 = time.perf_counter()
     for start in range(0, num, 16):  # static batches of 16, left-padded
         batch = prompts[start : start + 16]
         width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device="cuda")
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=DEVICE)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=DEVICE)
         hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=128, min_new_tokens=128,
                     do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    _sync()
     theirs = num * 128 / (time.perf_counter() - t0)
     return {"ok": True, "prompts": num, "pagedllm_tok_s": ours, "hf_static_batch16_tok_s": theirs}
 
@@ -214,8 +246,10 @@ def check_w1_offline(path: str, num: int) -> dict[str, Any]:
 def check_w1_served(path: str, num: int, out_dir: str) -> dict[str, Any]:
     port = 18123
     server = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", path, "--device", "cuda",
-         "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", path, "--device", DEVICE,
+         "--dtype", "bfloat16" if DEVICE == "cuda" else "float32", "--max-model-len", "2048",
+         "--kv-cache-memory-bytes", "16GiB" if DEVICE == "cuda" else "1GiB",
+         "--host", "127.0.0.1", "--port", str(port)],
         stdout=open(os.path.join(out_dir, "serve.log"), "w"), stderr=subprocess.STDOUT,
     )
     try:
@@ -227,7 +261,7 @@ def check_w1_served(path: str, num: int, out_dir: str) -> dict[str, Any]:
             except OSError:
                 time.sleep(1)
         results = {}
-        for concurrency in (1, 16, 64):
+        for concurrency in (1, 16, 64) if DEVICE == "cuda" else (4,):
             filename = os.path.join(tempfile.gettempdir(), f"w1-c{concurrency}.json")
             subprocess.run(
                 [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve",
@@ -251,9 +285,18 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
     parser.add_argument("--checks", default="big_pool,greedy,syncs,graphs,w1_offline,w1_served")
     parser.add_argument("--w1-prompts", type=int, default=128)
+    parser.add_argument("--dry-run-cpu", action="store_true", help="greedy and W1 on the CPU, 2 layers")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    path = build_checkpoint(tempfile.mkdtemp(prefix="default-shape-"))
+    global DEVICE
+    overrides: dict[str, Any] = {}
+    if args.dry_run_cpu:
+        DEVICE = "cpu"
+        overrides = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2)
+        if args.checks == parser.get_default("checks"):
+            args.checks = "greedy,w1_offline,w1_served"
+    path = build_checkpoint(tempfile.mkdtemp(prefix="default-shape-"), **overrides)
     checks: dict[str, Callable[[], dict[str, Any]]] = {
         "big_pool": check_big_pool,
         "greedy": lambda: check_greedy(path),
@@ -264,7 +307,8 @@ def main() -> None:
     }
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)",
+        "torch": torch.__version__,
     }
     for name in args.checks.split(","):
         t0 = time.perf_counter()
@@ -274,7 +318,9 @@ def main() -> None:
             report[name] = {"ok": False, "error": traceback.format_exc()[-2000:]}
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(name, json.dumps(report[name])[:600], flush=True)
-        torch.cuda.empty_cache()
+        gc.collect()  # the check's engines and models, before the next one sizes its memory
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=2)
     with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
