@@ -184,6 +184,14 @@ class EngineArgs:
                 f"attention_backend='triton' reads the paged block-table layout; "
                 f"kv_cache_backend={self.kv_cache_backend!r} needs attention_backend 'torch' or 'reference'"
             )
+        if device == "cpu" and backend == "triton":
+            from pagedllm.kernels.triton import triton_available, triton_interpreted
+
+            if not triton_available() or not triton_interpreted():
+                raise ValueError(
+                    "attention_backend='triton' runs on the CPU only under Triton's interpreter "
+                    "(TRITON_INTERPRET=1 before triton's first import; tests do); use 'torch' on the CPU"
+                )
         if device != "cuda":
             return
         refusals = {
