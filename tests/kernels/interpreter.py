@@ -7,6 +7,9 @@ while launching (lazily imported parts of triton assert it). So: ``import_interp
 sets it around the first import of triton and of the kernels (at collection), and the
 ``interpreter`` fixture (module-scoped) sets it again while a module's tests run; both
 restore the environment after, so subprocesses later tests start do not inherit it.
+tests/conftest.py calls ``import_interpreted()`` when pytest starts, before any test module
+(or an import such as transformers' model classes, which imports triton) can import triton
+compiled.
 """
 
 from __future__ import annotations
