@@ -49,8 +49,13 @@ constexpr int kQ8NT = 3;
 #else
 constexpr int kQ8NT = 2;
 #endif
-// Weight rows repacked per task (thread-local buffer, L1-sized for these models' K).
-constexpr int kQ8Chunk = 16;
+// Weight rows repacked per task: about kQ8ChunkBytes of repacked weight (L1, beside an
+// activation tile), a multiple of 12 rows (whole tiles of 2 or 3), 12 to 96 rows.
+#ifndef Q8_CHUNK_BYTES
+#define Q8_CHUNK_BYTES 24576
+#endif
+constexpr int64_t kQ8ChunkBytes = Q8_CHUNK_BYTES;
+inline int64_t q8_chunk_rows(int64_t K) { return std::clamp<int64_t>(kQ8ChunkBytes / K / 12 * 12, 12, 96); }
 
 // Group j (< 8) of a super-block: its 32 bytes v (element order) go to dword j of vectors
 // t = 0..7, vector t taking elements [4 t, 4 t + 4).
@@ -255,7 +260,7 @@ inline void q8_tile(Q8Operand x, Q8Operand w, int64_t supers, int64_t groups, fl
 }
 
 // y [M, N] = x [M, K] . dequant(W)^T with x rounded to int8 once per call; threads split the
-// weight rows in chunks of kQ8Chunk, each chunk repacked once into a thread-local buffer and
+// weight rows in chunks (q8_chunk_rows), each chunk repacked once into a thread-local buffer and
 // then met by every activation row tile.
 template <bool INT4>
 void quant_matmul_q8(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
@@ -269,19 +274,19 @@ void quant_matmul_q8(const float* x, int64_t M, int64_t K, int64_t N, const uint
     const int64_t m = mg / groups, g = mg % groups;
     store_group(quantize_group_q8(x + mg * kQ8Group, &dx[mg], &xs[mg]), &xq[m * K], g, supers);
   }
-  const int64_t chunks = (N + kQ8Chunk - 1) / kQ8Chunk;
+  const int64_t chunk = q8_chunk_rows(K), chunks = (N + chunk - 1) / chunk;
 #pragma omp parallel
   {
     static thread_local std::vector<uint8_t> wbuf;
     static thread_local std::vector<float> sbuf, zbuf;
-    if (wbuf.size() < static_cast<size_t>(kQ8Chunk * K)) wbuf.resize(kQ8Chunk * K);
-    if (sbuf.size() < static_cast<size_t>(kQ8Chunk * groups)) {
-      sbuf.resize(kQ8Chunk * groups);
-      zbuf.resize(kQ8Chunk * groups);
+    if (wbuf.size() < static_cast<size_t>(chunk * K)) wbuf.resize(chunk * K);
+    if (sbuf.size() < static_cast<size_t>(chunk * groups)) {
+      sbuf.resize(chunk * groups);
+      zbuf.resize(chunk * groups);
     }
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t n0 = c * kQ8Chunk, R = std::min<int64_t>(kQ8Chunk, N - n0);
+      const int64_t n0 = c * chunk, R = std::min<int64_t>(chunk, N - n0);
       for (int64_t r = 0; r < R; ++r) {
         const uint8_t* qrow = qp + (n0 + r) * qstride;
         for (int64_t g = 0; g < groups; ++g) store_group(load_weight_group<INT4>(qrow, g), &wbuf[r * K], g, supers);
