@@ -16,6 +16,10 @@ The matmul (`quantized_linear`) switches by the number of activation rows M:
   (csrc/gemm_tiles.h): larger decode batches and short prefill chunks.
 - larger M (prefill): dequantize a chunk of weight rows at a time into one reused float32
   buffer and multiply with torch's GEMM (`gemm.chunked_gemm`), which catches up there.
+- with `int8_min_rows` (`--prefill-activations int8`, off by default), from that many rows
+  up: the activations rounded to int8 per row and group of 32 and integer dot products
+  against the stored 4/8-bit weights (csrc/quant_q8.h; docs/quantization.md for the algebra,
+  the drift and the measurements).
 Measured (2-core AVX2 EPYC, 2 threads, ms per [3072, 576] 4-bit layer; float32 weight with
 torch's GEMM / 8-row tiles / panels / dequantize + GEMM): M=16 0.68 / 0.50 / 0.56 / 1.02;
 M=32 1.75 / 1.38 / 0.97 / 2.79; M=64 2.67 / 2.65 / 1.77 / 3.64; M=128 4.36 / 6.14 / 3.52 /

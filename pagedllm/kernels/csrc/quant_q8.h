@@ -284,7 +284,9 @@ void quant_matmul_q8(const float* x, int64_t M, int64_t K, int64_t N, const uint
       sbuf.resize(chunk * groups);
       zbuf.resize(chunk * groups);
     }
-#pragma omp for schedule(static)
+    // Dynamic: on a shared machine a thread that loses its core for a while leaves its
+    // chunks to the others instead of holding up the call.
+#pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t n0 = c * chunk, R = std::min<int64_t>(chunk, N - n0);
       for (int64_t r = 0; r < R; ++r) {
