@@ -249,14 +249,29 @@ inline void q8_tile(Q8Operand x, Q8Operand w, int64_t supers, int64_t groups, fl
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * x.stride + g * kQ8Group));
       const __m256 dx = _mm256_broadcast_ss(x.scale + m * gs + g);
       for (int n = 0; n < NT; ++n) {
+#if PAGEDLLM_Q8_VNNI
+        const __m256i p32 = INT4 ? dpbusd(_mm256_setzero_si256(), wv[n], xv)
+                                 : dpbusd(_mm256_setzero_si256(), wabs[n], _mm256_sign_epi8(xv, wv[n]));
+#else
         const __m256i p32 = _mm256_madd_epi16(dot_pairs16<INT4>(wv[n], wabs[n], xv), ones);
+#endif
         acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dx, sw[n]), acc[m][n]);
         if constexpr (INT4) tail[m][n] += w.extra[n * gs + g] * x.extra[m * gs + g];
       }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) y[m * ldy + n] = hsum(acc[m][n]) + tail[m][n];
+  for (int n = 0; n < NT; ++n) {
+    if constexpr (MT == 4) {
+      // The four rows' sums of column n at once: two rounds of hadd, then the 128-bit halves
+      // (5 instructions for 4 sums instead of 6 each; measurable at K = 576).
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][n], acc[1][n]), _mm256_hadd_ps(acc[2][n], acc[3][n]));
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      for (int m = 0; m < 4; ++m) y[m * ldy + n] = sums[m] + tail[m][n];
+    } else {
+      for (int m = 0; m < MT; ++m) y[m * ldy + n] = hsum(acc[m][n]) + tail[m][n];
+    }
+  }
 }
 
 // y [M, N] = x [M, K] . dequant(W)^T with x rounded to int8 once per call; threads split the
