@@ -101,3 +101,21 @@ def test_int8_prefill_greedy(engine: tuple[Any, Any]) -> None:
             assert top2[0] - top2[1] < 1.0
     print(f"int8 prefill greedy identical {identical}/{len(PROMPTS)}")
     assert identical >= len(PROMPTS) // 2
+
+
+def test_prefill_activations_engine_arg(tiny_llama_dir: Any) -> None:
+    import argparse
+
+    from pagedllm import LLM
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.layers.linear import Linear
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "int8"])).prefill_activations == "int8"
+    assert EngineArgs.from_cli_args(parser.parse_args([])).prefill_activations == "float"
+    llm = LLM(str(tiny_llama_dir), quantization="int4", prefill_activations="int8", kv_cache_memory_bytes="16MiB")
+    layers = [m for m in llm.llm_engine.engine_core.runner.model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.int8_min_rows == INT8_ACTIVATION_MIN_ROWS for m in layers)
+    with pytest.raises(ValueError, match="tensor-parallel-size 1"):
+        LLM(str(tiny_llama_dir), prefill_activations="int8", tensor_parallel_size=2)
