@@ -84,6 +84,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
 
 
+PrefillActivations = Literal["float", "int8"]
+PREFILL_ACTIVATIONS = ("float", "int8")
+"""How quantized weights meet prefill activations: "float" (dequantized weights, float32
+products) or "int8" (activations rounded to int8 per group of 32, integer dot products;
+docs/quantization.md)."""
+
+
 AttentionImpl = Literal["torch", "reference", "triton"]
 ATTENTION_BACKENDS = ("torch", "reference", "triton")
 ContiguousDecode = Literal["kernel", "torch"]

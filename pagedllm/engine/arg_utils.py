@@ -15,6 +15,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    PREFILL_ACTIVATIONS,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -83,6 +84,9 @@ class EngineArgs:
     quantization: str | None = None
     """Weights: gguf (keep a GGUF file's Q4/Q8 types), int8 / int4 (quantize at load), none
     (dequantize to dtype); default: gguf for GGUF files whose types it supports, else none."""
+    prefill_activations: str = "float"
+    """Quantized weights at prefill: "float" (dequantized, float32 products) or "int8"
+    (activations rounded to int8 per group of 32, integer dot products; docs/quantization.md)."""
     kv_transfer_config: str | dict | None = None
     """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
     speculative_config: dict | None = None
@@ -168,6 +172,7 @@ class EngineArgs:
         parser.add_argument(
             "--quantization", "-q", default=None, choices=["gguf", "int8", "int4", "none"]
         )
+        parser.add_argument("--prefill-activations", default="float", choices=list(PREFILL_ACTIVATIONS))
         parser.add_argument(
             "--kv-transfer-config", default=None,
             help='disaggregated prefill, e.g. \'{"kv_role": "kv_producer", "kv_port": 14579}\'',
