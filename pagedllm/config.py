@@ -84,7 +84,15 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
 
 
-AttentionImpl = Literal["torch", "reference"]
+PrefillActivations = Literal["float", "int8"]
+PREFILL_ACTIVATIONS = ("float", "int8")
+"""How quantized weights meet prefill activations: "float" (dequantized weights, float32
+products) or "int8" (activations rounded to int8 per group of 32, integer dot products;
+docs/quantization.md)."""
+
+
+AttentionImpl = Literal["torch", "reference", "triton"]
+ATTENTION_BACKENDS = ("torch", "reference", "triton")
 ContiguousDecode = Literal["kernel", "torch"]
 
 
@@ -95,7 +103,9 @@ class AttentionConfig:
 
     backend: AttentionImpl = "torch"
     """"torch": decodes in one call of the compiled kernel (or one padded SDPA call), prefill
-    chunks one SDPA call each; "reference": a per-request, per-head float64 loop (tests)."""
+    chunks one SDPA call each; "reference": a per-request, per-head float64 loop (tests);
+    "triton": the Triton kernels (kernels/triton/: the KV write and one paged-attention
+    launch per layer; compiled on CUDA, interpreted on CPU tensors, docs/gpu.md)."""
     compiled_kernels: bool = True
     """Decode through the compiled C++ kernels where they build (False: torch ops only)."""
     contiguous_decode: ContiguousDecode = "kernel"
@@ -103,10 +113,56 @@ class AttentionConfig:
     one SDPA call per request over views of its slot ("torch")."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("torch", "reference"):
-            raise ValueError(f"attention backend {self.backend!r} is not one of 'torch', 'reference'")
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention backend {self.backend!r} is not one of {', '.join(map(repr, ATTENTION_BACKENDS))}"
+            )
         if self.contiguous_decode not in ("kernel", "torch"):
             raise ValueError(f"contiguous_decode={self.contiguous_decode!r} is not one of 'kernel', 'torch'")
+
+
+Device = Literal["cpu", "cuda"]
+DEVICES = ("cpu", "cuda")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the weights, the KV cache and the step's tensors live (docs/gpu.md)."""
+
+    device: Device = "cpu"
+    """"cpu", or "cuda" (the current CUDA device); EngineArgs resolves "auto"."""
+    gpu_memory_utilization: float | None = None
+    """CUDA only, vLLM's meaning: the fraction of the device's total memory this process may
+    use; the KV cache gets what remains of it after the weights and the profiled peak of a
+    forward pass (default 0.9). On CPU the KV budget is ``kv_cache_memory_bytes``."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """CUDA only: decode batch sizes to capture CUDA graphs for (worker/cuda_graphs.py); a
+    decode step of n rows replays the smallest size >= n. Empty: every step runs eagerly
+    (the default until the GPU check measures graphs faster, docs/gpu.md)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is not one of 'cpu', 'cuda' (or 'auto' in EngineArgs)")
+        if self.cuda_graph_sizes and self.device != "cuda":
+            raise ValueError(f"cuda_graph_sizes={list(self.cuda_graph_sizes)} needs device='cuda'")
+        if any(not isinstance(s, int) or s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes={list(self.cuda_graph_sizes)} must be integers >= 1")
+        util = self.gpu_memory_utilization
+        if util is None:
+            return
+        if self.device == "cpu":
+            raise ValueError(
+                f"gpu_memory_utilization={util} (--gpu-memory-utilization) sizes the KV cache on "
+                "device='cuda'; on the CPU size it with kv_cache_memory_bytes (--kv-cache-memory-bytes)"
+            )
+        if not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={util} must be in (0, 1]")
+
+    @property
+    def memory_utilization(self) -> float:
+        """The fraction in use on CUDA (the configured one or the default)."""
+        return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
 
 
 @dataclass(frozen=True)
@@ -249,3 +305,5 @@ class EngineConfig:
     """Speculative decoding, None when off."""
     attention_config: AttentionConfig = AttentionConfig()
     """The attention implementation of every layer."""
+    device_config: DeviceConfig = DeviceConfig()
+    """Where the model, the KV cache and the step run."""

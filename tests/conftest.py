@@ -19,6 +19,17 @@ os.environ.setdefault("PAGEDLLM_KERNEL_CACHE_DIR", kernel_cache_root())
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Triton decides at its first import whether its kernels run interpreted, and other
+    # imports bring it in (transformers' model classes do): import it first, interpreted, so
+    # the Triton tests on CPU tensors run whatever the order of collection
+    # (tests/kernels/interpreter.py; 0.2 s). PAGEDLLM_TEST_DEVICE=cuda compiles them instead.
+    if os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu") == "cpu":
+        from tests.kernels.interpreter import import_interpreted
+
+        import_interpreted()
+
+
 @pytest.fixture(scope="session")
 def default_loaded():
     """Our loader's view of the real default model (GGUF), float32. (A full load, 10-20 s:

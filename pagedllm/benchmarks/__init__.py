@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "startup": ("startup", "seconds from `pagedllm serve` to healthy and to the first token"),
     "kv-backends": ("kv_backends", "paged KV (two block sizes) against vattention, side by side"),
     "quant-decode": ("quant_decode", "single-stream and batched decode per weight format"),
+    "prefill-activations": ("prefill_activations", "prompt processing (pp512): float against int8 prefill activations"),
     "bf16-decode": ("bf16_decode", "bf16 decode: float32-arithmetic linears against torch's bf16 matmul"),
     "beam-search": ("beam_search", "engine beam search against one request per beam per step"),
     "spec-decode": ("spec_decode", "speculative decoding: tokens/s and acceptance per proposer"),

@@ -9,9 +9,13 @@ import os
 from dataclasses import dataclass, fields
 
 from pagedllm.config import (
+    ATTENTION_BACKENDS,
+    GiB,
     AttentionConfig,
     CacheConfig,
+    DeviceConfig,
     EngineConfig,
+    PREFILL_ACTIVATIONS,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -40,16 +44,24 @@ class EngineArgs:
     """The hub cache a hub id downloads into and resolves in (default: $HF_HUB_CACHE or
     huggingface_hub's ~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 reads it alone."""
     dtype: str = "auto"
-    """float32, bfloat16, or auto (bfloat16 where the CPU has native bf16 support); vLLM's
-    half / float16 map to what auto picks (no float16 compute here), float to float32."""
+    """float32, bfloat16, or auto (bfloat16 on CUDA and where the CPU has native bf16 support);
+    vLLM's half / float16 map to what auto picks (no float16 compute here), float to float32."""
     tokenizer: str | None = None
     """A tokenizer directory (or .gguf file) other than the model's own."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when torch sees a CUDA device); docs/gpu.md."""
+    gpu_memory_utilization: float | None = None
+    """CUDA: fraction of the device's memory the process may use (default 0.9); the KV cache
+    gets what the weights and the profiled peak leave. An error on the CPU (config.DeviceConfig)."""
+    cuda_graph_sizes: list[int] | None = None
+    """CUDA: decode batch sizes to capture CUDA graphs for (default none: eager)."""
     max_model_len: int | None = None
     """Longest prompt + output; default: the checkpoint's context length."""
     block_size: int = 16
     """Tokens per KV cache block."""
-    kv_cache_memory_bytes: int | str = "4GiB"
-    """KV cache pool size, an int or a string like '2GiB'."""
+    kv_cache_memory_bytes: int | str | None = None
+    """KV cache pool size, an int or a string like '2GiB' (default: 4 GiB on the CPU; on
+    CUDA from gpu_memory_utilization, which a given size overrides, as in vLLM)."""
     max_num_seqs: int = 256
     """Most requests running at once."""
     max_num_batched_tokens: int | None = None
@@ -64,13 +76,17 @@ class EngineArgs:
     vattention_deferred_reclaim: bool = True
     """vattention: keep a finished request's pages for the next request in its slot and
     release them (madvise) only when the budget needs them."""
-    attention_backend: str = "torch"
-    """The attention implementation: "torch" (fast) or "reference" (float64 loops, tests)."""
+    attention_backend: str | None = None
+    """The attention implementation: "torch" (the CPU's default), "triton" (CUDA's default;
+    on the CPU only under Triton's interpreter) or "reference" (float64 loops, tests)."""
     seed: int = 0
     """Seed for requests without their own seed."""
     quantization: str | None = None
     """Weights: gguf (keep a GGUF file's Q4/Q8 types), int8 / int4 (quantize at load), none
     (dequantize to dtype); default: gguf for GGUF files whose types it supports, else none."""
+    prefill_activations: str = "float"
+    """Quantized weights at prefill: "float" (dequantized, float32 products) or "int8"
+    (activations rounded to int8 per group of 32, integer dot products; docs/quantization.md)."""
     kv_transfer_config: str | dict | None = None
     """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
     speculative_config: dict | None = None
@@ -94,8 +110,6 @@ class EngineArgs:
     generation_config.json."""
     override_generation_config: dict | None = None
     """Sampling defaults laid over those of generation_config, e.g. {"temperature": 0.5}."""
-    gpu_memory_utilization: float | None = None
-    """vLLM's GPU memory share; refused on CPUs (see check_device_memory_args)."""
     disable_log_stats: bool = False
     """No periodic stats log line (the metrics are still served)."""
 
@@ -109,7 +123,11 @@ class EngineArgs:
                 f"generation_config={self.generation_config!r} is not auto, vllm or a directory "
                 "holding a generation_config.json"
             )
-        check_device_memory_args(self.gpu_memory_utilization)
+        if self.device != "auto" or self.gpu_memory_utilization is not None or self.cuda_graph_sizes:
+            # One check, config.DeviceConfig's (auto resolves here only when a CUDA-only
+            # setting asks; otherwise torch is not imported before the core starts).
+            DeviceConfig(self.resolve_device(), self.gpu_memory_utilization,  # type: ignore[arg-type]
+                         tuple(self.cuda_graph_sizes or ()))
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the choices
 
@@ -126,9 +144,17 @@ class EngineArgs:
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--block-size", type=int, default=16)
         # None when not given, so VLLM_CPU_KVCACHE_SPACE can apply (entrypoints/vllm_flags.py).
-        parser.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache budget (default 4GiB)")
-        parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                            help="GPU backends only; on CPUs size the KV cache with --kv-cache-memory-bytes")
+        parser.add_argument("--kv-cache-memory-bytes", default=None,
+                            help="KV cache budget (default 4GiB on the CPU; on CUDA from --gpu-memory-utilization)")
+        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument(
+            "--gpu-memory-utilization", type=float, default=None,
+            help="CUDA: fraction of the device's memory to use (default 0.9); CPU: use --kv-cache-memory-bytes",
+        )
+        parser.add_argument(
+            "--cuda-graph-sizes", type=int, nargs="+", default=None,
+            help="CUDA: decode batch sizes to capture CUDA graphs for (default: none, eager)",
+        )
         parser.add_argument("--max-num-seqs", type=int, default=256)
         parser.add_argument("--max-num-batched-tokens", type=int, default=None)
         parser.add_argument(
@@ -141,11 +167,12 @@ class EngineArgs:
         parser.add_argument(
             "--vattention-deferred-reclaim", action=argparse.BooleanOptionalAction, default=True
         )
-        parser.add_argument("--attention-backend", default="torch", choices=["torch", "reference"])
+        parser.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
             "--quantization", "-q", default=None, choices=["gguf", "int8", "int4", "none"]
         )
+        parser.add_argument("--prefill-activations", default="float", choices=list(PREFILL_ACTIVATIONS))
         parser.add_argument(
             "--kv-transfer-config", default=None,
             help='disaggregated prefill, e.g. \'{"kv_role": "kv_producer", "kv_port": 14579}\'',
@@ -191,6 +218,75 @@ class EngineArgs:
 
         return KVTransferConfig.from_cli(self.kv_transfer_config)
 
+    def resolve_device(self) -> str:
+        """"cpu" or "cuda"; ValueError for a CUDA request torch cannot serve."""
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
+        if self.device == "cpu":
+            return "cpu"
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device='cuda', but torch {torch.__version__} sees no CUDA device "
+                f"(built with CUDA: {torch.version.cuda is not None}); use device='cpu'"
+            )
+        return "cuda"
+
+    def resolve_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.resolve_device() == "cuda" else "torch"
+
+    def kv_cache_budget(self) -> int:
+        """The KV pool's byte budget: the given size, else 4 GiB (as vLLM's CPU backend)."""
+        if self.kv_cache_memory_bytes is None:
+            return 4 * GiB
+        return parse_bytes(self.kv_cache_memory_bytes)
+
+    def check_device_support(self) -> None:
+        """ValueError naming the first argument the resolved device cannot honour yet
+        (docs/gpu.md lists them); called before the model loads."""
+        device = self.resolve_device()
+        backend = self.resolve_attention_backend()
+        if backend == "triton" and self.kv_cache_backend != "paged":
+            raise ValueError(
+                f"attention_backend='triton' reads the paged block-table layout; "
+                f"kv_cache_backend={self.kv_cache_backend!r} needs attention_backend 'torch' or 'reference'"
+            )
+        if device == "cpu" and backend == "triton":
+            from pagedllm.kernels.triton import triton_available, triton_interpreted
+
+            if not triton_available() or not triton_interpreted():
+                raise ValueError(
+                    "attention_backend='triton' runs on the CPU only under Triton's interpreter "
+                    "(TRITON_INTERPRET=1 before triton's first import; tests do); use 'torch' on the CPU"
+                )
+        if device != "cuda":
+            return
+        refusals = {
+            "tensor_parallel_size > 1 (--tensor-parallel-size)": self.tensor_parallel_size > 1,
+            "KV transfer (--kv-transfer-config; it reads the pool with .numpy())": self.kv_transfer_config is not None,
+            "speculative decoding (--speculative-config; the rejection sampler is host-side)":
+                self.speculative_config is not None,
+            f"quantization={self.quantization!r} (the 4/8-bit kernels are CPU code; GGUF files are "
+            "dequantized to the dtype at load on cuda, --quantization none)":
+                self.quantization not in (None, "none"),
+            f"attention_backend={backend!r} (its masks and kernels are host-side; cuda runs 'triton')":
+                backend != "triton",
+        }
+        for what, refused in refusals.items():
+            if refused:
+                raise ValueError(f"device='cuda' does not support {what} yet; see docs/gpu.md, or use device='cpu'")
+
+    def device_config(self) -> DeviceConfig:
+        return DeviceConfig(
+            self.resolve_device(), self.gpu_memory_utilization,  # type: ignore[arg-type]
+            tuple(sorted(set(self.cuda_graph_sizes or ()))),
+        )
+
     def resolve_dtype(self) -> str:
         if self.dtype in ("float32", "bfloat16"):
             return self.dtype
@@ -198,6 +294,9 @@ class EngineArgs:
             return "float32"
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(map(repr, DTYPE_CHOICES))}")
+        if self.resolve_device() == "cuda":
+            logger.info("dtype=%s chose bfloat16 (device cuda)", self.dtype)
+            return "bfloat16"
         import torch
 
         # bf16 pays off only where the CPU computes it natively (AVX512-BF16 / AMX): without it
@@ -217,7 +316,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory_bytes),
+                kv_cache_memory_bytes=self.kv_cache_budget(),
                 enable_prefix_caching=self.resolve_prefix_caching(),
                 kv_cache_backend=self.kv_cache_backend,
             ),
@@ -230,17 +329,8 @@ class EngineArgs:
             num_blocks=num_blocks,
             seed=self.seed,
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
-            attention_config=AttentionConfig(backend=self.attention_backend),  # type: ignore[arg-type]
-        )
-
-
-def check_device_memory_args(gpu_memory_utilization: float | None) -> None:
-    """The one place that decides whether a GPU memory share is accepted: on CPUs the KV cache
-    is sized in bytes. (A CUDA device path accepts it here once it exists.)"""
-    if gpu_memory_utilization is not None:
-        raise ValueError(
-            f"gpu_memory_utilization={gpu_memory_utilization} applies to GPU backends only; on CPUs "
-            "size the KV cache with --kv-cache-memory-bytes (e.g. 4GiB) or VLLM_CPU_KVCACHE_SPACE (GiB)"
+            attention_config=AttentionConfig(backend=self.resolve_attention_backend()),  # type: ignore[arg-type]
+            device_config=self.device_config(),
         )
 
 

@@ -3,6 +3,7 @@ LLMEngine and the engine-core process behind the server."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -40,10 +41,16 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner
 
     t0 = time.monotonic()
+    # "auto" resolved once, so every later reader of the arguments sees the same device.
+    args = dataclasses.replace(args, device=args.resolve_device())
     # Settings that cannot work together fail before the model loads.
+    args.device_config()
+    args.check_device_support()
     CacheConfig(enable_prefix_caching=args.resolve_prefix_caching(), kv_cache_backend=args.kv_cache_backend)
     kv_backend = get_kv_backend(args.kv_cache_backend)
     kv_backend.check_args(args, args.resolve_prefix_caching())
+    if args.prefill_activations != "float" and args.tensor_parallel_size > 1:
+        raise ValueError("prefill_activations='int8' runs in one process only (--tensor-parallel-size 1)")
     executor = None
     if args.tensor_parallel_size > 1:  # rank 0 here, ranks 1..N-1 in workers (distributed/)
         executor = _create_executor(args)
@@ -54,7 +61,13 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         quantization=args.quantization,
         revision=args.revision,
         download_dir=args.download_dir,
+        device=args.device,
     )
+    if args.prefill_activations != "float":
+        from pagedllm.layers.linear import set_prefill_activations
+
+        layers = set_prefill_activations(loaded.model, args.prefill_activations)
+        logger.info("prefill activations %s on %d quantized linear layers", args.prefill_activations, layers)
     if args.tokenizer is not None:
         from pagedllm.models.loader import with_tokenizer
 
@@ -62,6 +75,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     generation_defaults = resolve_generation_defaults(
         args.generation_config, args.override_generation_config, loaded.model_dir, loaded.gguf_path)
     model_config = loaded.model_config
+    if args.device == "cuda" and args.kv_cache_memory_bytes is None:
+        args = dataclasses.replace(args, kv_cache_memory_bytes=_cuda_kv_budget(args, loaded))
     kv = kv_backend.build(args, loaded)
     config = kv.config
     transfer_config = args.parse_kv_transfer_config()
@@ -79,6 +94,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         loaded.model, model_config, kv.block_size, kv.num_blocks, seed=args.seed,
         make_kv_worker=kv.make_worker, speculative_config=config.speculative_config,
         attention_config=config.attention_config,
+        decode_graph_sizes=config.device_config.cuda_graph_sizes,
     )
     if executor is not None:
         runner = executor.start(runner, kv.block_size, kv.num_blocks)
@@ -88,6 +104,10 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
 
         worker_connector = ZmqConnectorWorker(transfer_config, runner.kv_caches)
     free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if args.device == "cuda":
+        import torch
+
+        free_bytes = torch.cuda.mem_get_info()[0]
     logger.info(
         "weights: %.1f MiB resident (quantization=%s); KV cache budget %.1f MiB of the "
         "%.1f MiB of memory free after loading",
@@ -107,6 +127,28 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         model_dir=loaded.model_dir,
         generation_defaults=generation_defaults,
     )
+
+
+def _cuda_kv_budget(args: EngineArgs, loaded: Any) -> int:
+    """The KV budget from gpu_memory_utilization: a profiled forward at the step's largest
+    shape, then what it leaves of the allowance (worker/memory_profile.py)."""
+    import torch
+
+    from pagedllm.worker.memory_profile import kv_budget_from_utilization, profile_cuda_memory
+
+    config = args.create_engine_config(loaded.model_config, num_blocks=0)
+    sched = config.scheduler_config
+    profile = profile_cuda_memory(
+        loaded.model, loaded.model_config, sched.max_num_batched_tokens, sched.max_num_seqs,
+        config.cache_config.block_size, config.attention_config, torch.device("cuda"),
+    )
+    utilization = config.device_config.memory_utilization
+    budget = kv_budget_from_utilization(profile, utilization)
+    logger.info(
+        "KV cache budget %.0f MiB: gpu_memory_utilization=%s of %.0f MiB, less a %.0f MiB peak",
+        budget / 2**20, utilization, profile.total_bytes / 2**20, profile.peak_bytes / 2**20,
+    )
+    return budget
 
 
 def _create_executor(args: EngineArgs) -> Any:

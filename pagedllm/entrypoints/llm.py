@@ -27,12 +27,13 @@ class LLM:
     ``seed``, ``enable_prefix_caching``, ``quantization``, ``speculative_config`` (a dict as
     vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``); ``kv_cache_backend``
     (a name in pagedllm/kv_backends/, with its own options: docs/kv_backends.md);
-    ``attention_backend`` ("torch" or "reference"); ``tensor_parallel_size`` and ``distributed_executor_backend``
-    ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to stop the workers);
-    ``reasoning_parser`` ("deepseek_r1", "qwen3": structured outputs start after the reasoning,
-    docs/reasoning.md),
-    ``scheduling_policy`` ("fcfs" or "priority"), ``generation_config`` / ``override_generation_config``
-    (sampling defaults: docs/vllm_compatibility.md), ``tokenizer``, ``max_logprobs``.
+    ``attention_backend`` ("torch", "triton" or "reference"); ``device`` ("cpu", "cuda" or "auto"),
+    ``gpu_memory_utilization`` and ``cuda_graph_sizes`` (docs/gpu.md); ``tensor_parallel_size`` and
+    ``distributed_executor_backend`` ("mp" or "ray": docs/tensor_parallel.md; call ``shutdown()`` to
+    stop the workers); ``reasoning_parser`` ("deepseek_r1", "qwen3": structured outputs start after
+    the reasoning, docs/reasoning.md); ``scheduling_policy`` ("fcfs" or "priority"),
+    ``generation_config`` / ``override_generation_config`` (sampling defaults:
+    docs/vllm_compatibility.md), ``tokenizer``, ``max_logprobs``.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:

@@ -61,7 +61,7 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
                {"type": float}),
     CompatFlag(("--load-format",), "the format is read from the files (safetensors or GGUF)",
                {}, harmless=_one_of("auto", "safetensors", "gguf")),
-    _store_true("--enforce-eager", reason="there are no CUDA graphs or compiled graphs to skip"),
+    _store_true("--enforce-eager", reason="CUDA graphs run only where --cuda-graph-sizes asks for them"),
     _store_true("--disable-custom-all-reduce", reason="tensor parallelism reduces over gloo"),
     CompatFlag(("--max-parallel-loading-workers",), "weights load in one pass per rank", {"type": int}),
     CompatFlag(("--tokenizer-mode",), "the Hugging Face fast tokenizer is always used",

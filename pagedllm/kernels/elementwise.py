@@ -3,6 +3,9 @@ the compiled op where it takes the input (`use_layer_ops`), else torch. Both rou
 tensor dtype at the same points, so they agree exactly in bfloat16 (up to the RMS mean's
 summation order) and to rounding in float32.
 
+CUDA tensors take the Triton kernels (kernels/triton/elementwise.py) when triton imports,
+else the torch formulations.
+
 Under the generic ISA the compiled ops are scalar loops; they still replace a chain of
 small torch kernels (RMSNorm alone is nine) by one call, which is what they win at decode.
 """
@@ -14,6 +17,14 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.build import layer_ops, use_layer_ops
 from pagedllm.kernels.isa import cpu_isa
+from pagedllm.kernels.triton import triton_available, triton_ops
+
+
+def _device_ops(x: torch.Tensor):
+    """The Triton launchers for a CUDA tensor of 2 dims with unit stride on the last, else None."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and triton_available():
+        return triton_ops(x.device)
+    return None
 
 # silu-and-mul: the AVX2 build's float32 path vectorises exp and beats torch's silu-then-
 # multiply at every size (measured, 1536 wide, loaded machine: 1 row 0.002 vs 0.005 ms, 16 rows
@@ -32,6 +43,8 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim; x: [..., hidden]."""
+    if (ops := _device_ops(x)) is not None:
+        return ops.rms_norm(x, weight, eps)
     if use_layer_ops(x):
         return layer_ops().rms_norm(x, weight, eps)
     return _rms(x, weight, eps)
@@ -41,6 +54,8 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x), the sum in the model dtype."""
+    if (ops := _device_ops(x)) is not None and residual.stride(-1) == 1:
+        return ops.add_rms_norm(x, residual, weight, eps)
     if use_layer_ops(x):
         normed, summed = layer_ops().add_rms_norm(x, residual, weight, eps)
         return normed, summed
@@ -54,6 +69,8 @@ def rotary_embedding(
     """Rotate-half rotary embedding. positions: [T] int64; q: [T, Hq * D], k: [T, Hkv * D]
     (views with unit stride on the last dim are fine); cos_sin_cache: [max_position, D] float32,
     [cos | sin] each [max_position, D / 2]."""
+    if (ops := _device_ops(q)) is not None and k.stride(-1) == 1:
+        return ops.rotary_embedding(positions, q, k, cos_sin_cache)
     if use_layer_ops(q) and k.stride(-1) == 1 and positions.is_contiguous():
         q, k = layer_ops().rotary_embedding(positions, q, k, cos_sin_cache)
         return q, k
@@ -73,6 +90,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; x: [num_tokens, 2 * intermediate] = [gate | up] -> [num_tokens, intermediate]."""
+    if (ops := _device_ops(x)) is not None:
+        return ops.silu_and_mul(x)
     vector_exp = x.dtype == torch.float32 and cpu_isa() == "avx2"
     if (vector_exp or x.shape[0] <= _SCALAR_SILU_MAX_ROWS) and use_layer_ops(x):
         return layer_ops().silu_and_mul(x)

@@ -16,6 +16,10 @@ The matmul (`quantized_linear`) switches by the number of activation rows M:
   (csrc/gemm_tiles.h): larger decode batches and short prefill chunks.
 - larger M (prefill): dequantize a chunk of weight rows at a time into one reused float32
   buffer and multiply with torch's GEMM (`gemm.chunked_gemm`), which catches up there.
+- with `int8_min_rows` (`--prefill-activations int8`, off by default), from that many rows
+  up: the activations rounded to int8 per row and group of 32 and integer dot products
+  against the stored 4/8-bit weights (csrc/quant_q8.h; docs/quantization.md for the algebra,
+  the drift and the measurements).
 Measured (2-core AVX2 EPYC, 2 threads, ms per [3072, 576] 4-bit layer; float32 weight with
 torch's GEMM / 8-row tiles / panels / dequantize + GEMM): M=16 0.68 / 0.50 / 0.56 / 1.02;
 M=32 1.75 / 1.38 / 0.97 / 2.79; M=64 2.67 / 2.65 / 1.77 / 3.64; M=128 4.36 / 6.14 / 3.52 /
@@ -39,6 +43,9 @@ INT16_MAX_ROWS = 2
 TILE_MAX_ROWS = 16
 # Above this many activation rows, dequantize-then-GEMM.
 PANEL_MAX_ROWS = 128
+# With int8 prefill activations (--prefill-activations int8), from this many rows up the
+# int8-activation kernel (csrc/quant_q8.h) runs instead of the panels / dequantize + GEMM.
+INT8_ACTIVATION_MIN_ROWS = 129
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "int4", "none")
 
@@ -139,9 +146,15 @@ def quantize(w: torch.Tensor, bits: Literal[4, 8]) -> QuantizedWeight:
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    int8_min_rows: int | None = None,
 ) -> torch.Tensor:
-    """x: [..., K] -> [..., N]; computed in float32, returned in x's dtype."""
+    """x: [..., K] -> [..., N]; computed in float32, returned in x's dtype.
+
+    int8_min_rows: from this many activation rows up (None: never), the activations are
+    rounded to int8 per group of 32 and multiplied in integers (`int8_activation_linear`)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
@@ -150,7 +163,9 @@ def quantized_linear(
         x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     ops = quant_linear_ops()
     rows = x2.shape[0]
-    if ops is not None and 0 < rows <= PANEL_MAX_ROWS:
+    if ops is not None and int8_min_rows is not None and rows >= max(int8_min_rows, 1):
+        y = _int8_activation_matmul(ops, x2, weight)
+    elif ops is not None and 0 < rows <= PANEL_MAX_ROWS:
         # The compiled side picks the kernel by rows, as the fused decode does.
         if weight.bits == 8:
             y = ops.int8_linear(x2, weight.qweight, weight.scales, INT16_MAX_ROWS, TILE_MAX_ROWS)
@@ -163,6 +178,31 @@ def quantized_linear(
     if x2 is x:
         return y
     return y.to(x.dtype).view(*lead, n)
+
+
+def int8_activation_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x: [M, K] float32 -> [M, N] with x rounded to int8 per row and group of 32 (the
+    compiled kernel, csrc/quant_q8.h); RuntimeError where the extension is not built."""
+    ops = quant_linear_ops()
+    if ops is None:
+        raise RuntimeError("the int8-activation kernel needs the compiled quant_linear extension (AVX2)")
+    return _int8_activation_matmul(ops, x.float().contiguous(), weight)
+
+
+def _int8_activation_matmul(ops, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    if weight.bits == 8:
+        return ops.int8_linear_q8(x, weight.qweight, weight.scales)
+    return ops.int4_linear_q8(x, weight.qweight, weight.scales, weight.zeros)
+
+
+def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [M, K] float32 -> (xq int8 [M, K], scales [M, K / 32], exact group sums [M, K / 32])
+    as the int8-activation kernel rounds them: xq = round-half-even(x * 127 / absmax)."""
+    ops = quant_linear_ops()
+    if ops is None:
+        raise RuntimeError("the int8-activation kernel needs the compiled quant_linear extension (AVX2)")
+    xq, dx, xs = ops.quantize_activations_int8(x.float().contiguous())
+    return xq, dx, xs
 
 
 def _dequantize_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -54,6 +54,8 @@ class KVBackend(ABC):
     supports_speculation: ClassVar[bool] = True
     supports_kv_transfer: ClassVar[bool] = True
     supports_tensor_parallel: ClassVar[bool] = True
+    supports_cuda: ClassVar[bool] = True
+    """Its worker side can hold the KV cache in CUDA memory (docs/gpu.md)."""
     fork_refusal: ClassVar[str] = ""
     """Why forks are refused (the user-facing message), where ``supports_forks`` is False."""
 
@@ -72,6 +74,11 @@ class KVBackend(ABC):
                 "use --tensor-parallel-size 1 for it"
             )
         flag = f"--kv-cache-backend {self.name}"
+        if not self.supports_cuda and args.resolve_device() == "cuda":
+            raise ValueError(
+                f"{flag} is not supported on device='cuda' yet (its KV regions are host memory "
+                "mapped with mmap); use the paged backend there, or --device cpu (docs/gpu.md)"
+            )
         if args.speculative_config is not None and not self.supports_speculation:
             raise ValueError(
                 f"--speculative-config is not supported with {flag} yet (drafts need lookahead "

@@ -16,6 +16,8 @@ Implementations, chosen per layer by its `AttentionConfig` (config.py; the runne
 - "torch": decodes in one call of the compiled kernel (or, where it cannot be built or is
   configured off, one padded SDPA call), prefill chunks one SDPA call each.
 - "reference": a per-request, per-head loop in float64; obviously correct, slow, for tests.
+- "triton": the Triton KV write and paged attention (layers/triton_attention.py), one launch
+  each per layer for the whole batch; the block-table layout only.
 A layer's scale, sliding window and logit soft-cap are its constructor's arguments (from the
 model's configuration).
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,10 @@ class AttentionMetadata:
     """Contiguous-slot layout: [num_reqs] int64, each request's slot (block_tables is then
     empty; the cache is [2, num_slots, capacity, Hkv, D], a request's KV cache[:, slot, :len])."""
     slots_list: list[int] | None = None
+    query_start_loc_tensor: torch.Tensor | None = None
+    """query_start_loc as a [num_reqs + 1] int64 tensor on the cache's device (device kernels)."""
+    max_query_len: int | None = None
+    """The longest query run of the step (host int; device kernels size their launch by it)."""
 
     @property
     def num_reqs(self) -> int:
@@ -130,14 +136,36 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv(self.kv_cache, k, v, md.slot_mapping)
-        if self.config.backend == "reference":
-            out = reference_attention(q, self.kv_cache, md, self.scale, self.sliding_window, self.logit_soft_cap)
-        else:
-            out = torch_attention(
-                q, k, v, self.kv_cache, md, self.scale, self.sliding_window, self.config, self.logit_soft_cap
-            )
+        out = _IMPLEMENTATIONS[self.config.backend](self, q, k, v, md)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def _torch_impl(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata):
+    assert layer.kv_cache is not None
+    write_kv(layer.kv_cache, k, v, md.slot_mapping)
+    return torch_attention(
+        q, k, v, layer.kv_cache, md, layer.scale, layer.sliding_window, layer.config, layer.logit_soft_cap
+    )
+
+
+def _reference_impl(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata):
+    assert layer.kv_cache is not None
+    write_kv(layer.kv_cache, k, v, md.slot_mapping)
+    return reference_attention(q, layer.kv_cache, md, layer.scale, layer.sliding_window, layer.logit_soft_cap)
+
+
+def _triton_impl(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata):
+    from pagedllm.layers.triton_attention import triton_attention
+
+    assert layer.kv_cache is not None
+    return triton_attention(q, k, v, layer.kv_cache, md, layer.scale, layer.sliding_window, layer.logit_soft_cap)
+
+
+# AttentionConfig.backend -> (layer, q [T, H, D], k, v [T, Hkv, D], metadata) -> [T, H, D]; each
+# writes this step's K/V into the layer's cache first.
+_IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "torch": _torch_impl, "reference": _reference_impl, "triton": _triton_impl,
+}
 
 
 def write_kv(

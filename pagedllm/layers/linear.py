@@ -16,7 +16,15 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TPGroup, check_heads, current_tp, divide
-from pagedllm.kernels import QuantizedWeight, clear_weight_caches, linear_op, quantize, quantized_linear
+from pagedllm.config import PREFILL_ACTIVATIONS
+from pagedllm.kernels import (
+    INT8_ACTIVATION_MIN_ROWS,
+    QuantizedWeight,
+    clear_weight_caches,
+    linear_op,
+    quantize,
+    quantized_linear,
+)
 from pagedllm.layers.utils import set_weight_loader
 
 __all__ = [
@@ -44,6 +52,9 @@ class Linear(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         self.quant: QuantizedWeight | None = None
         self.quantize_bits: int | None = None
+        self.int8_min_rows: int | None = None
+        """quantized weight: from this many activation rows up, int8 activations (None: never;
+        set_prefill_activations)"""
         """4 or 8: quantize float weight shards as they load (--quantization int4|int8)."""
         self._quant_parts: dict[int, QuantizedWeight] = {}  # row offset -> rows loaded so far
 
@@ -105,7 +116,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.quant is not None:
-            return quantized_linear(x, self.quant, self.bias)
+            return quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
         return linear_op(x, self.weight, self.bias, persistent_weight=True)
 
     def extra_repr(self) -> str:
@@ -234,3 +245,16 @@ class RowParallelLinear(Linear):
         y = linear_op(x, self.weight, None, persistent_weight=True)
         self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def set_prefill_activations(net: nn.Module, mode: str, min_rows: int = INT8_ACTIVATION_MIN_ROWS) -> int:
+    """Make every quantized Linear of `net` take "int8" activations from `min_rows` rows up
+    (prefill chunks), or "float" ones always; returns how many layers it set."""
+    if mode not in PREFILL_ACTIVATIONS:
+        raise ValueError(f"prefill_activations={mode!r} is not one of {', '.join(PREFILL_ACTIVATIONS)}")
+    count = 0
+    for module in net.modules():
+        if isinstance(module, Linear):
+            module.int8_min_rows = min_rows if mode == "int8" else None
+            count += module.quant is not None
+    return count

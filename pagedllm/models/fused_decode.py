@@ -136,7 +136,9 @@ class FusedDecoderLayers(nn.Module):
         rows = hidden_states.shape[0]
         if not self.enabled or self._unsupported is not None or not 0 < rows <= FUSED_MAX_ROWS:
             return False
-        if hidden_states.dtype != torch.float32 or layers[0].self_attn.attn.backend != "torch":
+        if not hidden_states.is_cpu or hidden_states.dtype != torch.float32:
+            return False  # a CPU kernel: CUDA runs module by module through the Triton kernels
+        if layers[0].self_attn.attn.backend != "torch":
             return False
         md = get_attention_metadata(0)
         # KERNEL_QUERY_ROWS_PER_REQUEST = 1: every request of the step is one decode row.

@@ -1,4 +1,5 @@
-"""load_model(): a name or path -> model (eval, CPU, in dtype), HF config, tokenizer, ModelConfig.
+"""load_model(): a name or path -> model (eval, in dtype, on its device), HF config, tokenizer,
+ModelConfig.
 
 Accepted `model` values, in this order of precedence:
 1. a local path: a `.gguf` file (or a directory holding exactly one and no config.json), or
@@ -95,17 +96,27 @@ def load_model(
     on_built: Callable[[], None] | None = None,
     revision: str | None = None,
     download_dir: str | None = None,
+    device: str = "cpu",
 ) -> LoadedModel:
     """Load a model for inference; ValueError with the accepted forms for anything unknown.
 
     quantization: see resolve_quantization. on_built: called once the (empty) model is built
     and checked, before its weights load (tensor parallelism starts its workers there).
     revision, download_dir: a hub id's revision and cache directory (resolve_checkpoint).
+    device: the weights load on the CPU and then move there; off the CPU the quantized
+    kernels do not run, so a GGUF file is dequantized to ``dtype`` (quantization "none").
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
     gguf_path, model_dir = resolve_checkpoint(model, revision, download_dir)
+    if device != "cpu":
+        if quantization not in (None, "none"):
+            raise ValueError(
+                f"quantization={quantization!r} runs on the CPU only; on device={device!r} load "
+                "float weights (quantization='none', --quantization none)"
+            )
+        quantization = "none"
     quantization = resolve_quantization(quantization, gguf_path)
     if gguf_path is not None:
         model_dir = gguf_to_hf_dir(gguf_path)
@@ -135,6 +146,8 @@ def load_model(
         if finish is not None:
             finish()
     net.eval()
+    if device != "cpu":
+        net.to(device)
     weight_bytes = module_weight_bytes(net)
     bos_token_id = tokenizer.bos_token_id
     if bos_token_id is None:
@@ -153,8 +166,8 @@ def load_model(
         sliding_window=arch.model_sliding_window,
     )
     logger.info(
-        "loaded %s (%s, %s, quantization=%s, %.1f MiB of weights) in %.1f s",
-        model, architecture, dtype, quantization, weight_bytes / 2**20, time.perf_counter() - start,
+        "loaded %s (%s, %s, quantization=%s, %.1f MiB of weights, on %s) in %.1f s",
+        model, architecture, dtype, quantization, weight_bytes / 2**20, device, time.perf_counter() - start,
     )
     return LoadedModel(
         net, hf_config, tokenizer, model_config, model_dir, gguf_path, quantization, weight_bytes

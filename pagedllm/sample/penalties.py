@@ -25,7 +25,7 @@ class PenaltyMetadata:
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """token_ids: [B, L] padded with vocab_size -> counts [B, vocab_size] int64."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int64)
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int64, device=token_ids.device)
     counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
     return counts[:, :vocab_size]
 

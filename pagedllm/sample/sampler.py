@@ -40,9 +40,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        # Unseeded requests share one engine-wide generator: runs are reproducible per engine seed.
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # Unseeded requests share one engine-wide generator: runs are reproducible per engine
+        # seed (and device: a CUDA generator draws other numbers than the CPU's).
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V] float32
@@ -91,7 +92,8 @@ def apply_restrictions(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tens
         rows, ids, values = md.logit_bias
         logits = logits.index_put((rows, ids), values, accumulate=True)
     if md.banned_rows is not None:
-        logits = logits.index_put((md.banned_rows, md.banned_token_ids), torch.tensor(float("-inf")))
+        minus_inf = torch.full((), float("-inf"), device=logits.device)  # a fill, not a copy
+        logits = logits.index_put((md.banned_rows, md.banned_token_ids), minus_inf)
     return logits
 
 
@@ -111,7 +113,7 @@ def apply_top_k_top_p(
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
-        ranks = torch.arange(logits.shape[-1]).unsqueeze(0)
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
         remove |= ranks >= top_k.unsqueeze(1)
     if top_p is not None:
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)

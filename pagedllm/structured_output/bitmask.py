@@ -33,4 +33,5 @@ def apply_grammar_bitmask(logits: Any, grammar_bitmask: GrammarBitmask, req_ids:
     # xgrammar indexes logits and bitmask by the same row: lay the masks out in batch order.
     batch_mask = torch.empty((logits.shape[0], grammar_bitmask.bitmask.shape[1]), dtype=torch.int32)
     batch_mask[batch_rows] = grammar_bitmask.bitmask[[i for _, i in pairs]]
+    batch_mask = batch_mask.to(logits.device)
     xgr.apply_token_bitmask_inplace(logits, batch_mask, vocab_size=logits.shape[1], indices=batch_rows)

@@ -72,7 +72,7 @@ def sample_isolated(
 
     def call(idx: list[int]) -> SamplerOutput:
         sub = [states[i] for i in idx]
-        md = build_sampling_metadata(sub, logits.shape[1], eos_token_ids)
+        md = build_sampling_metadata(sub, logits.shape[1], eos_token_ids, device=logits.device)
         return sampler(logits if len(idx) == len(states) else logits[idx], md)
 
     out, kept, failed = isolate(call, [s.req_id for s in states])

@@ -111,8 +111,8 @@ def allocate_kv_caches(
 def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: list[tuple[int, int]]) -> None:
     """Copy-on-write: copy each src block's K and V into dst, in every layer."""
     device = kv_caches[0].device
-    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64, device=device)
-    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64, device=device)
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64).to(device, non_blocking=True)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64).to(device, non_blocking=True)
     for cache in kv_caches:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         cache[:, dst] = cache[:, src]
 
@@ -142,7 +142,12 @@ class PagedKVWorker(KVCacheWorker):
         positions = step.positions.numpy()
         req_of_token = step.req_of_token.numpy()
         max_blocks = (max(step.seq_lens_list) + bs - 1) // bs
-        seq_lens = step.seq_lens.to(self.device)
+        # Host-to-device copies are non-blocking (from pageable memory they return once the
+        # source is staged): the step makes no host sync before sampling.
+        seq_lens = step.seq_lens.to(self.device, non_blocking=True)
+        starts = np.asarray(step.query_start_loc, dtype=np.int64)  # [R + 1]
+        query_start = torch.from_numpy(starts).to(self.device, non_blocking=True)
+        max_query_len = int((starts[1:] - starts[:-1]).max()) if len(starts) > 1 else 0
         # Per KV cache group: its own block table and slots (sliding-window groups hold
         # other blocks than full-attention ones); the rest of the metadata is shared.
         mds: list[AttentionMetadata] = []
@@ -154,13 +159,15 @@ class PagedKVWorker(KVCacheWorker):
             slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs  # [T]
             mds.append(
                 AttentionMetadata(
-                    slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
-                    block_tables=torch.from_numpy(block_tables).to(self.device),
+                    slot_mapping=torch.from_numpy(slot_mapping).to(self.device, non_blocking=True),
+                    block_tables=torch.from_numpy(block_tables).to(self.device, non_blocking=True),
                     seq_lens=seq_lens,
                     query_start_loc=step.query_start_loc,
                     seq_lens_list=step.seq_lens_list,
                     num_decodes=step.num_decodes,
                     block_size=bs,
+                    query_start_loc_tensor=query_start,
+                    max_query_len=max_query_len,
                 )
             )
         return mds[0] if len(mds) == 1 else mds

@@ -2,13 +2,15 @@
 
 The runner keeps each scheduled request's token ids and block table between steps
 (`CachedRequestState`); a SchedulerOutput carries only what changed. Per-step inputs (token
-ids, positions, slot mapping, block tables) are built with numpy and cross into torch once.
+ids, positions, slot mapping, block tables) are built with numpy and cross into torch once,
+and onto the KV worker's device (CUDA: the model's) once. The step then reads nothing back
+from the device but the sampled tokens (one sync; logprobs, when asked, add their copy).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +26,7 @@ from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.proposer import PrefillChunk, Proposer
 from pagedllm.spec_decode.registry import build_proposer
+from pagedllm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
 from pagedllm.worker.kv_cache import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
@@ -43,18 +46,20 @@ class ModelRunner:
         make_kv_worker: Callable[[list[Attention]], KVCacheWorker] | None = None,
         speculative_config: SpeculativeConfig | None = None,
         attention_config: AttentionConfig | None = None,
+        decode_graph_sizes: Sequence[int] = (),
     ) -> None:
         """``make_kv_worker`` builds the KV backend's worker side over the model's Attention
         layers (default: the paged pool of ``num_blocks`` blocks of ``block_size`` tokens;
         with another backend those two are unused). ``attention_config`` chooses the
-        attention implementation of every layer."""
+        attention implementation of every layer. ``decode_graph_sizes``: decode steps run
+        as graphs replayed at these batch sizes (worker/cuda_graphs.py; CUDA graphs on CUDA,
+        a re-run of the captured function elsewhere)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler(seed)
         layers = attention_layers(model)
         for layer in layers:
             layer.config = attention_config or AttentionConfig()
@@ -62,6 +67,15 @@ class ModelRunner:
             self.kv_worker: KVCacheWorker = PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
         else:
             self.kv_worker = make_kv_worker(layers)
+        self.device = self.kv_worker.device
+        self.sampler = Sampler(seed, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graph_sizes:
+            capture = cuda_graph_capture() if self.device.type == "cuda" else eager_capture
+            max_blocks = -(-model_config.max_model_len // block_size)
+            self.decode_graphs = DecodeGraphs(
+                model, sorted(set(decode_graph_sizes)), max_blocks, block_size, self.device, capture
+            )
         self.num_kv_cache_groups = self.kv_worker.num_groups
         self.kv_caches = self.kv_worker.kv_caches
         # Speculative decoding: every sampling request goes through the rejection sampler (a
@@ -119,8 +133,12 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
         batch = self.prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids], drafts)
-        with forward_context(batch.attn_metadata):
-            hidden = self.model(batch.input_ids, batch.positions)
+        hidden = None
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
+        if hidden is None:
+            with forward_context(batch.attn_metadata):
+                hidden = self.model(batch.input_ids, batch.positions)
         self._prompt_logprobs(hidden, states, batch)
         sample_rows = batch.sample_rows
         # Prompt chunks that do not sample: a draft model computes their KV this step too.
@@ -202,13 +220,13 @@ class ModelRunner:
             if state.prompt_logprobs is None:
                 continue
             start = batch.query_start[i]
-            first = int(batch.positions[start])
+            first = state.num_computed_tokens  # the position of its first token this step
             # Position p predicts prompt token p + 1; the last prompt position predicts output.
             end = min(first + batch.num_scheduled[i], state.num_prompt_tokens - 1)
             if end <= first:
                 continue
             logits = self.model.compute_logits(hidden[start : start + end - first])  # [n, V]
-            targets = torch.tensor(state.token_ids[first + 1 : end + 1], dtype=torch.int64)
+            targets = torch.tensor(state.token_ids[first + 1 : end + 1], dtype=torch.int64, device=logits.device)
             k = state.sampling_params.prompt_logprobs or 0
             state.prompt_logprobs.extend(compute_logprobs(logits, targets, k).tolists([k] * len(targets)))
 
@@ -243,7 +261,8 @@ class ModelRunner:
             num_decodes=num_decodes,
         )
         md = self.kv_worker.attention_metadata([s.block_ids for s in states], step)
-        return self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
+        batch = self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
+        return batch if self.device.type == "cpu" else batch.to(self.device)
 
     @staticmethod
     def _batch(
@@ -298,3 +317,15 @@ class Batch:
     sample_rows: list[int]  # which requests (rows of this step) sample
     query_start: list[int]  # [R] offset of each request's first token in the flat batch
     num_scheduled: list[int]  # [R] tokens of each request this step
+
+    def to(self, device: torch.device) -> Batch:
+        """The batch with its index tensors on ``device`` (the metadata is there already)."""
+        return Batch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            positions=self.positions.to(device, non_blocking=True),
+            attn_metadata=self.attn_metadata,
+            logits_indices=self.logits_indices.to(device, non_blocking=True),
+            sample_rows=self.sample_rows,
+            query_start=self.query_start,
+            num_scheduled=self.num_scheduled,
+        )

@@ -6,7 +6,7 @@ token histories for penalties cross into torch as one padded tensor per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -36,14 +36,38 @@ class CachedRequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
+def step_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The generator of a seeded request at output position ``step``: a function of
-    (seed, step) only, so the tokens survive batching changes and preemption alike."""
-    return torch.Generator().manual_seed((seed * _SEED_STRIDE + step) % (2**63))
+    (seed, step) only (and the device), so the tokens survive batching changes and
+    preemption alike."""
+    return torch.Generator(device=device).manual_seed((seed * _SEED_STRIDE + step) % (2**63))
 
 
 def build_sampling_metadata(
-    states: list[CachedRequestState], vocab_size: int, eos_token_ids: list[int]
+    states: list[CachedRequestState], vocab_size: int, eos_token_ids: list[int],
+    device: torch.device | str = "cpu",
+) -> SamplingMetadata:
+    """The metadata of ``states``' rows, on ``device`` (built on the host, one copy per tensor,
+    no read back)."""
+    md = _host_sampling_metadata(states, vocab_size, eos_token_ids, torch.device(device))
+    return md if torch.device(device).type == "cpu" else _to_device(md, torch.device(device))
+
+
+def _to_device(md: SamplingMetadata, device: torch.device) -> SamplingMetadata:
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        if isinstance(value, tuple):
+            return tuple(move(v) for v in value)
+        if isinstance(value, PenaltyMetadata):
+            return PenaltyMetadata(*(move(getattr(value, f.name)) for f in fields(value)))
+        return value
+
+    return SamplingMetadata(**{f.name: move(getattr(md, f.name)) for f in fields(md)})
+
+
+def _host_sampling_metadata(
+    states: list[CachedRequestState], vocab_size: int, eos_token_ids: list[int], device: torch.device
 ) -> SamplingMetadata:
     faults.maybe_raise_any("sample", (s.req_id for s in states))
     params = [s.sampling_params for s in states]
@@ -63,7 +87,7 @@ def build_sampling_metadata(
         top_k=top_k,
         top_p=top_p,
         generators={
-            i: step_generator(s.sampling_params.seed, s.num_output_tokens)
+            i: step_generator(s.sampling_params.seed, s.num_output_tokens, device)
             for i, s in enumerate(states)
             if s.sampling_params.seed is not None and not s.sampling_params.greedy
         },

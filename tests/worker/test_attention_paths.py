@@ -2,10 +2,11 @@
 
 The metadata comes from each backend's worker side (``KVCacheWorker.attention_metadata``)
 over its own cache tensors, and the layer runs end to end (write, then attend), with the
-fast implementations (the compiled decode kernels; torch ops alone) and with the float64
-reference. Paths: decodes, a prompt's first chunk, continuation chunks, two or more short
-continuation runs in one step (batched into one padded call), and speculative verification
-(k + 1 query tokens after a context, next to decodes); each plain, windowed, soft-capped.
+fast implementations (the compiled decode kernels; torch ops alone; on the paged backend the
+Triton kernels, interpreted) and with the float64 reference. Paths: decodes, a prompt's first
+chunk, continuation chunks, two or more short continuation runs in one step (batched into
+one padded call), and speculative verification (k + 1 query tokens after a context, next to
+decodes); each plain, windowed, soft-capped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from pagedllm.layers.attention import Attention, forward_context, write_kv
 from pagedllm.kernels import paged_attention_ops
 from pagedllm.worker.kv_cache import PagedKVWorker
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
+from tests.kernels.interpreter import import_interpreted, interpreter  # noqa: F401 (fixture)
+
+INTERPRETED = import_interpreted()
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 HKV, GROUP, D = 2, 3, 64
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
@@ -96,11 +101,14 @@ def test_path_matches_reference(backend: str, path: str, variant: str) -> None:
     k = torch.randn(num_tokens, HKV * D)
     v = torch.randn(num_tokens, HKV * D)
     outs = {}
-    for impl, config in {**FAST, "reference": AttentionConfig(backend="reference")}.items():
+    fast = dict(FAST, triton=AttentionConfig(backend="triton")) if backend == "paged" else FAST
+    if backend == "paged":
+        assert INTERPRETED
+    for impl, config in {**fast, "reference": AttentionConfig(backend="reference")}.items():
         layer.config = config
         with forward_context(md):
             outs[impl] = layer(q, k, v)  # rewrites the same K/V at the same slots
-    for impl in FAST:
+    for impl in fast:
         torch.testing.assert_close(outs[impl], outs["reference"], atol=1e-5, rtol=1e-5, msg=impl)
     if "logit_soft_cap" in VARIANTS[variant]:  # negative control: the cap changes the output
         layer.config, layer.logit_soft_cap = AttentionConfig(backend="reference"), None

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "quant_linear.h"
+#include "quant_q8.h"
 
 using namespace pagedllm;
 
@@ -68,6 +69,39 @@ void int8_dequantize_rows(torch::Tensor q, torch::Tensor s, int64_t row0, torch:
   dequantize_rows<false>(q, s, s, row0, out);
 }
 
+// x [M, K] float32 -> [M, N] with x rounded to int8 per group of 32 (quant_q8.h): prefill.
+template <bool INT4>
+torch::Tensor quant_linear_q8(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                              const torch::Tensor& zeros) {
+  check_quant_linear_args<INT4>(x, qweight, scales, zeros);
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  quant_matmul_q8<INT4>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                        scales.data_ptr<float>(), INT4 ? zeros.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y;
+}
+
+torch::Tensor int4_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z) {
+  return quant_linear_q8<true>(x, q, s, z);
+}
+torch::Tensor int8_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
+  return quant_linear_q8<false>(x, q, s, s);
+}
+
+// x [M, K] float32 -> (xq int8 [M, K], dx float32 [M, K / 32], xs float32 [M, K / 32]): the
+// int8 activations quant_linear_q8 multiplies with (exposed for tests).
+std::vector<torch::Tensor> quantize_activations_int8(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) % kGroup == 0,
+              "x must be a contiguous float32 [M, K] tensor with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto dx = torch::empty({M, K / kGroup}, x.options());
+  auto xs = torch::empty({M, K / kGroup}, x.options());
+  quantize_activations_q8(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                          xs.data_ptr<float>());
+  return {xq, dx, xs};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -75,6 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ dequant(int4 weight [N, K]).T -> [M, N], the kernel picked by M (int16_max_rows, tile_max_rows)");
   m.def("int8_linear", &int8_linear,
         "x [M, K] @ dequant(int8 weight [N, K]).T -> [M, N], the kernel picked by M (int16_max_rows, tile_max_rows)");
+  m.def("int4_linear_q8", &int4_linear_q8, "x [M, K] @ dequant(int4 weight [N, K]).T with int8 activations");
+  m.def("int8_linear_q8", &int8_linear_q8, "x [M, K] @ dequant(int8 weight [N, K]).T with int8 activations");
+  m.def("quantize_activations_int8", &quantize_activations_int8, "x -> (int8 x, scales, exact sums) per group of 32");
   m.def("int4_dequantize_rows", &int4_dequantize_rows, "rows of the int4 weight as float32");
   m.def("int8_dequantize_rows", &int8_dequantize_rows, "rows of the int8 weight as float32");
 }

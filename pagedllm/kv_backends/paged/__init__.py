@@ -88,7 +88,9 @@ class PagedBackend(KVBackend):
         return KVBuild(
             manager=manager,
             config=config,
-            make_worker=lambda layers: PagedKVWorker(layers, num_blocks, block_size, model_config.dtype),
+            make_worker=lambda layers: PagedKVWorker(
+                layers, num_blocks, block_size, model_config.dtype, config.device_config.device
+            ),
             block_size=block_size,
             num_blocks=num_blocks,
             summary=summary,

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.config import parse_bytes
 from pagedllm.core.kv_manager import KVManager
 from pagedllm.kv_backends.base import KVBackend, KVBuild
 from pagedllm.kv_backends.vattention.manager import FORK_UNSUPPORTED, VAttentionKVManager, vattention_layout
@@ -30,6 +29,7 @@ class VAttentionBackend(KVBackend):
     supports_speculation = False
     supports_kv_transfer = False
     supports_tensor_parallel = False
+    supports_cuda = False
     fork_refusal = FORK_UNSUPPORTED
 
     def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
@@ -45,7 +45,7 @@ class VAttentionBackend(KVBackend):
         capacity = vattention_layout(token_bytes, max_len, HUGE)
         hugepages = args.vattention_hugepages
         page_bytes = HUGE if hugepages else SMALL_PAGE
-        budget = parse_bytes(args.kv_cache_memory_bytes)
+        budget = args.kv_cache_budget()
         num_pages = budget // page_bytes
         config = args.create_engine_config(model_config, num_blocks=num_pages + 1)
         num_slots = config.scheduler_config.max_num_seqs
