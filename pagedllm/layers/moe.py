@@ -112,6 +112,10 @@ class SparseMoE(nn.Module):
     """The sparse MLP: `gate` (the router), `experts.<e>`, optional `shared_expert` and
     `shared_expert_gate` (HF's Qwen2-MoE names; Mixtral's checkpoint names map onto these)."""
 
+    cuda_graph_safe = False
+    """Its forward loops over the experts the step's tokens chose (worker/cuda_graphs.py
+    refuses to capture it)."""
+
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.tp = current_tp()

@@ -144,6 +144,14 @@ class DecodeGraphs:
         device: torch.device, capture: GraphCapture,
     ) -> None:
         assert sizes and list(sizes) == sorted(set(sizes)) and sizes[0] >= 1, sizes
+        # A module whose forward branches on its data (a MoE layer runs only the experts its
+        # tokens chose) would be frozen at capture to that data's branch.
+        frozen = sorted({type(m).__name__ for m in model.modules() if not getattr(m, "cuda_graph_safe", True)})
+        if frozen:
+            raise ValueError(
+                f"CUDA graphs cannot capture {', '.join(frozen)} (its forward depends on the step's "
+                "data, e.g. which experts are routed to); run without cuda_graph_sizes (--cuda-graph-sizes)"
+            )
         self.model = model
         self.sizes = list(sizes)
         self.block_size = block_size

@@ -391,3 +391,12 @@ def test_int4_keeps_the_router_at_8_bits(tmp_path: Path) -> None:
     moe = next(m for m in loaded.model.modules() if isinstance(m, SparseMoE))
     assert moe.gate.quant is not None and moe.gate.quant.bits == 8
     assert moe.experts[0].gate_up_proj.quant.bits == moe.experts[0].down_proj.quant.bits == 4
+
+
+def test_cuda_graphs_refuse_a_moe_model() -> None:
+    # A captured graph would replay the experts routed to at capture, whatever the tokens.
+    from pagedllm.worker.cuda_graphs import DecodeGraphs, eager_capture
+
+    model = torch.nn.Sequential(_random_moe())
+    with pytest.raises(ValueError, match="CUDA graphs cannot capture SparseMoE"):
+        DecodeGraphs(model, [1, 2], 16, 16, torch.device("cpu"), eager_capture)
