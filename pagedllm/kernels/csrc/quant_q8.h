@@ -28,10 +28,12 @@
 #include <vector>
 
 #include "gemm_tiles.h"
+#include "quant_linear.h"
 
 namespace pagedllm {
 
-constexpr int kQ8Group = 32;
+// The activations are grouped as the weights are (quant_linear.h): one scale pair per group.
+constexpr int kQ8Group = kGroup;
 // Groups per super-block. Both operands are repacked so that a 32-byte vector holds 4
 // consecutive elements of each of 8 groups (dword j: group j): maddubs + madd then leave group
 // j's partial sum in int32 lane j, 8 vectors complete all 8 groups, and one conversion and one
