@@ -195,8 +195,12 @@ UNHONOURED_FIELDS = {
     "vllm_xargs": "vllm_xargs (arguments for custom logits processors) is not supported",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
     "mm_processor_kwargs": "there are no multimodal models here",
+    "functions": "legacy function calling is not supported: use tools",
+    "function_call": "legacy function calling is not supported: use tool_choice",
+    "suffix": "suffix (fill in the middle) is not supported",
 }
-"""vLLM request fields this engine cannot honour: a 400 naming them when set."""
+"""OpenAI and vLLM request fields this engine cannot honour: a 400 naming them when set (the
+one place for them; a field only one endpoint has is absent from the other's requests)."""
 
 
 def check_unhonoured_fields(req: SamplingFields) -> None:

@@ -57,8 +57,6 @@ from pagedllm.entrypoints.openai.tool_parsers.handler import (
 )
 from pagedllm.entrypoints.openai.tool_parsers.stream import TextStreamState, ToolStreamState
 
-_UNSUPPORTED = ("functions", "function_call")
-
 
 def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
     """Plain dicts for the template; content parts must be text."""
@@ -114,10 +112,8 @@ class OpenAIServingChat:
             raise bad_request(message, param) from None
 
     def _check(self, req: ChatCompletionRequest) -> int | None:
-        """Reject what we do not support; return the logprobs count for SamplingParams."""
-        for name in _UNSUPPORTED:
-            if getattr(req, name) is not None:
-                raise bad_request(f"{name} is not supported (legacy function calling): use tools", name)
+        """Reject what we do not support (the fields no endpoint honours: serving_base's
+        UNHONOURED_FIELDS); return the logprobs count for SamplingParams."""
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None

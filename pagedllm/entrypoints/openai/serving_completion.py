@@ -70,8 +70,6 @@ class OpenAIServingCompletion:
     def _check(self, req: CompletionRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (as in vLLM V1); use n", "best_of")
-        if req.suffix is not None:
-            raise bad_request("suffix is not supported", "suffix")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", "echo")
 
