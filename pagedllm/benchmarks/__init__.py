@@ -24,5 +24,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tensor-parallel": ("tensor_parallel", "decode throughput of TP 1 against TP 2, time in collectives"),
     "kv-transfer": ("kv_transfer", "KV transfer throughput of the ZMQ connector over TCP loopback"),
     "disagg-itl": ("disagg_itl", "stream inter-token latency during a burst of long prompts (any server)"),
+    "random-llama-1b": ("random_llama_1b", "a Llama-3.2-1B-shaped random model against llama.cpp on its own GGUF files"),
     "dashboard-snapshot": ("dashboard_snapshot", "cost of the dashboard's KV snapshot against the step time"),
 }

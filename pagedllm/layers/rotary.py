@@ -40,7 +40,7 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, params)
+        return llama3_inv_freq(inv_freq, params)
     if rope_type in _ROTARY_MODULES:
         raise ValueError(f"rope_type {rope_type!r} has its own module: build it with rotary_embedding_for")
     raise ValueError(
@@ -48,7 +48,7 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
     )
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     # Llama 3.1 context extension: wavelengths longer than original_len / low_freq_factor are
     # slowed down by `factor`, shorter than original_len / high_freq_factor kept, and the band
     # between blends the two linearly in original_len / wavelength.

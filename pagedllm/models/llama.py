@@ -26,6 +26,7 @@ from pagedllm.layers.utils import default_dtype
 from pagedllm.models.config_utils import decoder_sizes, sliding_windows_of
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.fused_decode import DecodeLayout, FusedDecoderLayers
+from pagedllm.models.gguf_rope import llama3_rope_from_freq_factors
 from pagedllm.models.utils import load_named_weights
 
 # (fused parameter, checkpoint projection, shard id)
@@ -242,6 +243,20 @@ def _mixtral_config_from_gguf(reader: Any, hf_config: Any) -> dict[str, Any]:
     }
 
 
+def _llama_config_from_gguf(reader: Any, hf_config: Any) -> dict[str, Any]:
+    """Mixtral's experts (above) and Llama 3's rope scaling, which llama.cpp stores only as
+    the rope_freqs tensor (models/gguf_rope.py)."""
+    out = _mixtral_config_from_gguf(reader, hf_config)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        params = rope_parameters(hf_config)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        rope = llama3_rope_from_freq_factors(freqs.data, float(params["rope_theta"]), head_dim)
+        if rope is not None:
+            out["rope_parameters"] = rope
+    return out
+
+
 def _qwen2_arch_config(hf: Any) -> ArchConfig:
     # Qwen2 has biases on q/k/v but not on o_proj, whatever attention_bias says.
     return llama_arch_config(hf, qkv_bias=True, o_bias=False)
@@ -263,7 +278,7 @@ FAMILIES = (
             optional_block_names=MIXTRAL_GGUF_BLOCK_NAMES,
             permuted_qk=True,
             skipped_tensors=("rope_freqs.weight",),
-            config_from_gguf=_mixtral_config_from_gguf,
+            config_from_gguf=_llama_config_from_gguf,
         ),
         supports_tensor_parallel=True,
     ),
