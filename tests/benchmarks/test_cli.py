@@ -14,7 +14,10 @@ from pagedllm.benchmarks.workloads import random_prompts, random_token_prompts
 from pagedllm.entrypoints.cli import build_parser
 
 # The flags each benchmark needs beyond its defaults.
-_REQUIRED = {"disagg-itl": ["--base-url", "http://127.0.0.1:1"]}
+_REQUIRED = {
+    "disagg-itl": ["--base-url", "http://127.0.0.1:1"],
+    "random-llama-1b": ["--out", "out", "--llama-cpp", "llama.cpp"],
+}
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
