@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT_VERSION = 1
+# 2: Llama-3 rope scaling recovered from rope_freqs (models/gguf_rope.py); a cache written
+# before it holds plain rope for those files, so every file converts once more.
+_CACHE_FORMAT_VERSION = 2
 
 # The architectures and their tensor names: each family's GGUFSpec (models/family.py).
 SUPPORTED_TENSOR_TYPES = (
