@@ -72,7 +72,8 @@ class PagedBackend(KVBackend):
             max_model_len=model_config.max_model_len,
             enable_caching=budget_config.enable_prefix_caching,
             # The KV storage dtype: blocks of int8 codes are not blocks of floats.
-            hash_extra_keys=(model_config.model, model_config.dtype, block_size, loaded.quantization, storage),
+            hash_extra_keys=(model_config.model, model_config.dtype, block_size, ("kv_cache_dtype", storage),
+                             loaded.quantization),
             group_specs=group_specs,
         )
         max_len = model_config.max_model_len
