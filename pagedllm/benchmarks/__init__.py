@@ -24,5 +24,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tensor-parallel": ("tensor_parallel", "decode throughput of TP 1 against TP 2, time in collectives"),
     "kv-transfer": ("kv_transfer", "KV transfer throughput of the ZMQ connector over TCP loopback"),
     "disagg-itl": ("disagg_itl", "stream inter-token latency during a burst of long prompts (any server)"),
+    "kv-cache-dtype": ("kv_cache_dtype", "decode step time at long contexts, KV capacity and drift per --kv-cache-dtype"),
     "dashboard-snapshot": ("dashboard_snapshot", "cost of the dashboard's KV snapshot against the step time"),
 }
