@@ -144,3 +144,17 @@ def test_cuda_refuses(monkeypatch):
         args.check_device_support()
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*read by the CPU kernels only"):
         EngineArgs(model="m", device="cuda", kv_cache_dtype="fp8").check_device_support()
+
+
+def test_fused_and_module_decodes_agree_on_codes(engine):
+    """The compiled decode's writer and reader against write_kv and the per-module kernels."""
+    llm, (tokens, chosen, _) = engine("int8")
+    fused = llm.llm_engine.engine_core.runner.model.model.fused_layers
+    fused.enabled = False
+    try:
+        module_tokens, module_chosen, _ = _greedy(llm)
+    finally:
+        fused.enabled = True
+    assert module_tokens == tokens
+    for a, b in zip(module_chosen, chosen):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
