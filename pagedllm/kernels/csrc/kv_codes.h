@@ -7,7 +7,8 @@
 // writes store the same bytes). fp8 codes widen by moving their exponent and mantissa bits into
 // a float's and re-biasing the exponent with an integer add; the subnormal codes (exponent 0)
 // are code * 2^-(bias - 1 + mantissa bits), computed as an int-to-float conversion times a
-// power of two, so no float denormal ever appears (denormals are slow on x86).
+// power of two, so no float denormal ever appears (denormals are slow on x86). With F16C
+// (every AVX2 CPU has it) the eight-at-a-time widening goes through float16 instead.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -129,8 +130,23 @@ inline __m256 fp8x8_to_float(const uint8_t* p) {
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
   return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
 }
+#ifdef __F16C__
+// Through float16 (one conversion instruction, subnormals included): an e5m2 code is a float16's
+// high byte; an e4m3 code's 7 magnitude bits shifted by 7 are a float16 of 2^-8 its value.
+inline __m256 load8(const E4M3Code* p) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+inline __m256 load8(const E5M2Code* p) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(c, 8));
+}
+#else
 inline __m256 load8(const E4M3Code* p) { return fp8x8_to_float<3, 7>(reinterpret_cast<const uint8_t*>(p)); }
 inline __m256 load8(const E5M2Code* p) { return fp8x8_to_float<2, 15>(reinterpret_cast<const uint8_t*>(p)); }
+#endif
 #endif
 
 }  // namespace pagedllm
