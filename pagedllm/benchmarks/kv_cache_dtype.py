@@ -2,9 +2,9 @@
 
     pagedllm bench kv-cache-dtype [--batch 64] [--context 2048] [--rounds 3] [--steps 3]
 
-Decode: the default model (float32) decodes one token for each of --batch requests whose
-contexts hold --context tokens, the caches filled with random K/V (no prefill: the step's cost
-does not depend on the values) in scattered blocks. The KV dtypes alternate round by round
+Decode: the default model (Q4_1 weights, float32 activations) decodes one token for each of
+--batch requests whose contexts hold --context tokens, the caches filled with random K/V (no
+prefill: the step's cost does not depend on the values) in scattered blocks. The KV dtypes alternate round by round
 (auto, int8, fp8, ...) on the same model, each round a warm-up step then --steps timed steps;
 medians of the whole forward (the compiled decode layers) and of one layer's decode attention
 call alone. Capacity: the blocks --kv-cache-memory-bytes buys for each dtype.
@@ -92,7 +92,7 @@ def _decode(args: argparse.Namespace, dtypes: list[str]) -> None:
         caches[d] = allocate_kv_caches(layers, num_blocks, bs, storage)
         _fill(caches[d], storage, i)
     budget = parse_bytes(args.kv_cache_memory_bytes)
-    print(f"decode: {args.model} float32, batch {B}, context {L} tokens, blocks of {bs}; "
+    print(f"decode: {args.model} (float32 activations), batch {B}, context {L} tokens, blocks of {bs}; "
           f"{args.rounds} rounds x {args.steps} steps, dtypes alternating", flush=True)
     step_ms: dict[str, list[float]] = {d: [] for d in dtypes}
     attn_ms: dict[str, list[float]] = {d: [] for d in dtypes}

@@ -135,8 +135,9 @@ inline __m256 fp8x8_to_float(const uint8_t* p) {
 // high byte; an e4m3 code's 7 magnitude bits shifted by 7 are a float16 of 2^-8 its value.
 inline __m256 load8(const E4M3Code* p) {
   const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8),
-                                 _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7));
+  // c << 7 puts the sign at bit 14 (bit 15 is clear): adding bit 14 to itself moves it to 15.
+  const __m128i x = _mm_slli_epi16(c, 7);
+  const __m128i h = _mm_add_epi16(x, _mm_and_si128(x, _mm_set1_epi16(0x4000)));
   return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 inline __m256 load8(const E5M2Code* p) {
