@@ -18,6 +18,22 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 
 KV_CACHE_BACKENDS = KV_BACKEND_NAMES
 
+KVCacheDType = Literal["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""What the KV cache stores: "auto" (the model's dtype), or 8-bit codes with a float32 scale
+per (token, KV head) row: "int8", "fp8_e4m3" ("fp8", as vLLM) or "fp8_e5m2"
+(layers/kv_quant.py; docs/architecture.md's KV cache part)."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The storage name of the KV cache: the model's dtype for "auto", "fp8" spelled
+    "fp8_e4m3", else the name itself; ValueError naming the choices otherwise."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
 
 def parse_bytes(value: int | str) -> int:
     """Parse a byte count: an int, or a string such as "4GiB", "512MiB", "2GB", "1e9"."""
@@ -72,8 +88,12 @@ class CacheConfig:
     kv_cache_backend: str = "paged"
     """A name in the KV backend registry (pagedllm/kv_backends/); each backend checks the
     engine arguments it cannot honour (``KVBackend.check_args``)."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """What the KV cache stores (KV_CACHE_DTYPES): the model's dtype, or 8-bit codes with a
+    scale per (token, KV head) row."""
 
     def __post_init__(self) -> None:
+        resolve_kv_cache_dtype(self.kv_cache_dtype, "float32")
         if self.kv_cache_backend not in KV_CACHE_BACKENDS:
             raise ValueError(
                 f"kv_cache_backend={self.kv_cache_backend!r} is not one of {', '.join(KV_CACHE_BACKENDS)}"

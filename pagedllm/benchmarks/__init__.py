@@ -25,5 +25,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv-transfer": ("kv_transfer", "KV transfer throughput of the ZMQ connector over TCP loopback"),
     "disagg-itl": ("disagg_itl", "stream inter-token latency during a burst of long prompts (any server)"),
     "random-llama-1b": ("random_llama_1b", "a Llama-3.2-1B-shaped random model against llama.cpp on its own GGUF files"),
+    "kv-cache-dtype": ("kv_cache_dtype", "decode step time at long contexts, KV capacity and drift per --kv-cache-dtype"),
     "dashboard-snapshot": ("dashboard_snapshot", "cost of the dashboard's KV snapshot against the step time"),
 }

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, fields
 
 from pagedllm.config import (
+    KV_CACHE_DTYPES,
     ATTENTION_BACKENDS,
     GiB,
     AttentionConfig,
@@ -71,6 +72,9 @@ class EngineArgs:
     supports it)."""
     kv_cache_backend: str = "paged"
     """A name in pagedllm/kv_backends/: "paged" or "vattention" (docs/kv_backends.md)."""
+    kv_cache_dtype: str = "auto"
+    """What the KV cache stores: auto (the model's dtype), int8, fp8 (= fp8_e4m3) or fp8_e5m2:
+    8-bit codes with a float32 scale per (token, KV head) row (layers/kv_quant.py)."""
     vattention_hugepages: bool = False
     """vattention: back the slots with transparent huge pages (2 MiB accounting pages)."""
     vattention_deferred_reclaim: bool = True
@@ -161,6 +165,9 @@ class EngineArgs:
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
         )
         parser.add_argument("--kv-cache-backend", default="paged", choices=list(KV_BACKEND_NAMES))
+        parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                            help="what the KV cache stores: auto (the model's dtype), or 8-bit codes "
+                            "with a float32 scale per (token, head) row: int8, fp8 (e4m3), fp8_e5m2")
         parser.add_argument(
             "--vattention-hugepages", action=argparse.BooleanOptionalAction, default=False
         )
@@ -256,6 +263,13 @@ class EngineArgs:
                 f"attention_backend='triton' reads the paged block-table layout; "
                 f"kv_cache_backend={self.kv_cache_backend!r} needs attention_backend 'torch' or 'reference'"
             )
+        if self.kv_cache_dtype != "auto" and backend == "triton":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} (8-bit KV codes with per-row scales) is read "
+                "by the CPU kernels only; attention_backend='triton' (and device='cuda') reads a "
+                "float cache: use --kv-cache-dtype auto there, or device='cpu' with the 'torch' "
+                "attention backend"
+            )
         if device == "cpu" and backend == "triton":
             from pagedllm.kernels.triton import triton_available, triton_interpreted
 
@@ -267,6 +281,8 @@ class EngineArgs:
         if device != "cuda":
             return
         refusals = {
+            f"kv_cache_dtype={self.kv_cache_dtype!r} (the 8-bit KV kernels are CPU code)":
+                self.kv_cache_dtype != "auto",
             "tensor_parallel_size > 1 (--tensor-parallel-size)": self.tensor_parallel_size > 1,
             "KV transfer (--kv-transfer-config; it reads the pool with .numpy())": self.kv_transfer_config is not None,
             "speculative decoding (--speculative-config; the rejection sampler is host-side)":
@@ -319,6 +335,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_budget(),
                 enable_prefix_caching=self.resolve_prefix_caching(),
                 kv_cache_backend=self.kv_cache_backend,
+                kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchParams
@@ -557,10 +557,13 @@ class AsyncLLM:
 
 def _cache_info(info: Any) -> dict[str, Any]:
     """The KV cache config as vLLM's ``cache_config_info`` labels (``num_gpu_blocks``: the
-    pool's usable blocks, whatever the device), with this engine's own fields after them."""
+    pool's usable blocks, whatever the device; ``cache_dtype``: the KV storage), with this
+    engine's own fields after them."""
     cache = info.config.cache_config
     return {
-        "block_size": cache.block_size, "cache_dtype": info.model_config.dtype,
+        # What the pool stores: the model's dtype under "auto", else the 8-bit format's name.
+        "block_size": cache.block_size,
+        "cache_dtype": resolve_kv_cache_dtype(cache.kv_cache_dtype, info.model_config.dtype),
         "enable_prefix_caching": cache.enable_prefix_caching, "num_gpu_blocks": info.num_total_blocks,
         "num_cpu_blocks": None, "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
         "kv_cache_backend": cache.kv_cache_backend,

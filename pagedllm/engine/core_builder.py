@@ -46,7 +46,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     # Settings that cannot work together fail before the model loads.
     args.device_config()
     args.check_device_support()
-    CacheConfig(enable_prefix_caching=args.resolve_prefix_caching(), kv_cache_backend=args.kv_cache_backend)
+    CacheConfig(enable_prefix_caching=args.resolve_prefix_caching(), kv_cache_backend=args.kv_cache_backend,
+                kv_cache_dtype=args.kv_cache_dtype)  # type: ignore[arg-type]
     kv_backend = get_kv_backend(args.kv_cache_backend)
     kv_backend.check_args(args, args.resolve_prefix_caching())
     if args.prefill_activations != "float" and args.tensor_parallel_size > 1:

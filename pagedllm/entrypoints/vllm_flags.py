@@ -3,7 +3,7 @@ vLLM's environment variables: so a vLLM launch line runs with the command name c
 
 A flag in NO_OP_FLAGS is accepted with a one-line warning saying why it changes nothing; a
 flag in MISSING_FEATURE_FLAGS is accepted only at the value that asks for nothing (e.g.
-``--kv-cache-dtype auto``, ``-pp 1``) and otherwise stops the start with an error naming what
+``-pp 1``) and otherwise stops the start with an error naming what
 is missing. Flags vLLM has that are neither here nor elsewhere in the parser are argparse's
 "unrecognized arguments" error. docs/vllm_compatibility.md lists them all.
 """
@@ -82,8 +82,6 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
 )
 
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
-    CompatFlag(("--kv-cache-dtype",), "no fp8 KV cache: the KV cache holds the model's dtype",
-               {}, harmless=_one_of("auto")),
     _missing_switch("--enable-lora", reason="no LoRA adapters"),
     CompatFlag(("--lora-modules",), "no LoRA adapters", {"nargs": "+"}),
     CompatFlag(("--max-loras",), "no LoRA adapters", {"type": int}),

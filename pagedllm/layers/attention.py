@@ -11,6 +11,10 @@ worker sides (worker/kv_worker.py):
 - contiguous slots: `[2, num_slots, capacity, num_kv_heads, head_dim]`; the metadata carries
   each request's slot (`slots`), a token's row is `slot * capacity + position`, and a
   request's context is the contiguous slice `cache[:, slot, :seq_len]`.
+With an 8-bit KV cache (``--kv-cache-dtype``) the last dimension is `head_dim + 4`: each
+(token, head) row's codes, then its float32 scale (layers/kv_quant.py). The writes quantize;
+the compiled decode kernels widen the codes themselves, the torch paths dequantize the rows
+they read (`dequantize_rows`).
 
 Implementations, chosen per layer by its `AttentionConfig` (config.py; the runner binds it):
 - "torch": decodes in one call of the compiled kernel (or, where it cannot be built or is
@@ -35,6 +39,7 @@ from torch import nn
 
 from pagedllm.config import AttentionConfig
 from pagedllm.kernels import paged_attention_ops
+from pagedllm.layers.kv_quant import dequantize_rows, quant_format, quantize_rows
 
 DEFAULT_CONFIG = AttentionConfig()
 
@@ -158,6 +163,7 @@ def _triton_impl(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     from pagedllm.layers.triton_attention import triton_attention
 
     assert layer.kv_cache is not None
+    assert quant_format(layer.kv_cache) is None, "the Triton kernels read a float KV cache (EngineArgs refuses)"
     return triton_attention(q, k, v, layer.kv_cache, md, layer.scale, layer.sliding_window, layer.logit_soft_cap)
 
 
@@ -171,10 +177,16 @@ _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
 def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    # kv_cache: [2, num_blocks, block_size, Hkv, D]; k, v: [T, Hkv, D]; slot_mapping: [T]
+    # kv_cache: [2, num_blocks, block_size, Hkv, D (+ 4)]; k, v: [T, Hkv, D]; slot_mapping: [T]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+    fmt = quant_format(kv_cache)
+    if fmt is None:
+        flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+        return
+    raw = flat.view(torch.uint8)  # fp8 dtypes have no index_copy_: the rows move as bytes
+    raw[0].index_copy_(0, slot_mapping, quantize_rows(k, fmt).view(torch.uint8))
+    raw[1].index_copy_(0, slot_mapping, quantize_rows(v, fmt).view(torch.uint8))
 
 
 def _context(
@@ -255,6 +267,7 @@ def torch_attention(
             ki, vi = k[start:end], v[start:end]
         else:
             ki, vi = _context(kv_cache, md, i, seq_len)
+            ki, vi = dequantize_rows(ki, q.dtype), dequantize_rows(vi, q.dtype)
         # 4-D [1, heads, tokens, D]: torch's CPU flash kernel takes 4-D inputs only (3-D ones
         # fall back to the math path, 2-5x slower at 256-1024 tokens).
         qi = q[start:end].transpose(0, 1)[None]  # [1, H, Q, D]
@@ -312,6 +325,7 @@ def _short_runs_attention(
     else:
         max_blocks = (int(seq_lens.max()) + md.block_size - 1) // md.block_size
         k, v = _gather_context(kv_cache, md.block_tables[rows, :max_blocks])  # [R, L, Hkv, D]
+    k, v = dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
     # Token index of each padded query slot in the flat batch (pads repeat the run's last).
     offsets = torch.arange(num_q).unsqueeze(0)  # [1, Qmax]
     lens_t = torch.tensor(lens).unsqueeze(1)  # [R, 1]
@@ -347,6 +361,7 @@ def _decode_attention(
     # Torch fallback: gather each request's blocks, pad to the longest, mask the rest.
     max_blocks = (max(md.seq_lens_list[:nd]) + md.block_size - 1) // md.block_size
     k, v = _gather_context(kv_cache, md.block_tables[:nd, :max_blocks])
+    k, v = dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, L, Hkv, D] -> [nd, Hkv, L, D]
     key_pos = torch.arange(k.shape[2]).unsqueeze(0)
     seq_lens = md.seq_lens[:nd].unsqueeze(1)
@@ -375,8 +390,8 @@ def _contiguous_decode_attention(
         seq_len = md.seq_lens_list[i]
         start = max(0, seq_len - sliding_window) if sliding_window is not None else 0
         slot = md.slots_list[i]
-        k = kv_cache[0, slot, start:seq_len].transpose(0, 1)  # [Hkv, S, D]
-        v = kv_cache[1, slot, start:seq_len].transpose(0, 1)
+        k = dequantize_rows(kv_cache[0, slot, start:seq_len], q.dtype).transpose(0, 1)  # [Hkv, S, D]
+        v = dequantize_rows(kv_cache[1, slot, start:seq_len], q.dtype).transpose(0, 1)
         out[i] = _attend(q[i].unsqueeze(1), k, v, None, scale, cap).squeeze(1)  # the slice is the window
     return out
 
@@ -407,8 +422,8 @@ def reference_attention(
                 for pos in range(seq_len)
             ]
         flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])
-        k = flat[0][slots].double()  # [S, Hkv, D]
-        v = flat[1][slots].double()
+        k = dequantize_rows(flat[0][slots], torch.float64)  # [S, Hkv, D]
+        v = dequantize_rows(flat[1][slots], torch.float64)
         mask = _causal_mask(end - start, seq_len, sliding_window)
         for h in range(num_heads):
             kh, vh = k[:, h // group], v[:, h // group]

@@ -33,6 +33,7 @@ from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
 from pagedllm.kernels import decode_layers_ops
+from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import Linear
 from pagedllm.kernels import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
@@ -210,8 +211,8 @@ class FusedDecoderLayers(nn.Module):
             attn = a.attn
             if attn.logit_soft_cap != layouts[0].attn_logit_softcap:  # type: ignore[union-attr]
                 return "an attention layer's soft-cap is not its declared layout's"
-            if attn.kv_cache is None or attn.kv_cache.dtype != torch.float32:
-                return "the KV cache is not float32"
+            if attn.kv_cache is None or not (attn.kv_cache.dtype == torch.float32 or quant_format(attn.kv_cache)):
+                return "the KV cache is neither float32 nor 8-bit codes"
             if attn.kv_cache_group != 0:
                 return "the layers keep their KV in several cache groups"
             if a.o_proj.tp.size != 1:

@@ -21,15 +21,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, resolve_kv_cache_dtype
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata
+from pagedllm.layers.kv_quant import cache_torch_dtype, row_bytes, row_width
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class KVCacheGroup(NamedTuple):
@@ -61,17 +60,27 @@ def num_layer_slots(layers: list[Attention]) -> int:
     return len(kv_cache_groups(layers)[0].layer_indices)
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, num_layers: int | None = None) -> int:
+def kv_token_bytes(model_config: ModelConfig, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's K (or V) in one layer: num_kv_heads rows of the storage's width
+    (8-bit codes plus a float32 scale per row for a quantized cache, layers/kv_quant.py)."""
+    storage = resolve_kv_cache_dtype(kv_cache_dtype, model_config.dtype)
+    return model_config.num_kv_heads * row_bytes(storage, model_config.head_dim)
+
+
+def kv_bytes_per_block(
+    model_config: ModelConfig, block_size: int, num_layers: int | None = None, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes one block occupies over `num_layers` layers (default: all of them), K and V."""
-    per_token = 2 * model_config.num_kv_heads * model_config.head_dim * _DTYPE_BYTES[model_config.dtype]
+    per_token = 2 * kv_token_bytes(model_config, kv_cache_dtype)
     return per_token * (num_layers or model_config.num_layers) * block_size
 
 
 def num_blocks_for_budget(
-    model_config: ModelConfig, block_size: int, memory_bytes: int, num_layers: int | None = None
+    model_config: ModelConfig, block_size: int, memory_bytes: int, num_layers: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Blocks (including the null block 0) that fit in `memory_bytes`."""
-    return memory_bytes // kv_bytes_per_block(model_config, block_size, num_layers)
+    return memory_bytes // kv_bytes_per_block(model_config, block_size, num_layers, kv_cache_dtype)
 
 
 def allocate_kv_caches(
@@ -79,7 +88,9 @@ def allocate_kv_caches(
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
     """[2, num_blocks, block_size, num_kv_heads, head_dim] tensors, bound to the layers with
-    each layer's group index; one tensor per layer slot (see the module docstring).
+    each layer's group index; one tensor per layer slot (see the module docstring). ``dtype``
+    is the storage name (config.resolve_kv_cache_dtype): a quantized one makes the last
+    dimension head_dim + 4 (codes, then the row's scale; layers/kv_quant.py).
 
     The pool is one zeroed allocation from numpy, which takes zero pages from the OS lazily:
     start-up does not touch gigabytes, and memory becomes resident as blocks are written.
@@ -88,21 +99,22 @@ def allocate_kv_caches(
     the pool is one zeroed allocation there.
     """
     assert layers, "model has no Attention layers"
-    shape = (2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    per_layer = int(np.prod(shape)) * _DTYPE_BYTES[dtype]
+    head_dim = layers[0].head_dim
+    shape = (2, num_blocks, block_size, layers[0].num_kv_heads, row_width(dtype, head_dim))
+    per_layer = int(np.prod(shape[:-1])) * row_bytes(dtype, head_dim)
     num_slots = num_layer_slots(layers)
     if torch.device(device).type == "cpu":
         raw = torch.from_numpy(np.zeros(per_layer * num_slots, dtype=np.uint8))
     else:
         raw = torch.zeros(per_layer * num_slots, dtype=torch.uint8, device=device)
     caches = [
-        raw[i * per_layer : (i + 1) * per_layer].view(TORCH_DTYPES[dtype]).view(shape)
+        raw[i * per_layer : (i + 1) * per_layer].view(cache_torch_dtype(dtype)).view(shape)
         for i in range(num_slots)
     ]
     for group_id, group in enumerate(kv_cache_groups(layers)):
         for slot, layer_index in enumerate(group.layer_indices):
             layer = layers[layer_index]
-            assert (layer.num_kv_heads, layer.head_dim) == shape[3:], "layers differ in KV shape"
+            assert (layer.num_kv_heads, row_width(dtype, layer.head_dim)) == shape[3:], "layers differ in KV shape"
             layer.kv_cache = caches[slot]
             layer.kv_cache_group = group_id
     return caches
@@ -113,8 +125,9 @@ def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: list[tuple[int, i
     device = kv_caches[0].device
     src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64).to(device, non_blocking=True)
     dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64).to(device, non_blocking=True)
-    for cache in kv_caches:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        cache[:, dst] = cache[:, src]
+    for cache in kv_caches:  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4)]
+        raw = cache.view(torch.uint8)  # fp8 tensors lack some indexing kernels: move bytes
+        raw[:, dst] = raw[:, src]
 
 
 class PagedKVWorker(KVCacheWorker):

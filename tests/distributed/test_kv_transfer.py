@@ -145,3 +145,46 @@ def test_malformed_message_does_not_stop_the_server(pair):
     consumer.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r1", "t1", "127.0.0.1", port, hashes, [5])]))
     wait_output(consumer, finished_recving={"r1"})
     assert torch.equal(producer.kv_caches[0][:, 3], consumer.kv_caches[0][:, 5])
+
+
+def make_coded_caches(storage: str, seed: int | None) -> list[torch.Tensor]:
+    """8-bit KV caches (layers/kv_quant.py): rows of HEAD_DIM codes and a float32 scale."""
+    from pagedllm.layers.kv_quant import KV_QUANT_FORMATS, quantize_rows
+
+    return [quantize_rows(c, KV_QUANT_FORMATS[storage]) for c in make_caches(torch.float32, seed)]
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8_e4m3"])
+def test_8bit_blocks_travel_with_their_scales(storage):
+    port = free_port()
+    producer = ZmqConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), make_coded_caches(storage, 0))
+    consumer = ZmqConnectorWorker(KVTransferConfig(kv_role="kv_consumer", kv_port=port, kv_transfer_timeout_s=2.0),
+                                  make_coded_caches(storage, None))
+    try:
+        assert consumer.head_dim == HEAD_DIM and consumer.kv_cache_dtype == storage
+        hashes = hash_request_tokens(list(range(3 * BLOCK_SIZE)), BLOCK_SIZE)
+        producer.start_load_kv(KVConnectorMetadata(sends=[SendSpec("t1", hashes, [4, 5, 9])]))
+        consumer.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r1", "t1", "127.0.0.1", port, hashes, [1, 2, 3])]))
+        wait_output(consumer, finished_recving={"r1"})
+        for src, dst in zip(producer.kv_caches, consumer.kv_caches):
+            assert torch.equal(src[:, [4, 5, 9]].view(torch.uint8), dst[:, [1, 2, 3]].view(torch.uint8))
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_int8_prefill_and_auto_decode_refuse_to_exchange():
+    port = free_port()
+    producer = ZmqConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), make_coded_caches("int8", 0))
+    consumer = ZmqConnectorWorker(KVTransferConfig(kv_role="kv_consumer", kv_port=port, kv_transfer_timeout_s=2.0),
+                                  make_caches(torch.float32, None))
+    try:
+        hashes = hash_request_tokens(list(range(BLOCK_SIZE)), BLOCK_SIZE)
+        producer.start_load_kv(KVConnectorMetadata(sends=[SendSpec("t1", hashes, [4])]))
+        consumer.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r1", "t1", "127.0.0.1", port, hashes, [1])]))
+        failed = wait_output(consumer, failed_recving={"r1": ""})["failed_recving"]
+        assert "kv_cache_dtype 'int8' (ours 'auto')" in failed["r1"] and "--kv-cache-dtype" in failed["r1"]
+        assert not any(c.any() for c in consumer.kv_caches)  # nothing was written
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

@@ -204,7 +204,6 @@ def parse(*argv: str):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported: no fp8 KV cache"),
     (["--enable-lora"], "--enable-lora is not supported: no LoRA adapters"),
     (["--enable-sleep-mode"], "--enable-sleep-mode is not supported: no sleep mode"),
     (["-pp", "2"], "--pipeline-parallel-size 2 is not supported: no pipeline parallelism"),
@@ -212,11 +211,16 @@ def parse(*argv: str):
     (["--load-format", "dummy"], "--load-format dummy is not supported"),
     (["--gpu-memory-utilization", "0.9"], "--kv-cache-memory-bytes"),
     (["--generation-config", "/no/such/dir"], "generation_config='/no/such/dir'"),
-], ids=["kv-cache-dtype", "lora", "sleep", "pp", "no-chunked-prefill", "load-format", "gpu-memory", "generation-config"])
+], ids=["lora", "sleep", "pp", "no-chunked-prefill", "load-format", "gpu-memory", "generation-config"])
 def test_flags_for_what_is_missing_stop_the_start(argv, message):
     with pytest.raises(SystemExit) as exc:
         _engine_args(parse(*argv), "serve")
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_cache_dtype_is_an_engine_argument(value):
+    assert _engine_args(parse("--kv-cache-dtype", value), "serve").kv_cache_dtype == value
 
 
 def test_harmless_values_of_missing_feature_flags_pass_silently(caplog):

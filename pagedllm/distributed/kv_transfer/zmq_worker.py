@@ -17,7 +17,8 @@ sends the pull, waits up to ``kv_transfer_timeout_s`` and copies the frames into
 allocated blocks. Those blocks are not in any batch until the load is reported finished.
 
 Wire header fields: ok, error, transfer_id, runs [[first hash index, count]], block_size,
-num_kv_heads, head_dim, num_layers, dtype; a consumer refuses a geometry unlike its own.
+num_kv_heads, head_dim, num_layers, dtype, kv_cache_dtype ("auto" or an 8-bit format's name,
+layers/kv_quant.py); a consumer refuses a geometry unlike its own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+
+from pagedllm.layers.kv_quant import SCALE_BYTES, quant_format
 
 from pagedllm.distributed.kv_transfer.base import (
     KVConnectorMetadata,
@@ -87,11 +90,14 @@ def block_runs(indices_ids: list[int]) -> list[tuple[int, int]]:
 
 class ZmqConnectorWorker(KVConnectorWorkerBase):
     def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor]) -> None:
-        # kv_caches: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer slot
+        # kv_caches: one [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4)] tensor per layer slot
         self.config = config
         self.kv_caches = kv_caches
-        _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
+        _, _, self.block_size, self.num_kv_heads, self.row_width = kv_caches[0].shape
         self.dtype = kv_caches[0].dtype
+        fmt = quant_format(kv_caches[0])
+        self.kv_cache_dtype = "auto" if fmt is None else fmt.name
+        self.head_dim = self.row_width - (0 if fmt is None else SCALE_BYTES)
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._held: dict[str, _Held] = {}
@@ -290,7 +296,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         header = {
             "ok": True, "transfer_id": transfer_id, "runs": runs, "block_size": self.block_size,
             "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "num_layers": len(self.kv_caches), "dtype": str(self.dtype),
+            "num_layers": len(self.kv_caches), "dtype": str(self.dtype), "kv_cache_dtype": self.kv_cache_dtype,
         }
         frames: list = [identity, json.dumps(header).encode()]
         for start, count in runs:
@@ -366,7 +372,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         expected = len(runs) * len(self.kv_caches) * 2
         if len(frames) - 1 != expected or sum(n for _, n in runs) != len(job.block_ids):
             raise RuntimeError(f"malformed answer: {len(frames) - 1} frames, expected {expected}")
-        shape = (self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.block_size, self.num_kv_heads, self.row_width * self.dtype.itemsize)
         it = iter(frames[1:])
         num_bytes = 0
         with warnings.catch_warnings():
@@ -376,15 +382,18 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                 for cache in self.kv_caches:
                     for kv in (0, 1):
                         frame = next(it)
-                        src = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(self.dtype)
-                        cache[kv].index_copy_(0, dst, src.view(count, *shape))
+                        # As bytes: fp8 tensors have no index_copy_.
+                        src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+                        cache[kv].view(torch.uint8).index_copy_(0, dst, src.view(count, *shape))
                         num_bytes += len(frame.buffer)
         return num_bytes
 
     def _check_geometry(self, header: dict) -> None:
         mine = {"block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "num_layers": len(self.kv_caches), "dtype": str(self.dtype)}
+                "head_dim": self.head_dim, "num_layers": len(self.kv_caches), "dtype": str(self.dtype),
+                "kv_cache_dtype": self.kv_cache_dtype}
         theirs = {k: header.get(k) for k in mine}
         if theirs != mine:
-            raise RuntimeError(f"the prefill instance's KV layout {theirs} differs from ours {mine}; "
-                               "run both with the same model, --dtype and --block-size")
+            differ = ", ".join(f"{k} {theirs[k]!r} (ours {mine[k]!r})" for k in mine if theirs[k] != mine[k])
+            raise RuntimeError(f"the prefill instance's KV layout differs from ours: {differ}; run both "
+                               "with the same model, --dtype, --block-size and --kv-cache-dtype")

@@ -12,7 +12,8 @@
 // Per layer, over M rows (one decode token per request):
 //   residual += h (the first layer: residual = h); x = rms_norm(residual)
 //   qkv = x W_qkv^T (+ b); [q, k = rms_norm per head (q/k norm layouts only)]
-//   q, k = rotary(q, k); K/V rows written to the cache at slot_mapping
+//   q, k = rotary(q, k); K/V rows written to the cache at slot_mapping (an 8-bit cache:
+//       quantized per row as layers/kv_quant.py does, kv_codes.h's quantize_row)
 //   a = decode attention over each request's cached context (block table or contiguous slot),
 //       its scores soft-capped to c * tanh(s / c) where the layer has a cap c
 //   residual += a W_o^T (+ b); x = rms_norm(residual)
@@ -118,11 +119,37 @@ struct DecodeLinear {
   }
 };
 
+// The cache's element: float32, or one of kv_codes.h's 8-bit codes (rows of D + 4).
+enum class KVElem { kFloat32, kInt8, kE4M3, kE5M2 };
+
+inline KVElem kv_elem(at::ScalarType t) {
+  switch (t) {
+    case at::ScalarType::Float: return KVElem::kFloat32;
+    case at::ScalarType::Char: return KVElem::kInt8;
+    case at::ScalarType::Float8_e4m3fn: return KVElem::kE4M3;
+    case at::ScalarType::Float8_e5m2: return KVElem::kE5M2;
+    default: TORCH_CHECK(false, "kv_cache must be float32, int8, float8_e4m3fn or float8_e5m2, got ", t);
+  }
+}
+
+// f(KV{}) with KV the element type `e` names.
+template <typename F>
+void dispatch_kv(KVElem e, F&& f) {
+  switch (e) {
+    case KVElem::kFloat32: f(float{}); break;
+    case KVElem::kInt8: f(Int8Code{}); break;
+    case KVElem::kE4M3: f(E4M3Code{}); break;
+    case KVElem::kE5M2: f(E5M2Code{}); break;
+  }
+}
+
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;  // float32 [hidden]
   torch::Tensor q_norm, k_norm;         // float32 [head_dim], or both empty: no q/k norm
   DecodeLinear qkv, o, gate_up, down;
-  torch::Tensor kv_cache;  // float32 [2, blocks, block_size, Hkv, D] or the contiguous-slot layout [2, slots, capacity, Hkv, D]
+  torch::Tensor kv_cache;  // [2, blocks, block_size, Hkv, D] or the contiguous-slot layout [2, slots, capacity, Hkv, D]
+                           // (8-bit codes: D + 4, the row's scale last)
+  KVElem kv_elem;
   int64_t window;          // sliding window, 0 = full attention
   float softcap;           // attention logit soft-cap, 0 = none
 };
@@ -161,9 +188,11 @@ class LlamaDecodeLayers {
     for (const auto& w : {q_norm, k_norm})
       TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == d_),
                   "q/k norm weights must be float32 [head_dim] or empty");
-    TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
-                    kv_cache.size(0) == 2 && kv_cache.size(3) == hkv_ && kv_cache.size(4) == d_,
-                "kv_cache must be float32 [2, blocks, block_size, num_kv_heads, head_dim]");
+    const KVElem elem = kv_elem(kv_cache.scalar_type());
+    const int64_t row = elem == KVElem::kFloat32 ? d_ : d_ + kScaleBytes;
+    TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                    kv_cache.size(3) == hkv_ && kv_cache.size(4) == row,
+                "kv_cache must be [2, blocks, block_size, num_kv_heads, head_dim] (8-bit codes: head_dim + 4)");
     std::vector<DecodeLinear> lin;
     for (int i = 0; i < 4; ++i) lin.emplace_back(bits[i], weights[i], scales[i], zeros[i], biases[i]);
     const int64_t qkv_width = (hq_ + 2 * hkv_) * d_;
@@ -172,8 +201,8 @@ class LlamaDecodeLayers {
     TORCH_CHECK(lin[2].N == 2 * inter_ && lin[2].K == hidden_, "gate_up_proj shape");
     TORCH_CHECK(lin[3].N == hidden_ && lin[3].K == inter_, "down_proj shape");
     TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
-    layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, window,
-                                 static_cast<float>(softcap)});
+    layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, elem,
+                                 window, static_cast<float>(softcap)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -237,26 +266,34 @@ class LlamaDecodeLayers {
       }
       rotate_rows<float>(qkv_.data(), QKV, q_.data(), hq_, d_, pos, cos_sin, M);
       rotate_rows<float>(qkv_.data() + QD, QKV, k_.data(), hkv_, d_, pos, cos_sin, M);
-      // K/V rows into the cache (the same rows the per-module path's index_copy_ writes).
-      float* k_cache = layer.kv_cache.data_ptr<float>();
-      const int64_t plane_rows = layer.kv_cache.numel() / 2 / KD;
-      float* v_cache = k_cache + plane_rows * KD;
-      for (int64_t t = 0; t < M; ++t) {
-        TORCH_CHECK(slot_map[t] >= 0 && slot_map[t] < plane_rows, "slot ", slot_map[t], " outside the KV cache");
-        std::memcpy(k_cache + slot_map[t] * KD, k_.data() + t * KD, sizeof(float) * KD);
-        std::memcpy(v_cache + slot_map[t] * KD, qkv_.data() + t * QKV + QD + KD, sizeof(float) * KD);
-      }
-      if (paged) {
-        decode_kernel<float>(q_.data(), k_cache, v_cache,
-                             PagedRows{block_tables.data_ptr<int64_t>(), block_tables.stride(0),
-                                       layer.kv_cache.size(2)},
-                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window,
-                             layer.softcap);
-      } else {
-        decode_kernel<float>(q_.data(), k_cache, v_cache, SlotRows{slots.data_ptr<int64_t>(), layer.kv_cache.size(2)},
-                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_, layer.window,
-                             layer.softcap);
-      }
+      dispatch_kv(layer.kv_elem, [&](auto kv_tag) {
+        using KV = decltype(kv_tag);
+        // K/V rows into the cache (the same rows the per-module path's write_kv writes).
+        const int64_t row = kv_row_width<KV>(d_), token_row = hkv_ * row;
+        KV* k_cache = reinterpret_cast<KV*>(layer.kv_cache.data_ptr());
+        const int64_t plane_rows = layer.kv_cache.numel() / 2 / token_row;
+        KV* v_cache = k_cache + plane_rows * token_row;
+        for (int64_t t = 0; t < M; ++t) {
+          TORCH_CHECK(slot_map[t] >= 0 && slot_map[t] < plane_rows, "slot ", slot_map[t], " outside the KV cache");
+          for (int64_t hh = 0; hh < hkv_; ++hh) {
+            const int64_t at = slot_map[t] * token_row + hh * row;
+            quantize_row<KV>(k_.data() + t * KD + hh * d_, d_, k_cache + at);
+            quantize_row<KV>(qkv_.data() + t * QKV + QD + KD + hh * d_, d_, v_cache + at);
+          }
+        }
+        if (paged) {
+          decode_kernel<float, PagedRows, KV>(q_.data(), k_cache, v_cache,
+                                              PagedRows{block_tables.data_ptr<int64_t>(), block_tables.stride(0),
+                                                        layer.kv_cache.size(2)},
+                                              seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_,
+                                              layer.window, layer.softcap);
+        } else {
+          decode_kernel<float, SlotRows, KV>(q_.data(), k_cache, v_cache,
+                                             SlotRows{slots.data_ptr<int64_t>(), layer.kv_cache.size(2)},
+                                             seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_,
+                                             layer.window, layer.softcap);
+        }
+      });
       layer.o(attn_.data(), M, h, int16_max_rows_, tile_max_rows_);
       add_rows<float>(h, H, res, H, res, M, H);
       rms_norm_rows<float>(res, H, layer.post_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);

@@ -5,6 +5,9 @@
 // cached position, reached through the request's block table, then a softmax and a weighted
 // sum of V. Scores and sums are float32 whatever the cache dtype. A soft-cap c > 0 bounds
 // each score s (after scaling) to c * tanh(s / c) before the softmax (Gemma 2); c = 0 is none.
+// An 8-bit cache (kv_codes.h: codes then a float32 scale per row) is widened as it is read;
+// each row's scale multiplies its score (q . k = scale * q . codes) and its softmax weight
+// (sum_i p_i v_i = sum_i (p_i * scale_i) codes_i), so the inner loops see codes only.
 #include <cstdint>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_codes.h"
 #include "vec_avx2.h"
 
 namespace pagedllm {
@@ -50,24 +54,26 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 
 // scores[g * n + i] = qf_g . k(start + i) for every query head g of the group, eight keys at a
 // time: eight independent FMA chains hide the FMA latency, one transpose-add per eight scores.
-inline void scores_avx2(const float* qf, const float* const* kps, int64_t n, int64_t G, int64_t D,
+// KV: float, or a code type of kv_codes.h (load8 widens; the caller applies the row scales).
+template <typename KV>
+inline void scores_avx2(const float* qf, const KV* const* kps, int64_t n, int64_t G, int64_t D,
                         float* scores) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const float* const* k = kps + i;
+    const KV* const* k = kps + i;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+        a0 = _mm256_fmadd_ps(qv, load8(k[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k[3] + d), a3);
+        a4 = _mm256_fmadd_ps(qv, load8(k[4] + d), a4);
+        a5 = _mm256_fmadd_ps(qv, load8(k[5] + d), a5);
+        a6 = _mm256_fmadd_ps(qv, load8(k[6] + d), a6);
+        a7 = _mm256_fmadd_ps(qv, load8(k[7] + d), a7);
       }
       _mm256_storeu_ps(scores + g * n + i, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
     }
@@ -76,20 +82,20 @@ inline void scores_avx2(const float* qf, const float* const* kps, int64_t n, int
     for (int64_t g = 0; g < G; ++g) {
       __m256 a = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8)
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), _mm256_loadu_ps(kps[i] + d), a);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), load8(kps[i] + d), a);
       scores[g * n + i] = hsum(a);
     }
 }
 
 // out_g = sum_i p[g, i] * v(start + i), D / 8 accumulators kept in registers (NC = D / 8).
-template <int NC>
-inline void weighted_sum_avx2(const float* p, const float* const* vps, int64_t n, float* out) {
+template <int NC, typename KV>
+inline void weighted_sum_avx2(const float* p, const KV* const* vps, int64_t n, float* out) {
   __m256 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const __m256 pv = _mm256_set1_ps(p[i]);
-    const float* v = vps[i];
-    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    const KV* v = vps[i];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(pv, load8(v + 8 * c), acc[c]);
   }
   for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
@@ -121,7 +127,8 @@ inline void softmax_avx2(float* s, int64_t n) {
   for (; i < n; ++i) s[i] *= inv;
 }
 
-inline bool weighted_sum_avx2_any(const float* p, const float* const* vps, int64_t n, int64_t D, float* out) {
+template <typename KV>
+inline bool weighted_sum_avx2_any(const float* p, const KV* const* vps, int64_t n, int64_t D, float* out) {
   switch (D) {
     case 32: weighted_sum_avx2<4>(p, vps, n, out); return true;
     case 64: weighted_sum_avx2<8>(p, vps, n, out); return true;
@@ -132,23 +139,28 @@ inline bool weighted_sum_avx2_any(const float* p, const float* const* vps, int64
 }
 #endif
 
-template <typename T, typename Rows>
+// KV: the cache's element, T itself (float or bf16) or a code type of kv_codes.h (rows of
+// D codes and a scale: [num_rows, Hkv, D + 4]).
+template <typename T, typename Rows, typename KV = T>
 void decode_kernel(const T* q,            // [B, Hq, D]
-                   const T* k_cache,      // [num_rows, Hkv, D]
-                   const T* v_cache,      // [num_rows, Hkv, D]
+                   const KV* k_cache,     // [num_rows, Hkv, D]
+                   const KV* v_cache,     // [num_rows, Hkv, D]
                    Rows rows,
                    const int64_t* seq_lens,      // [B]
                    T* out,                // [B, Hq, D]
                    int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                    float scale, int64_t window, float softcap) {
   const int64_t G = Hq / Hkv;
-  const int64_t token_stride = Hkv * D;  // between consecutive slots
+  constexpr bool coded = kv_is_code<KV>;
+  const int64_t row = kv_row_width<KV>(D);
+  const int64_t token_stride = Hkv * row;  // between consecutive slots
 #pragma omp parallel
   {
     std::vector<float> scores;
     std::vector<float> qf(G * D);
     std::vector<float> acc(G * D);
-    std::vector<const T*> kps, vps;  // each position's K and V row of this kv head
+    std::vector<const KV*> kps, vps;  // each position's K and V row of this kv head
+    std::vector<float> k_scales, v_scales;  // coded rows: each position's K and V scale
 #pragma omp for schedule(dynamic, 1)
     for (int64_t work = 0; work < B * Hkv; ++work) {
       const int64_t b = work / Hkv, h = work % Hkv;
@@ -159,9 +171,17 @@ void decode_kernel(const T* q,            // [B, Hq, D]
       kps.resize(n);
       vps.resize(n);
       for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = rows(b, t) * token_stride + h * D;
+        const int64_t slot = rows(b, t) * token_stride + h * row;
         kps[t - start] = k_cache + slot;
         vps[t - start] = v_cache + slot;
+      }
+      if constexpr (coded) {
+        k_scales.resize(n);
+        v_scales.resize(n);
+        for (int64_t i = 0; i < n; ++i) {
+          k_scales[i] = kv_row_scale(kps[i], D);
+          v_scales[i] = kv_row_scale(vps[i], D);
+        }
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
@@ -169,7 +189,7 @@ void decode_kernel(const T* q,            // [B, Hq, D]
       // Pass 1: scores[g, i] = q_g . k_i
       bool done = false;
 #ifdef PAGEDLLM_AVX2
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<KV, float> || coded) {
         if (D % 8 == 0) {
           scores_avx2(qf.data(), kps.data(), n, G, D, scores.data());
           done = true;
@@ -178,7 +198,7 @@ void decode_kernel(const T* q,            // [B, Hq, D]
 #endif
       if (!done) {
         for (int64_t i = 0; i < n; ++i) {
-          const T* kp = kps[i];
+          const KV* kp = kps[i];
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float s = 0.f;
@@ -188,6 +208,9 @@ void decode_kernel(const T* q,            // [B, Hq, D]
           }
         }
       }
+      if constexpr (coded)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < n; ++i) scores[g * n + i] *= k_scales[i];
       if (softcap > 0.f)
         for (int64_t i = 0; i < G * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
       // Softmax per query head.
@@ -204,10 +227,13 @@ void decode_kernel(const T* q,            // [B, Hq, D]
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
 #endif
       }
-      // Pass 2: out_g = sum_i p[g, i] * v_i
+      // Pass 2: out_g = sum_i p[g, i] * v_i (coded rows: p[g, i] * scale_i times the codes)
+      if constexpr (coded)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < n; ++i) scores[g * n + i] *= v_scales[i];
       done = false;
 #ifdef PAGEDLLM_AVX2
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<KV, float> || coded) {
         done = true;
         for (int64_t g = 0; g < G && done; ++g)
           done = weighted_sum_avx2_any(scores.data() + g * n, vps.data(), n, D, acc.data() + g * D);
@@ -216,7 +242,7 @@ void decode_kernel(const T* q,            // [B, Hq, D]
       if (!done) {
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t i = 0; i < n; ++i) {
-          const T* vp = vps[i];
+          const KV* vp = vps[i];
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * n + i];
             float* ag = acc.data() + g * D;

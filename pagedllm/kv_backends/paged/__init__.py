@@ -38,6 +38,7 @@ class PagedBackend(KVBackend):
     name = "paged"
 
     def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
+        from pagedllm.config import resolve_kv_cache_dtype
         from pagedllm.worker.kv_cache import (
             PagedKVWorker,
             attention_layers,
@@ -61,27 +62,31 @@ class PagedBackend(KVBackend):
             )
         layer_slots = num_layer_slots(layers)
         budget = budget_config.kv_cache_memory_bytes
-        num_blocks = num_blocks_for_budget(model_config, block_size, budget, layer_slots)
+        kv_dtype = budget_config.kv_cache_dtype
+        storage = resolve_kv_cache_dtype(kv_dtype, model_config.dtype)
+        num_blocks = num_blocks_for_budget(model_config, block_size, budget, layer_slots, kv_dtype)
         config = args.create_engine_config(model_config, num_blocks)
         manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=block_size,
             max_model_len=model_config.max_model_len,
             enable_caching=budget_config.enable_prefix_caching,
-            hash_extra_keys=(model_config.model, model_config.dtype, block_size, loaded.quantization),
+            # The KV storage dtype: blocks of int8 codes are not blocks of floats.
+            hash_extra_keys=(model_config.model, model_config.dtype, block_size, ("kv_cache_dtype", storage),
+                             loaded.quantization),
             group_specs=group_specs,
         )
         max_len = model_config.max_model_len
         needed = manager.max_blocks_per_request(max_len, config.scheduler_config.max_num_batched_tokens)
         check_kv_capacity(num_blocks, needed, block_size, max_len, budget)
-        manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots)
-        manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers))
+        manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots, kv_dtype)
+        manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers), kv_dtype)
         # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
         max_concurrency = (num_blocks - 1) / manager.max_blocks_per_request(max_len)
         summary = (
             f"KV cache: {num_blocks - 1} blocks of {block_size} tokens "
             f"({manager.bytes_per_block / 2**20:.1f} MiB per block over {layer_slots} layers, "
-            f"{model_config.dtype}), group windows {[g.sliding_window for g in group_specs]}; "
+            f"KV {storage}), group windows {[g.sliding_window for g in group_specs]}; "
             f"{(num_blocks - 1) * block_size} token slots, max concurrency {max_concurrency:.1f}x "
             f"at max_model_len={max_len}."
         )
@@ -89,7 +94,7 @@ class PagedBackend(KVBackend):
             manager=manager,
             config=config,
             make_worker=lambda layers: PagedKVWorker(
-                layers, num_blocks, block_size, model_config.dtype, config.device_config.device
+                layers, num_blocks, block_size, storage, config.device_config.device
             ),
             block_size=block_size,
             num_blocks=num_blocks,

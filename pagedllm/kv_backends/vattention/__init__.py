@@ -36,11 +36,15 @@ class VAttentionBackend(KVBackend):
         """Per layer, K and V regions of max_num_seqs slots reserved (worker.py); the page
         budget kept by ``VAttentionKVManager``."""
         from pagedllm.kv_backends.vattention.worker import HUGE, SMALL_PAGE, VAttentionKVCache
-        from pagedllm.worker.kv_cache import _DTYPE_BYTES, attention_layers
+        from pagedllm.config import resolve_kv_cache_dtype
+        from pagedllm.worker.kv_cache import attention_layers, kv_token_bytes
 
         model_config = loaded.model_config
         layers = attention_layers(loaded.model)
-        token_bytes = model_config.num_kv_heads * model_config.head_dim * _DTYPE_BYTES[model_config.dtype]
+        # A quantized cache keeps a scale per (token, head) row, as the paged one
+        # (layers/kv_quant.py): the contiguous slots need no block-sized spans for it.
+        storage = resolve_kv_cache_dtype(args.kv_cache_dtype, model_config.dtype)
+        token_bytes = kv_token_bytes(model_config, args.kv_cache_dtype)
         max_len = model_config.max_model_len
         capacity = vattention_layout(token_bytes, max_len, HUGE)
         hugepages = args.vattention_hugepages
@@ -70,14 +74,14 @@ class VAttentionBackend(KVBackend):
         summary = (
             f"KV cache (vattention): {num_slots} slots x {capacity} tokens reserved "
             f"({2 * len(layers) * num_slots * capacity * token_bytes / 2**30:.1f} GiB of address space "
-            f"over {len(layers)} layers, {model_config.dtype}); budget {num_pages} pages of "
+            f"over {len(layers)} layers, KV {storage}); budget {num_pages} pages of "
             f"{page_bytes // 1024} KiB{' (transparent huge pages)' if hugepages else ''}, max "
             f"concurrency {num_pages / needed:.1f}x at max_model_len={max_len}."
         )
         return KVBuild(
             manager=manager,
             config=config,
-            make_worker=lambda layers: VAttentionKVCache(layers, num_slots, capacity, model_config.dtype, hugepages),
+            make_worker=lambda layers: VAttentionKVCache(layers, num_slots, capacity, storage, hugepages),
             block_size=1,
             num_blocks=0,
             summary=summary,

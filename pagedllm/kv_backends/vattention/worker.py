@@ -25,7 +25,7 @@ import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.layers.attention import Attention, AttentionMetadata
-from pagedllm.worker.kv_cache import TORCH_DTYPES
+from pagedllm.layers.kv_quant import cache_torch_dtype, row_bytes, row_width
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Python < 3.13 lacks the constant
@@ -50,8 +50,8 @@ class VAttentionKVCache(KVCacheWorker):
         self.num_slots = num_slots
         self.slot_capacity = slot_capacity
         num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
-        torch_dtype = TORCH_DTYPES[dtype]
-        self.token_bytes = num_kv_heads * head_dim * torch.empty((), dtype=torch_dtype).element_size()
+        torch_dtype = cache_torch_dtype(dtype)  # dtype: a storage name (layers/kv_quant.py)
+        self.token_bytes = num_kv_heads * row_bytes(dtype, head_dim)
         self.span_bytes = slot_capacity * self.token_bytes  # one (region, slot)
         assert self.span_bytes % HUGE == 0, "slot_capacity must make 2 MiB spans"
         self.layer_bytes = 2 * num_slots * self.span_bytes
@@ -67,7 +67,7 @@ class VAttentionKVCache(KVCacheWorker):
         raw = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.base = raw.data_ptr()
         self.offset = (-self.base) % HUGE  # first 2 MiB boundary inside the mapping
-        shape = (2, num_slots, slot_capacity, num_kv_heads, head_dim)
+        shape = (2, num_slots, slot_capacity, num_kv_heads, row_width(dtype, head_dim))
         self.kv_caches = [
             raw[self.offset + i * self.layer_bytes : self.offset + (i + 1) * self.layer_bytes]
             .view(torch_dtype)
@@ -75,7 +75,7 @@ class VAttentionKVCache(KVCacheWorker):
             for i in range(self.num_layers)
         ]
         for layer, cache in zip(layers, self.kv_caches):
-            assert (layer.num_kv_heads, layer.head_dim) == shape[3:], "layers differ in KV shape"
+            assert (layer.num_kv_heads, row_width(dtype, layer.head_dim)) == shape[3:], "layers differ in KV shape"
             layer.kv_cache = cache
             layer.kv_cache_group = 0
 
