@@ -2,6 +2,11 @@
 
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.thread_wait import set_default_spin_count
+
+# Before anything imports torch (and with it libgomp, which reads this once): thread_wait.py.
+set_default_spin_count()
+
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams

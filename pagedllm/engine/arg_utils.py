@@ -315,15 +315,21 @@ class EngineArgs:
             return "bfloat16"
         import torch
 
+        from pagedllm.models.loader import keeps_quantized_weights
+
         # bf16 pays off only where the CPU computes it natively (AVX512-BF16 / AMX): without it
-        # bf16 weights are widened to float32 per matmul (docs/bfloat16.md).
+        # bf16 weights are widened to float32 per matmul (docs/bfloat16.md). Quantized weights
+        # (the default model's Q4_1 file) compute in float32 either way: their kernels and the
+        # fused decode take float32 activations, while bf16 ones send every linear through a
+        # per-layer dequantization and the per-module decode (docs/benchmarks.md, 2026-12-01).
         native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        chosen = "bfloat16" if native else "float32"
+        quantized = keeps_quantized_weights(self.model, self.quantization)
+        chosen = "bfloat16" if native and not quantized else "float32"
         if self.dtype in ("half", "float16"):
-            logger.warning("dtype=%s: no float16 compute on CPUs; using %s (native bf16: %s)",
-                           self.dtype, chosen, native)
+            logger.warning("dtype=%s: no float16 compute on CPUs; using %s (native bf16: %s, quantized weights: %s)",
+                           self.dtype, chosen, native, quantized)
         else:
-            logger.info("dtype=auto chose %s (native bf16: %s)", chosen, native)
+            logger.info("dtype=auto chose %s (native bf16: %s, quantized weights: %s)", chosen, native, quantized)
         return chosen
 
     def create_engine_config(self, model_config: ModelConfig, num_blocks: int) -> EngineConfig:

@@ -202,6 +202,31 @@ def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str
     return "none"
 
 
+def keeps_quantized_weights(model: str, quantization: str | None) -> bool:
+    """Whether loading `model` with `quantization` keeps 4/8-bit weights (resolve_quantization
+    is not "none"), found without downloading or assembling anything: a hub id or an assembled
+    model that is not built yet counts as its safetensors/float default (False) unless a
+    quantized format is asked for. dtype "auto" reads this (EngineArgs.resolve_dtype)."""
+    if quantization is not None:
+        return quantization != "none"
+    if os.path.exists(model):
+        local = _local_checkpoint(model)
+        gguf_path = local[0] if local is not None else None
+    elif model in PACKAGED_MODELS:
+        try:
+            gguf_path = _packaged_gguf(model)
+        except ValueError:
+            return False
+    else:
+        return False
+    if gguf_path is None:
+        return False
+    try:
+        return resolve_quantization(None, gguf_path) != "none"
+    except (ValueError, OSError):
+        return False
+
+
 def _check_tensor_parallel(family: ModelFamily, architecture: str, quantization: str) -> None:
     """Models built for several tensor-parallel ranks (distributed/parallel_state.py): only
     families that declare sharded layers, with float weights."""

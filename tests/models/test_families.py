@@ -187,6 +187,14 @@ def test_dtype_auto_says_what_it_picked(caplog: pytest.LogCaptureFixture) -> Non
     with open("/proc/cpuinfo") as f:
         native_bf16 = "avx512_bf16" in f.read() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     with caplog.at_level(logging.INFO, logger="pagedllm.engine.arg_utils"):
-        chosen = EngineArgs(dtype="auto").resolve_dtype()
+        chosen = EngineArgs(dtype="auto", quantization="none").resolve_dtype()
     assert chosen == ("bfloat16" if native_bf16 else "float32")
     assert f"dtype=auto chose {chosen}" in caplog.text
+
+
+def test_dtype_auto_picks_float32_for_quantized_weights() -> None:
+    # The 4/8-bit kernels and the fused decode take float32 activations, native bf16 or not:
+    # asked for (int8) or by default (the default model's Q4_1 file keeps its blocks).
+    assert EngineArgs(dtype="auto", quantization="int8").resolve_dtype() == "float32"
+    assert EngineArgs(dtype="auto").resolve_dtype() == "float32"
+    assert EngineArgs(dtype="bfloat16").resolve_dtype() == "bfloat16"

@@ -89,7 +89,7 @@ struct DecodeLinear {
     if (bits == 32 && M == 1) {  // single stream: four weight rows at a time
       const float* wp = weight.data_ptr<float>();
       const int64_t n_ = N, k_ = K, blocks = N / 4;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, kMinChunkRows / 4)
       for (int64_t i = 0; i < blocks; ++i) rows4_dot_f32(x, k_, wp + 4 * i * k_, y + 4 * i);
       for (int64_t n = 4 * blocks; n < n_; ++n) {
         float sum = 0.f;

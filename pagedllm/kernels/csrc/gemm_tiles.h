@@ -70,6 +70,10 @@ __attribute__((always_inline)) inline void for_row_tiles(int64_t M, Tile tile) {
 constexpr int kPanelRows = 8;
 constexpr int kPanelMT = 6;
 constexpr int kPanelNT = 2;
+// The smallest share of weight rows a thread takes at a time where work is handed out
+// guided (schedule(guided, kMinChunkRows): shrinking chunks, so a thread that lost its core
+// for a moment does not hold up the others at the barrier; panels count as kPanelRows rows).
+constexpr int kMinChunkRows = 16;
 
 // y = x @ W^T for weights that are expanded to float32 a panel of kPanelRows rows at a time:
 // `panel(n0, R, buf)` returns rows [n0, n0 + R) of W as float32 [R, K] (written into buf,
@@ -89,7 +93,7 @@ void panel_matmul(const float* x, int64_t M, int64_t K, int64_t N, Panel panel, 
   {
     static thread_local std::vector<float> buf;  // reused from call to call
     if (buf.size() < static_cast<size_t>(kPanelRows * K)) buf.resize(kPanelRows * K);
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided, kMinChunkRows / kPanelRows)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kPanelRows, R = std::min<int64_t>(kPanelRows, N - n0);
       const float* w = panel(n0, R, buf.data());

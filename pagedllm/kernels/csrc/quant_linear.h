@@ -170,11 +170,15 @@ inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, i
 // is read ceil(M / 8) times; 8 rather than 4 rows: 1.2-1.5x at M = 6-16 for 4-bit, one
 // thread), `tile(std::integral_constant<int, MT>, m, qrow, srow, zrow, y + m * N + n)`
 // computing rows m .. m + MT of column n.
+// Guided rather than static: with a static split a thread whose core is briefly taken by
+// another process holds up the step at the region's barrier while the other spins; guided
+// hands out shrinking chunks (down to kMinChunkRows weight rows), so the thread that runs
+// takes the rest, at a few chunk hand-outs per call on a quiet machine.
 template <bool INT4, typename Tile>
 void tiled_rows(int64_t M, int64_t N, int64_t K, const uint8_t* qp, const float* sp, const float* zp, float* yp,
                 Tile tile) {
   const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, kMinChunkRows)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* qrow = qp + n * qstride;
     const float* srow = sp + n * groups;
