@@ -20,7 +20,7 @@ in its own class body; a subclass that does not define it again (it may have cha
 layer computes) is not taken to compute its parent's layout, and a layout with a field the
 kernel does not run (`kernel_refusal`) is not run. Either way the model goes module by module.
 
-Anything else runs the modules too: steps with a longer prompt chunk, more rows, bfloat16, tensor
+Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16, tensor
 parallelism, the reference attention backend, several KV cache groups, or
 `PAGEDLLM_FUSED_DECODE=0` (e.g. to see the per-module breakdown in `bench latency --profile`).
 """
@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 FUSED_MAX_ROWS = PANEL_MAX_ROWS
 
 # The longest query run of one request the fused path takes (a decode: 1; verifying k drafts:
-# k + 1); a step with a longer run (a prompt chunk) runs the modules, whose prefill attention
-# is a flash kernel.
+# k + 1); a step with a longer run or a first prompt chunk runs the modules, whose prefill
+# attention is a flash kernel.
 KERNEL_MAX_QUERY_RUN = 16
 
 _ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
@@ -103,6 +103,18 @@ def kernel_refusal(layout: DecodeLayout) -> str | None:
     return None
 
 
+def _decodes_and_verifications(md: AttentionMetadata) -> bool:
+    """Whether every request of the step is a decode or a run of at most KERNEL_MAX_QUERY_RUN
+    rows after a cached context (a verification, or a prompt's short last chunk); a first
+    prompt chunk runs the modules."""
+    if md.num_decodes == md.num_reqs:
+        return True
+    if md.longest_query_run > KERNEL_MAX_QUERY_RUN:
+        return False
+    starts = md.query_start_loc
+    return all(end - start < seq_len for start, end, seq_len in zip(starts, starts[1:], md.seq_lens_list))
+
+
 def declared_layout(layer: nn.Module) -> DecodeLayout | None:
     """The layout the layer's own class declares; None where that class declares none (a
     subclass does not inherit its parent's declaration)."""
@@ -144,7 +156,7 @@ class FusedDecoderLayers(nn.Module):
         if layers[0].self_attn.attn.backend != "torch":
             return False
         md = get_attention_metadata(0)
-        if not isinstance(md, AttentionMetadata) or md.longest_query_run > KERNEL_MAX_QUERY_RUN:
+        if not isinstance(md, AttentionMetadata) or not _decodes_and_verifications(md):
             return False
         if self._decoder is None or layers[0].self_attn.attn.kv_cache is not self._bound_cache:
             self._build(layers)

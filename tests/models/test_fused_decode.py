@@ -63,7 +63,6 @@ def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: f
         next_ids = model.compute_logits(hidden[last]).argmax(-1).tolist()
         for r in reqs:
             r.num_computed_tokens = len(r.token_ids)
-        calls.clear()  # prompts of at most KERNEL_MAX_QUERY_RUN tokens run fused too
         for _ in range(steps):
             for r, t in zip(reqs, next_ids):
                 r.token_ids.append(int(t))
@@ -97,10 +96,11 @@ VERIFY_STEPS = [
 
 
 @torch.inference_mode()
-def compare_verify_steps(loaded: LoadedModel, atol: float, new_prompt_len: int = 3) -> tuple[int, int]:
-    """Prefill three prompts, then run VERIFY_STEPS (a new request's first chunk of
-    new_prompt_len tokens joins the second step), fused against the module path on the same
-    inputs. Returns (fused calls, steps whose longest query run is > 1)."""
+def compare_verify_steps(loaded: LoadedModel, atol: float, chunk: int = 3, computed: int = 10) -> tuple[int, int]:
+    """Prefill three prompts, then run VERIFY_STEPS, fused against the module path on the same
+    inputs; a fourth request's prompt chunk of `chunk` tokens after `computed` computed ones
+    (prefilled with the three) joins the second step. Returns (fused calls (the prefill is not),
+    steps whose longest query run is > 1)."""
     model, fused = loaded.model, _fused(loaded)
     calls = []
     handle = fused.register_forward_hook(lambda *_: calls.append(1))
@@ -108,15 +108,16 @@ def compare_verify_steps(loaded: LoadedModel, atol: float, new_prompt_len: int =
     for i in range(3):
         prompt = PROMPTS[i] + [i + 20]
         reqs.append(RequestState(list(prompt), allocate_blocks(len(prompt) + 24, BLOCK_SIZE, first_block=1 + 12 * i)))
-    newcomer = RequestState(list(range(40, 40 + new_prompt_len)), allocate_blocks(40, BLOCK_SIZE, first_block=37))
+    chunked = RequestState(list(range(40, 40 + computed + chunk)), allocate_blocks(40, BLOCK_SIZE, first_block=37))
     runs = 0
     try:
-        md, input_ids, positions = make_metadata([(r, len(r.token_ids)) for r in reqs], BLOCK_SIZE)
+        prefill = [(r, len(r.token_ids)) for r in reqs] + ([(chunked, computed)] if computed else [])
+        md, input_ids, positions = make_metadata(prefill, BLOCK_SIZE)
         with forward_context(md):
             model(input_ids, positions)
         for r in reqs:
             r.num_computed_tokens = len(r.token_ids)
-        calls.clear()  # the prompts (runs of at most 14 tokens) ran fused too
+        chunked.num_computed_tokens = computed
         for n, step in enumerate(VERIFY_STEPS):
             chunks = []
             for r, (q, _) in zip(reqs, step):
@@ -124,8 +125,8 @@ def compare_verify_steps(loaded: LoadedModel, atol: float, new_prompt_len: int =
                 r.token_ids = r.token_ids[:c] + [(7 * (c + j) + 3 * q) % 300 + 1 for j in range(q)]
                 chunks.append((r, q))
             if n == 1:
-                chunks.append((newcomer, new_prompt_len))
-            chunks.sort(key=lambda chunk: chunk[1] != 1)  # decodes first, as the runner orders them
+                chunks.append((chunked, chunk))
+            chunks.sort(key=lambda item: item[1] != 1)  # decodes first, as the runner orders them
             md, input_ids, positions = make_metadata(chunks, BLOCK_SIZE)
             runs += md.longest_query_run > 1
             with forward_context(md):
@@ -136,7 +137,7 @@ def compare_verify_steps(loaded: LoadedModel, atol: float, new_prompt_len: int =
             torch.testing.assert_close(got, want, atol=atol, rtol=0)
             for r, (_, kept) in zip(reqs, step):
                 r.num_computed_tokens += kept
-            newcomer.num_computed_tokens += new_prompt_len if n == 1 else 0
+            chunked.num_computed_tokens += chunk if n == 1 else 0
     finally:
         handle.remove()
         fused.enabled = True
@@ -166,18 +167,19 @@ def test_fused_decode_matches_module_path(tiny_dir: Path, quantization: str, num
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_fused_verification_matches_module_path(tiny_dir: Path, quantization: str) -> None:
     # Decodes and verification runs of mixed lengths (GQA: 4 query heads over 2 KV heads;
-    # mistral-window: a 6-token sliding window the runs reach past), and a first prompt chunk
+    # mistral-window: a 6-token sliding window the runs reach past), and a prompt's last chunk
     # of 3 tokens: every step fused. Quantized weights: the same kernels, the same floats (both
     # paths' attention decodes each row of a run over its own context, models/fused_decode.py).
     loaded = load_model(str(tiny_dir), quantization=quantization)
-    bind_kv_caches(loaded.model, num_blocks=48, block_size=BLOCK_SIZE)
     atol = 2e-5 if quantization == "none" else 0.0
-    assert compare_verify_steps(loaded, atol) == (len(VERIFY_STEPS), len(VERIFY_STEPS))
-    # A prompt chunk longer than the fused runs (KERNEL_MAX_QUERY_RUN): that step runs the
-    # modules (and agrees: both runs are the module path), the others fused.
+    steps = len(VERIFY_STEPS)
     bind_kv_caches(loaded.model, num_blocks=48, block_size=BLOCK_SIZE)
-    long_chunk = KERNEL_MAX_QUERY_RUN + 1
-    assert compare_verify_steps(loaded, atol, new_prompt_len=long_chunk) == (len(VERIFY_STEPS) - 1, len(VERIFY_STEPS))
+    assert compare_verify_steps(loaded, atol) == (steps, steps)
+    # A chunk longer than the fused runs (KERNEL_MAX_QUERY_RUN), or a first prompt chunk: that
+    # step runs the modules (and agrees: both runs are the module path), the others fused.
+    for chunk, computed in ((KERNEL_MAX_QUERY_RUN + 1, 10), (3, 0)):
+        bind_kv_caches(loaded.model, num_blocks=48, block_size=BLOCK_SIZE)
+        assert compare_verify_steps(loaded, atol, chunk, computed) == (steps - 1, steps)
 
 
 def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None:
@@ -245,7 +247,7 @@ def test_an_undeclared_extra_op_runs_module_by_module(tiny_llama_dir: Path) -> N
         module_path = greedy_generate(loaded.model, PROMPTS[0], 10, block_size=BLOCK_SIZE).token_ids
         assert tokens[kind] == module_path, kind
         if kind == "plain":
-            assert len(calls) == 10 and fused._unsupported is None  # the 13-token prompt, every decode step
+            assert len(calls) == 9 and fused._unsupported is None  # every decode step
         else:
             assert calls == [] and fused._unsupported == "_HalvedMLPLayer declares no decode layout"
     assert tokens["extra-op"] != tokens["plain"]  # the op changes the output: fused would lose it
@@ -298,4 +300,4 @@ def test_the_default_model_decodes_fused(default_llm: Any) -> None:
     finally:
         handle.remove()
     assert fused._unsupported is None
-    assert len(calls) == 6  # the prompt (a short run), then every decode step
+    assert len(calls) == 5
