@@ -126,8 +126,8 @@ def test_greedy_outputs_agree_with_and_without_speculation(
 ])
 def test_greedy_outputs_agree_with_the_draft_policy(tiny_llama_dir, tiny_draft_dir, spec_prompts, reference, spec):
     """Drafts turned off for requests with poor acceptance (spec_decode/policy.py; the batch
-    rule is tested model-free in test_policy.py): the outputs stay the target's; a separate
-    draft model's KV of the requests skipped is still computed (its later drafts read it)."""
+    rule is tested model-free in test_policy.py): the outputs stay the target's, with a
+    separate draft model too (whose KV of a skipped request is computed as a prompt chunk's)."""
     if spec.get("model") == "DRAFT":
         spec = spec | {"model": tiny_draft_dir}
     llm = LLM(tiny_llama_dir, speculative_config=spec | {"min_acceptance_rate": 0.3}, **ENGINE_ARGS)
