@@ -134,7 +134,13 @@ def test_greedy_outputs_agree_with_the_draft_policy(tiny_llama_dir, tiny_draft_d
     policy = llm.llm_engine.engine_core.runner.draft_policy
     decisions = []  # (requests that sampled, requests drafted for) per step
     proposing = policy.proposing
-    policy.proposing = lambda req_ids, n: decisions.append((len(req_ids), len(chosen := proposing(req_ids, n)))) or chosen
+
+    def recorded(req_ids: list[str], num_step_reqs: int) -> list[int]:
+        chosen = proposing(req_ids, num_step_reqs)
+        decisions.append((len(req_ids), len(chosen)))
+        return chosen
+
+    policy.proposing = recorded
     tokens, _ = greedy_with_gaps(llm, spec_prompts[:12])
     ref_tokens, ref_gaps = reference
     for i, (ours, ref, gaps) in enumerate(zip(tokens, ref_tokens, ref_gaps)):
