@@ -215,7 +215,7 @@ class SchedulerConfig:
 
 SpecMethod = Literal["ngram", "draft_model"]
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "model", "draft_layers")
+              "model", "draft_layers", "disable_by_batch_size", "min_acceptance_rate")
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,12 @@ class SpeculativeConfig:
     draft_layers: int | None = None
     """draft_model without ``model``: self-speculation with the target's first L layers, its
     final norm and LM head (no second checkpoint)."""
+    disable_by_batch_size: int | None = None
+    """A step that runs at least this many requests proposes no drafts for the next (vLLM's
+    key); None: never (spec_decode/policy.py)."""
+    min_acceptance_rate: float | None = None
+    """A request whose recent drafts were accepted at a lower rate gets none for a while (a
+    doubling backoff); None: every request is drafted for (spec_decode/policy.py)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -245,6 +251,16 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config num_speculative_tokens={self.num_speculative_tokens!r} "
                 "must be an integer >= 1"
+            )
+        if self.disable_by_batch_size is not None and (
+            not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
+        ):
+            raise ValueError(
+                f"speculative_config disable_by_batch_size={self.disable_by_batch_size!r} must be an integer >= 1"
+            )
+        if self.min_acceptance_rate is not None and not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(
+                f"speculative_config min_acceptance_rate={self.min_acceptance_rate!r} must be in [0, 1]"
             )
         if self.method == "ngram":
             if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -2,7 +2,8 @@
 side in one run, on a repetitive workload (repeat or lightly edit a given paragraph) and on
 random-token prompts, at concurrency 1 and 8, with acceptance rates.
 
-    pagedllm bench spec-decode [--dtype float32] [--max-tokens 128] [--draft-layers 8]
+    pagedllm bench spec-decode [--dtype float32] [--max-tokens 128] [--draft-layers 8] [--rounds 3]
+        [--disable-by-batch-size 4] [--min-acceptance-rate 0.3]  (a '+policy' variant beside each)
 """
 
 from __future__ import annotations
@@ -76,38 +77,56 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--configs", default="none,ngram,self_draft", help="comma-separated subset")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="each workload run this many times per config, the configs alternated (loaded machines)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="disable_by_batch_size of a '+policy' variant run beside each speculative config")
+    ap.add_argument("--min-acceptance-rate", type=float, default=None,
+                    help="min_acceptance_rate of a '+policy' variant run beside each speculative config")
 
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.llm import LLM
 
+    policy = {"disable_by_batch_size": args.disable_by_batch_size, "min_acceptance_rate": args.min_acceptance_rate}
+    policy = {key: value for key, value in policy.items() if value is not None}
     configs = {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
         "self_draft": {"method": "draft_model", "num_speculative_tokens": 2, "draft_layers": args.draft_layers},
     }
     configs = {name: configs[name] for name in args.configs.split(",")}
-    results: dict[str, dict] = {}
+    if policy:  # each speculative config also with the draft policy's keys
+        configs |= {f"{name}+policy": spec | policy for name, spec in configs.items() if spec is not None}
+    # Every config's engine at once, so each workload's runs alternate between them.
+    llms = {}
     for name, spec in configs.items():
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes="256MiB",
-                  max_num_seqs=8, speculative_config=spec)
-        tok = llm.get_tokenizer()
-        llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
-        for concurrency, n in ((1, args.num_prompts_c1), (8, args.num_prompts_c8)):
-            for wname, prompts in workloads(tok, n).items():
-                r = run_workload(llm, prompts, concurrency, args.max_tokens)
-                results.setdefault(f"{wname} c={concurrency}", {})[name] = r
-                print(name, wname, concurrency, json.dumps(r), flush=True)
-        del llm
-    print("\n| workload | " + " | ".join(configs) + " |")
+        llms[name] = LLM(args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes="256MiB",
+                         max_num_seqs=8, speculative_config=spec)
+        llms[name].generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
+    tok = next(iter(llms.values())).get_tokenizer()
+    results: dict[str, dict[str, list[dict]]] = {}
+    for concurrency, n in ((1, args.num_prompts_c1), (8, args.num_prompts_c8)):
+        for wname, prompts in workloads(tok, n).items():
+            key = f"{wname} c={concurrency}"
+            for _ in range(args.rounds):
+                for name, llm in llms.items():
+                    r = run_workload(llm, prompts, concurrency, args.max_tokens)
+                    results.setdefault(key, {}).setdefault(name, []).append(r)
+                    print(name, wname, concurrency, json.dumps(r), flush=True)
+    print(f"\n(median over {args.rounds} alternated rounds; the ratio: median of the rounds' ratios)")
+    print("| workload | " + " | ".join(configs) + " |")
     print("| --- |" + " --- |" * len(configs))
     for key, row in results.items():
-        base = row["none"]["tok_s"]
+        base = [r["tok_s"] for r in row["none"]] if "none" in row else None
         cells = []
         for name in configs:
-            r = row[name]
-            cell = f"{r['tok_s']:.1f} tok/s"
-            if name != "none":
-                cell += f" ({r['tok_s'] / base:.2f}x, accept {100 * r['acceptance']:.0f}%)"
+            runs = row[name]
+            cell = f"{float(np.median([r['tok_s'] for r in runs])):.1f} tok/s"
+            if name != "none" and base is not None:
+                ratio = float(np.median([r["tok_s"] / b for r, b in zip(runs, base)]))
+                accepted = [r["acceptance"] for r in runs if r["acceptance"] is not None]
+                acceptance = f", accept {100 * float(np.mean(accepted)):.0f}%" if accepted else ", no drafts"
+                cell += f" ({ratio:.2f}x{acceptance})"
             cells.append(cell)
         print(f"| {key} | " + " | ".join(cells) + " |")

@@ -29,10 +29,12 @@ model's configuration).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +72,47 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_list)
+
+    @functools.cached_property
+    def longest_query_run(self) -> int:
+        """The longest query run of the step (max_query_len where the builder set it)."""
+        if self.max_query_len is not None:
+            return self.max_query_len
+        starts = self.query_start_loc
+        return max((b - a for a, b in zip(starts, starts[1:])), default=0)
+
+    @functools.cached_property
+    def row_decodes(self) -> AttentionMetadata:
+        """Every query row of the step as a one-token decode of its own context: the row at
+        position p of request r reads r's K/V over [0, p] (r's block table or slot, the
+        step's K/V already written), which is causal attention over a short run after a
+        cached context (speculative verification) in the decode kernels' form. Built once
+        per step (cached); the step itself when it is all decodes."""
+        if self.num_decodes == self.num_reqs:
+            return self
+        starts = np.asarray(self.query_start_loc, dtype=np.int64)  # [R + 1]
+        counts = np.diff(starts)  # [R]
+        num_rows = int(starts[-1])
+        req_of_row = np.repeat(np.arange(len(counts)), counts)  # [T]
+        # Row t of request r sits at position seq_len[r] - (end[r] - t): its context length
+        # is that position + 1.
+        rows_after = starts[1:][req_of_row] - 1 - np.arange(num_rows)  # [T] later rows of its run
+        row_lens = np.asarray(self.seq_lens_list, dtype=np.int64)[req_of_row] - rows_after  # [T]
+        device = self.seq_lens.device
+        index = torch.from_numpy(req_of_row).to(device)
+        slots = None if self.slots is None else self.slots.index_select(0, index.to(self.slots.device))
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            block_tables=self.block_tables if self.slots is not None else self.block_tables.index_select(0, index),
+            seq_lens=torch.from_numpy(row_lens).to(device),
+            query_start_loc=list(range(num_rows + 1)),
+            seq_lens_list=row_lens.tolist(),
+            num_decodes=num_rows,
+            block_size=self.block_size,
+            slots=slots,
+            slots_list=None if self.slots_list is None else [self.slots_list[r] for r in req_of_row.tolist()],
+            max_query_len=1,
+        )
 
 
 # One metadata for every layer, or one per KV cache group (indexed by the layer's group).
@@ -244,6 +287,10 @@ def torch_attention(
     nd = md.num_decodes
     if nd and nd == md.num_reqs:  # a pure decode step: one call, no copy into `out`
         return _decode_attention(q, kv_cache, md, scale, sliding_window, config, cap)
+    if md.longest_query_run <= _MAX_SHORT_RUN and _compiled_decode(q, md, config):
+        # Decodes and short runs only (speculative verification): each row as a decode of
+        # its own context, one kernel call (the fused decode's attention, models/fused_decode.py).
+        return _decode_attention(q, kv_cache, md.row_decodes, scale, sliding_window, config, cap)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, md, scale, sliding_window, config, cap)
@@ -341,6 +388,15 @@ def _short_runs_attention(
     ).transpose(1, 2)  # [R, Qmax, H, D]
     valid = offsets < lens_t  # [R, Qmax]
     out[index[valid]] = o[valid]
+
+
+def _compiled_decode(q: torch.Tensor, md: AttentionMetadata, config: AttentionConfig) -> bool:
+    """Whether `_decode_attention` runs the compiled kernel for this step."""
+    if not config.compiled_kernels or q.device.type != "cpu":
+        return False
+    if md.slots is not None and config.contiguous_decode != "kernel":
+        return False
+    return paged_attention_ops() is not None
 
 
 def _decode_attention(

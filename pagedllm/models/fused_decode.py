@@ -2,13 +2,17 @@
 
 At decode a step carries a few rows, and a layer's arithmetic on them costs less than the
 Python around it (a dozen module calls, views, allocations and the KV write per layer). When
-a step is all decodes (one query token per request) and at most `FUSED_MAX_ROWS` of them,
+a step is all decodes and speculative verifications (each request a run of at most
+`KERNEL_MAX_QUERY_RUN` consecutive query rows) with at most `FUSED_MAX_ROWS` rows in all,
 `FusedDecoderLayers` runs the layers in C++ (`kernels/csrc/decode_layers.cpp`) with the
 kernels of the per-module path (norms, rotary, attention, the quantized projections), a
 vectorised silu (its exp within ~2 ulp) and, for float32 weights, an AVX2 matrix-vector
 kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of torch's GEMM:
 the results agree with the module path to float32 rounding, exactly for quantized weights
-(tests/models/test_fused_decode.py).
+(tests/models/test_fused_decode.py). A verification run's rows are decoded each as a one-token
+decode of its own context (`AttentionMetadata.row_decodes`: the row at position p reads its
+request's K/V over [0, p], every row's K/V written first), which is causal attention over the
+run; the module path's attention does the same for such steps, with the same kernel.
 
 The compiled forward runs what a layer declares and nothing else. A decoder layer class
 declares what its forward computes by defining `decode_layout(self) -> DecodeLayout | None`
@@ -16,7 +20,7 @@ in its own class body; a subclass that does not define it again (it may have cha
 layer computes) is not taken to compute its parent's layout, and a layout with a field the
 kernel does not run (`kernel_refusal`) is not run. Either way the model goes module by module.
 
-Anything else runs the modules too: prefill and mixed steps, more rows, bfloat16, tensor
+Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16, tensor
 parallelism, the reference attention backend, several KV cache groups, or
 `PAGEDLLM_FUSED_DECODE=0` (e.g. to see the per-module breakdown in `bench latency --profile`).
 """
@@ -42,8 +46,10 @@ logger = logging.getLogger(__name__)
 # Up to this many decode rows (the quantized kernels' range: more rows dequantize and GEMM).
 FUSED_MAX_ROWS = PANEL_MAX_ROWS
 
-# Query rows per request the kernel decodes in one step (speculative verification needs more).
-KERNEL_QUERY_ROWS_PER_REQUEST = 1
+# The longest query run of one request the fused path takes (a decode: 1; verifying k drafts:
+# k + 1); a step with a longer run or a first prompt chunk runs the modules, whose prefill
+# attention is a flash kernel.
+KERNEL_MAX_QUERY_RUN = 16
 
 _ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 _EMPTY = torch.empty(0)
@@ -72,8 +78,6 @@ class DecodeLayout:
     mlp_bias: bool = False
     attn_logit_softcap: float | None = None
     """Attention scores soft-capped to c * tanh(s / c) (the layers' Attention.logit_soft_cap)."""
-    query_rows_per_request: int = 1
-    """Query rows each request brings to a decode step (k + 1 when verifying k drafts)."""
     row_deltas: bool = False
     """Per-row additive deltas on the projections' outputs (e.g. LoRA adapters per request)."""
 
@@ -88,7 +92,6 @@ _KERNEL_RUNS: dict[str, object] = {
     "gated_mlp": True,
     "positional": "rope",
     "partial_rotary_factor": 1.0,
-    "query_rows_per_request": KERNEL_QUERY_ROWS_PER_REQUEST,
     "row_deltas": False,
 }
 
@@ -99,6 +102,18 @@ def kernel_refusal(layout: DecodeLayout) -> str | None:
         if getattr(layout, name) != value:
             return f"the layout's {name}={getattr(layout, name)!r} (the kernel runs {value!r})"
     return None
+
+
+def _decodes_and_verifications(md: AttentionMetadata) -> bool:
+    """Whether every request of the step is a decode or a run of at most KERNEL_MAX_QUERY_RUN
+    rows after a cached context (a verification, or a prompt's short last chunk); a first
+    prompt chunk runs the modules."""
+    if md.num_decodes == md.num_reqs:
+        return True
+    if md.longest_query_run > KERNEL_MAX_QUERY_RUN:
+        return False
+    starts = md.query_start_loc
+    return all(end - start < seq_len for start, end, seq_len in zip(starts, starts[1:], md.seq_lens_list))
 
 
 def declared_layout(layer: nn.Module) -> DecodeLayout | None:
@@ -142,8 +157,7 @@ class FusedDecoderLayers(nn.Module):
         if layers[0].self_attn.attn.backend != "torch":
             return False
         md = get_attention_metadata(0)
-        # KERNEL_QUERY_ROWS_PER_REQUEST = 1: every request of the step is one decode row.
-        if not isinstance(md, AttentionMetadata) or md.num_decodes != rows or md.num_reqs != rows:
+        if not isinstance(md, AttentionMetadata) or not _decodes_and_verifications(md):
             return False
         if self._decoder is None or layers[0].self_attn.attn.kv_cache is not self._bound_cache:
             self._build(layers)
@@ -228,7 +242,8 @@ class FusedDecoderLayers(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden_states: [M, hidden] embeddings -> (h, residual) after the last layer
-        md = get_attention_metadata(0)
+        # Each row a decode of its own context (a verification run's rows: causal attention).
+        md = get_attention_metadata(0).row_decodes
         rows = hidden_states.shape[0]
         slots = _EMPTY if md.slots is None else md.slots[:rows]
         h, residual = self._decoder.forward(

@@ -24,6 +24,7 @@ from pagedllm.layers.attention import Attention, AttentionMetadata, forward_cont
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
+from pagedllm.spec_decode.policy import DraftPolicy
 from pagedllm.spec_decode.proposer import PrefillChunk, Proposer
 from pagedllm.spec_decode.registry import build_proposer
 from pagedllm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
@@ -84,8 +85,10 @@ class ModelRunner:
         self.speculative_config = speculative_config
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer: Proposer | None = None
+        self.draft_policy: DraftPolicy | None = None
         if speculative_config is not None:
             self.proposer = build_proposer(speculative_config, self)
+            self.draft_policy = DraftPolicy(speculative_config)
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
 
@@ -94,6 +97,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.draft_policy is not None:
+            self.draft_policy.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             wants_prompt_logprobs = (
@@ -157,7 +162,9 @@ class ModelRunner:
 
             apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
         if self.speculative_config is not None:
-            return self._verify_and_propose(logits, sampling_states, [drafts[i] for i in sample_rows], prefills)
+            return self._verify_and_propose(
+                logits, sampling_states, [drafts[i] for i in sample_rows], prefills, len(states)
+            )
         # A request whose sampling raises fails alone (fault_isolation.py).
         out, sampling_states, failed = sample_isolated(self.sampler, logits, sampling_states, self.eos_token_ids)
         if out is None:
@@ -186,9 +193,11 @@ class ModelRunner:
         states: list[CachedRequestState],
         drafts: list[list[int]],
         prefills: list[PrefillChunk],
+        num_step_reqs: int,
     ) -> ModelRunnerOutput:
         """Speculative decoding: verify each request's drafts (logits: [sum(1 + k_r), V]),
-        append the emitted tokens, then propose the next drafts."""
+        append the emitted tokens, then propose the next drafts for the requests the draft
+        policy chooses (the step ran num_step_reqs requests)."""
         # A request whose verification or proposal raises fails alone (fault_isolation.py).
         verified, kept, failed = verify_isolated(self.rejection_sampler, logits, states, drafts, self.eos_token_ids)
         assert self.proposer is not None
@@ -198,10 +207,25 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
         tokens, logprobs = verified
         states = [states[i] for i in kept]
+        assert self.draft_policy is not None
+        req_ids = [s.req_id for s in states]
+        self.draft_policy.observe(req_ids, [drafts[i] for i in kept], tokens)
         prompt_logprobs = _append_sampled(states, tokens)
-        proposals, failed_proposals = propose_isolated(
-            self.proposer, states, self.model_config.max_model_len, prefills
+        chosen = self.draft_policy.proposing(req_ids, num_step_reqs)
+        # A request not drafted for still has its KV computed by a draft model that keeps its
+        # own (its kept tokens, as a prompt chunk's): the draft's KV stays valid wherever the
+        # target's is.
+        chosen_set = set(chosen)
+        skipped = [
+            PrefillChunk(s, len(s.token_ids) - 1 - s.num_computed_tokens)
+            for i, s in enumerate(states) if i not in chosen_set and len(s.token_ids) - 1 > s.num_computed_tokens
+        ]
+        drafted, failed_proposals = propose_isolated(
+            self.proposer, [states[i] for i in chosen], self.model_config.max_model_len, [*prefills, *skipped]
         )
+        proposals: list[list[int]] = [[] for _ in states]
+        for i, d in zip(chosen, drafted):
+            proposals[i] = d
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
             sampled_token_ids=tokens,

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from pagedllm.layers.attention import forward_context
-from pagedllm.models.fused_decode import FUSED_MAX_ROWS, DecodeLayout, declared_layout, kernel_refusal
+from pagedllm.models.fused_decode import (
+    FUSED_MAX_ROWS,
+    KERNEL_MAX_QUERY_RUN,
+    DecodeLayout,
+    declared_layout,
+    kernel_refusal,
+)
 from pagedllm.models.llama import LlamaDecoderLayer
 from pagedllm.models.loader import LoadedModel, load_model
 from tests.models.test_llama import tiny_config
@@ -76,6 +82,68 @@ def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: f
     return len(calls)
 
 
+# Verification steps, one per line: per request (query rows, rows kept). A run of q rows is the
+# request's next token and q - 1 drafts; the rows not kept are rejected drafts, whose K/V the
+# next step's run overwrites (as in speculative decoding); (1, 1) is a decode. The prompts
+# leave 14, 8 and 5 tokens computed (block size 4): the first step's runs of 5 start mid-block
+# (positions 14..18) and at a block start ending on the next block's start (8..12).
+VERIFY_STEPS = [
+    [(5, 2), (5, 5), (1, 1)],
+    [(5, 5), (3, 1), (2, 2)],
+    [(1, 1), (5, 3), (4, 4)],
+    [(2, 1), (1, 1), (5, 5)],
+]
+
+
+@torch.inference_mode()
+def compare_verify_steps(loaded: LoadedModel, atol: float, chunk: int = 3, computed: int = 10) -> tuple[int, int]:
+    """Prefill three prompts, then run VERIFY_STEPS, fused against the module path on the same
+    inputs; a fourth request's prompt chunk of `chunk` tokens after `computed` computed ones
+    (prefilled with the three) joins the second step. Returns (fused calls (the prefill is not),
+    steps whose longest query run is > 1)."""
+    model, fused = loaded.model, _fused(loaded)
+    calls = []
+    handle = fused.register_forward_hook(lambda *_: calls.append(1))
+    reqs = []
+    for i in range(3):
+        prompt = PROMPTS[i] + [i + 20]
+        reqs.append(RequestState(list(prompt), allocate_blocks(len(prompt) + 24, BLOCK_SIZE, first_block=1 + 12 * i)))
+    chunked = RequestState(list(range(40, 40 + computed + chunk)), allocate_blocks(40, BLOCK_SIZE, first_block=37))
+    runs = 0
+    try:
+        prefill = [(r, len(r.token_ids)) for r in reqs] + ([(chunked, computed)] if computed else [])
+        md, input_ids, positions = make_metadata(prefill, BLOCK_SIZE)
+        with forward_context(md):
+            model(input_ids, positions)
+        for r in reqs:
+            r.num_computed_tokens = len(r.token_ids)
+        chunked.num_computed_tokens = computed
+        for n, step in enumerate(VERIFY_STEPS):
+            chunks = []
+            for r, (q, _) in zip(reqs, step):
+                c = r.num_computed_tokens  # the run: its next token, then q - 1 drafts
+                r.token_ids = r.token_ids[:c] + [(7 * (c + j) + 3 * q) % 300 + 1 for j in range(q)]
+                chunks.append((r, q))
+            if n == 1:
+                chunks.append((chunked, chunk))
+            chunks.sort(key=lambda item: item[1] != 1)  # decodes first, as the runner orders them
+            md, input_ids, positions = make_metadata(chunks, BLOCK_SIZE)
+            runs += md.longest_query_run > 1
+            with forward_context(md):
+                fused.enabled = False
+                want = model(input_ids, positions)
+                fused.enabled = True
+                got = model(input_ids, positions)
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            for r, (_, kept) in zip(reqs, step):
+                r.num_computed_tokens += kept
+            chunked.num_computed_tokens += chunk if n == 1 else 0
+    finally:
+        handle.remove()
+        fused.enabled = True
+    return len(calls), runs
+
+
 @pytest.fixture(scope="module", params=["llama", "llama-tied-bias", "mistral-window", "qwen2"])
 def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp(request.param)
@@ -94,6 +162,24 @@ def test_fused_decode_matches_module_path(tiny_dir: Path, quantization: str, num
     bind_kv_caches(loaded.model, num_blocks=8 * num_reqs + 1, block_size=BLOCK_SIZE)
     atol = 2e-5 if quantization == "none" else 0.0
     assert compare_decode_steps(loaded, num_reqs, steps=5, atol=atol) == 5
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_fused_verification_matches_module_path(tiny_dir: Path, quantization: str) -> None:
+    # Decodes and verification runs of mixed lengths (GQA: 4 query heads over 2 KV heads;
+    # mistral-window: a 6-token sliding window the runs reach past), and a prompt's last chunk
+    # of 3 tokens: every step fused. Quantized weights: the same kernels, the same floats (both
+    # paths' attention decodes each row of a run over its own context, models/fused_decode.py).
+    loaded = load_model(str(tiny_dir), quantization=quantization)
+    atol = 2e-5 if quantization == "none" else 0.0
+    steps = len(VERIFY_STEPS)
+    bind_kv_caches(loaded.model, num_blocks=48, block_size=BLOCK_SIZE)
+    assert compare_verify_steps(loaded, atol) == (steps, steps)
+    # A chunk longer than the fused runs (KERNEL_MAX_QUERY_RUN), or a first prompt chunk: that
+    # step runs the modules (and agrees: both runs are the module path), the others fused.
+    for chunk, computed in ((KERNEL_MAX_QUERY_RUN + 1, 10), (3, 0)):
+        bind_kv_caches(loaded.model, num_blocks=48, block_size=BLOCK_SIZE)
+        assert compare_verify_steps(loaded, atol, chunk, computed) == (steps - 1, steps)
 
 
 def test_fused_decode_falls_back_where_it_does_not_apply(tiny_dir: Path) -> None:
@@ -195,7 +281,6 @@ def test_the_kernel_refuses_layouts_it_does_not_run() -> None:
         "norm_offset": DecodeLayout(norm_offset=1.0),
         "norm_placement": DecodeLayout(norm_placement="sandwich"),
         "activation": DecodeLayout(activation="gelu_pytorch_tanh"),
-        "query_rows_per_request": DecodeLayout(query_rows_per_request=4),
         "row_deltas": DecodeLayout(row_deltas=True),
     }
     for field_name, layout in refused.items():

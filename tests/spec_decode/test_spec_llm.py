@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.attention import get_attention_metadata
 from tests.sample.stats import SIGNIFICANCE, chi_square_p_value
 from tests.utils import assert_same_greedy, tokens_and_gaps
 
@@ -97,7 +98,15 @@ def test_greedy_outputs_agree_with_and_without_speculation(
     preempt = spec.pop("preempt", False)
     args = ENGINE_ARGS | ({"kv_cache_memory_bytes": 37 * 8192, "max_model_len": 512} if preempt else {})
     llm = LLM(tiny_llama_dir, speculative_config=spec, **args)
-    tokens, _ = greedy_with_gaps(llm, spec_prompts)
+    # Verification steps run through the fused decode (the compiled forward of every layer).
+    fused = llm.llm_engine.engine_core.runner.model.model.fused_layers
+    fused_runs = []
+    handle = fused.register_forward_hook(lambda *_: fused_runs.append(get_attention_metadata(0).longest_query_run))
+    try:
+        tokens, _ = greedy_with_gaps(llm, spec_prompts)
+    finally:
+        handle.remove()
+    assert sum(run > 1 for run in fused_runs) > 10
     ref_tokens, ref_gaps = reference
     for i, (ours, ref, gaps) in enumerate(zip(tokens, ref_tokens, ref_gaps)):
         assert len(ours) == NUM_STEPS
@@ -108,6 +117,37 @@ def test_greedy_outputs_agree_with_and_without_speculation(
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     if preempt:
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param({"method": "ngram", "num_speculative_tokens": 4}, id="ngram"),
+    pytest.param({"method": "draft_model", "num_speculative_tokens": 3, "model": "DRAFT"}, id="draft_model"),
+])
+def test_greedy_outputs_agree_with_the_draft_policy(tiny_llama_dir, tiny_draft_dir, spec_prompts, reference, spec):
+    """Drafts turned off for requests with poor acceptance (spec_decode/policy.py; the batch
+    rule is tested model-free in test_policy.py): the outputs stay the target's, with a
+    separate draft model too (whose KV of a skipped request is computed as a prompt chunk's)."""
+    if spec.get("model") == "DRAFT":
+        spec = spec | {"model": tiny_draft_dir}
+    llm = LLM(tiny_llama_dir, speculative_config=spec | {"min_acceptance_rate": 0.3}, **ENGINE_ARGS)
+    policy = llm.llm_engine.engine_core.runner.draft_policy
+    decisions = []  # (requests that sampled, requests drafted for) per step
+    proposing = policy.proposing
+
+    def recorded(req_ids: list[str], num_step_reqs: int) -> list[int]:
+        chosen = proposing(req_ids, num_step_reqs)
+        decisions.append((len(req_ids), len(chosen)))
+        return chosen
+
+    policy.proposing = recorded
+    tokens, _ = greedy_with_gaps(llm, spec_prompts[:12])
+    ref_tokens, ref_gaps = reference
+    for i, (ours, ref, gaps) in enumerate(zip(tokens, ref_tokens, ref_gaps)):
+        assert_same_greedy(ours, ref, gaps, f"prompt {i}")
+    stats = llm.llm_engine.scheduler.get_stats().spec_decoding_stats
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens > 0
+    assert any(drafted < sampled for sampled, drafted in decisions)  # some requests skipped
     assert_all_blocks_free(llm)
 
 

@@ -45,22 +45,30 @@ def _metadata(computed: list[int], query_lens: list[int]) -> AttentionMetadata:
     return md
 
 
+# Three decodes (long, short, one-token context), then a first prefill, a later chunk, and
+# short runs after a context (speculative verification). All runs short: every row a decode
+# of its own context, in one kernel call (compiled); with a long chunk: the short runs in one
+# padded call, the chunks one call each.
+STEPS = {
+    "short-runs": ([17, 3, 0, 0, 9, 21, 2, 6], [1, 1, 1, 7, 6, 5, 3, 2]),
+    "with-long-chunk": ([17, 3, 0, 0, 9, 21, 2, 6], [1, 1, 1, 7, 20, 5, 3, 2]),
+}
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-kernel", "torch-ops"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 # 64: the default model's head size (the kernel's AVX2 paths for both passes); 40: its AVX2
 # scores with the generic weighted sum; 12: the generic kernel throughout.
 @pytest.mark.parametrize("D", [64, 40, 12])
-def test_torch_attention_matches_reference(sliding_window, compiled, D):
+@pytest.mark.parametrize("step", list(STEPS))
+def test_torch_attention_matches_reference(sliding_window, compiled, D, step):
     import pagedllm.layers.attention as attention
 
     config = AttentionConfig(compiled_kernels=compiled)
     if compiled:
         assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
     torch.manual_seed(0)
-    # Three decodes (long, short, one-token context), then a first prefill, a later chunk,
-    # and short runs after a context (speculative verification: batched into one call).
-    computed = [17, 3, 0, 0, 9, 21, 2, 6]
-    query_lens = [1, 1, 1, 7, 6, 5, 3, 2]
+    computed, query_lens = STEPS[step]
     md = _metadata(computed, query_lens)
     cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D)
     # Earlier context: random K/V at the already-computed positions.
@@ -76,6 +84,23 @@ def test_torch_attention_matches_reference(sliding_window, compiled, D):
     ref = reference_attention(q, cache, md, 0.3, sliding_window)
     fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window, config)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    # Soft-capped scores: every path applies the cap.
+    ref = reference_attention(q, cache, md, 0.3, sliding_window, logit_soft_cap=2.0)
+    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window, config, logit_soft_cap=2.0)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_row_decodes_give_each_row_its_context() -> None:
+    # Requests: a decode at position 17, a run of 5 rows at positions 9..13, a first chunk of 3.
+    md = _metadata([17, 9, 0], [1, 5, 3])
+    rows = md.row_decodes
+    assert rows.seq_lens_list == [18, 10, 11, 12, 13, 14, 1, 2, 3]
+    assert rows.seq_lens.tolist() == rows.seq_lens_list
+    assert rows.num_decodes == rows.num_reqs == 9 and rows.query_start_loc == list(range(10))
+    assert torch.equal(rows.block_tables, md.block_tables[[0, 1, 1, 1, 1, 1, 2, 2, 2]])
+    assert rows.slot_mapping is md.slot_mapping and md.row_decodes is rows  # built once per step
+    decodes = _metadata([4, 7], [1, 1])
+    assert decodes.row_decodes is decodes
 
 
 @pytest.mark.parametrize("decode", ["kernel", "torch"])

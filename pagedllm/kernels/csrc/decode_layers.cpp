@@ -9,12 +9,13 @@
 // polynomial within ~2 ulp of std::exp). Float32 weights go through an AVX2 matrix-vector
 // kernel (below) at one row and gemm_tiles.h's register tiles at more.
 //
-// Per layer, over M rows (one decode token per request):
+// Per layer, over M rows (each a decode: a request's next token, or one row of its verification run):
 //   residual += h (the first layer: residual = h); x = rms_norm(residual)
 //   qkv = x W_qkv^T (+ b); [q, k = rms_norm per head (q/k norm layouts only)]
 //   q, k = rotary(q, k); K/V rows written to the cache at slot_mapping (an 8-bit cache:
 //       quantized per row as layers/kv_quant.py does, kv_codes.h's quantize_row)
-//   a = decode attention over each request's cached context (block table or contiguous slot),
+//   a = decode attention of each row over its request's context up to the row (block table or
+//       contiguous slot; seq_lens: the row's position + 1),
 //       its scores soft-capped to c * tanh(s / c) where the layer has a cap c
 //   residual += a W_o^T (+ b); x = rms_norm(residual)
 //   h = silu(x W_gate^T) * (x W_up^T), then h W_down^T (+ b)
