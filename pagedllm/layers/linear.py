@@ -26,6 +26,7 @@ from pagedllm.kernels import (
     quantized_linear,
 )
 from pagedllm.layers.utils import set_weight_loader
+from pagedllm.lora.layers import LinearLoRASlots, add_lora_delta
 
 __all__ = [
     "ColumnParallelLinear", "Linear", "MergedLinear", "QKVLinear", "RowParallelLinear", "linear_op",
@@ -57,6 +58,8 @@ class Linear(nn.Module):
         set_prefill_activations)"""
         """4 or 8: quantize float weight shards as they load (--quantization int4|int8)."""
         self._quant_parts: dict[int, QuantizedWeight] = {}  # row offset -> rows loaded so far
+        self.lora_slots: LinearLoRASlots | None = None
+        """--enable-lora: the adapters' stacked weights, added to the output (lora/layers.py)."""
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -116,8 +119,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.quant is not None:
-            return quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
-        return linear_op(x, self.weight, self.bias, persistent_weight=True)
+            y = quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
+        else:
+            y = linear_op(x, self.weight, self.bias, persistent_weight=True)
+        return y if self.lora_slots is None else add_lora_delta(self.lora_slots, x, y)
 
     def extra_repr(self) -> str:
         quant = "" if self.quant is None else f", int{self.quant.bits}"

@@ -34,6 +34,7 @@ from torch import nn
 from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
 from pagedllm.kernels import decode_layers_ops
 from pagedllm.layers.linear import Linear
+from pagedllm.lora.layers import active_mapping
 from pagedllm.kernels import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class FusedDecoderLayers(nn.Module):
             return False  # a CPU kernel: CUDA runs module by module through the Triton kernels
         if layers[0].self_attn.attn.backend != "torch":
             return False
+        if active_mapping() is not None:
+            return False  # a step with LoRA adapters runs the modules (lora/layers.py's delta)
         md = get_attention_metadata(0)
         # KERNEL_QUERY_ROWS_PER_REQUEST = 1: every request of the step is one decode row.
         if not isinstance(md, AttentionMetadata) or md.num_decodes != rows or md.num_reqs != rows:
