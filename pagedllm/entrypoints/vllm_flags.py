@@ -84,10 +84,6 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--kv-cache-dtype",), "no fp8 KV cache: the KV cache holds the model's dtype",
                {}, harmless=_one_of("auto")),
-    _missing_switch("--enable-lora", reason="no LoRA adapters"),
-    CompatFlag(("--lora-modules",), "no LoRA adapters", {"nargs": "+"}),
-    CompatFlag(("--max-loras",), "no LoRA adapters", {"type": int}),
-    CompatFlag(("--max-lora-rank",), "no LoRA adapters", {"type": int}),
     CompatFlag(("--pipeline-parallel-size", "-pp"), "no pipeline parallelism (tensor parallelism: -tp)",
                {"type": int}, harmless=lambda v: v == 1),
     CompatFlag(("--data-parallel-size", "-dp"), "no data parallelism: run one server per replica",
@@ -149,6 +145,12 @@ def _show(flag: CompatFlag, value: Any) -> str:
     if isinstance(value, list):
         return f"{name} {' '.join(map(str, value))}"
     return f"{name} {value}"
+
+
+def runtime_lora_updating_from_env(environ: Mapping[str, str]) -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM reads it: "1" or "true" (any case) allow
+    loading and unloading LoRA adapters through the API; unset or anything else does not."""
+    return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def kv_cache_bytes_from_env(environ: Mapping[str, str], flag_value: str | None) -> str | int | None:

@@ -13,10 +13,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagedllm.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    import torch
 
 _CONFIG = "adapter_config.json"
 _WEIGHTS = "adapter_model.safetensors"
@@ -44,21 +46,27 @@ class LoRAAdapter:
     """HF projection name (no PEFT prefix) -> its weights."""
 
 
-def load_peft_adapter(request: LoRARequest, max_lora_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT LoRA directory; ValueError naming what is refused and why."""
+def check_adapter_dir(request: LoRARequest, max_lora_rank: int) -> tuple[int, float]:
+    """(rank, scaling) of a PEFT LoRA directory whose config this engine runs, without reading
+    the weights (torch-free: the API server checks adapters with it); ValueError otherwise."""
     path = request.lora_path
     config_file = os.path.join(path, _CONFIG)
     if not os.path.isfile(config_file):
         raise ValueError(f"LoRA adapter {request.lora_name!r}: no {_CONFIG} in {path!r}")
     with open(config_file) as f:
         config = json.load(f)
-    rank, scaling = _check_config(request.lora_name, config, max_lora_rank)
-    weights_file = os.path.join(path, _WEIGHTS)
-    if not os.path.isfile(weights_file):
+    rank_scaling = _check_config(request.lora_name, config, max_lora_rank)
+    if not os.path.isfile(os.path.join(path, _WEIGHTS)):
         raise ValueError(f"LoRA adapter {request.lora_name!r}: no {_WEIGHTS} in {path!r} (only safetensors is read)")
+    return rank_scaling
+
+
+def load_peft_adapter(request: LoRARequest, max_lora_rank: int) -> LoRAAdapter:
+    """Read and check a PEFT LoRA directory; ValueError naming what is refused and why."""
+    rank, scaling = check_adapter_dir(request, max_lora_rank)
     from safetensors.torch import load_file
 
-    tensors = load_file(weights_file)
+    tensors = load_file(os.path.join(request.lora_path, _WEIGHTS))
     return LoRAAdapter(request, rank, scaling, _pair_tensors(request.lora_name, tensors, rank, scaling))
 
 

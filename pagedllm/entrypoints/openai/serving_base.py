@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -379,6 +380,7 @@ def add_requests(
     params: SamplingParams | BeamSearchRequest, cache_salt: str | None,
     kv_transfer_params: dict | None = None, *, priority: int = 0,
     request_logger: RequestLogger | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[RequestStream]:
     """Queue one request per prompt; on a bad one, abort those already queued and raise a 400.
     Each queued request is logged by request_logger (--enable-log-requests)."""
@@ -398,13 +400,15 @@ def add_requests(
                     raise ValueError("kv_transfer_params cannot be combined with use_beam_search")
                 if priority != 0:
                     raise ValueError("priority cannot be combined with use_beam_search")
+                if lora_request is not None:
+                    raise ValueError("a LoRA adapter cannot be combined with use_beam_search")
                 assert engine.model_config is not None
                 beam = params.params_for(len(ids), engine.model_config.max_model_len)
                 streams.append(engine.add_beam_search(request_id, text, beam, prompt_token_ids=ids))
             else:
                 streams.append(engine.add_request(
                     request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt,
-                    kv_transfer_params=kv_transfer_params, priority=priority,
+                    kv_transfer_params=kv_transfer_params, priority=priority, lora_request=lora_request,
                 ))
             if request_logger is not None:
                 request_logger.log(request_id, text, ids, params.params if isinstance(params, BeamSearchRequest) else params)

@@ -56,6 +56,7 @@ from pagedllm.entrypoints.openai.tool_parsers.handler import (
     finish_reason_with_calls,
 )
 from pagedllm.entrypoints.openai.tool_parsers.stream import TextStreamState, ToolStreamState
+from pagedllm.lora.request import LoRARequest
 
 
 def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
@@ -118,7 +119,9 @@ class OpenAIServingChat:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
 
-    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def create(
+        self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
         num_logprobs = self._check(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs, self.engine.generation_defaults)
@@ -138,7 +141,7 @@ class OpenAIServingChat:
         reasoning.apply_to(params)
         request_id = req.request_id or random_id("chatcmpl")
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params,
-                               priority=req.priority, request_logger=self.request_logger)
+                               priority=req.priority, request_logger=self.request_logger, lora_request=lora_request)
         if req.stream:
             return self._stream(req, request_id, streams, ids, tools, reasoning)
         try:

@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage_info,
     usage_of,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 
 
@@ -73,7 +74,9 @@ class OpenAIServingCompletion:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", "echo")
 
-    async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create(
+        self, req: CompletionRequest, lora_request: LoRARequest | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         self._check(req)
         defaults = self.engine.generation_defaults
         # Left out: the checkpoint's default, else OpenAI's 16 (null: the default, else the room left).
@@ -86,7 +89,7 @@ class OpenAIServingCompletion:
             check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("cmpl")
         streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt, req.kv_transfer_params,
-                               priority=req.priority, request_logger=self.request_logger)
+                               priority=req.priority, request_logger=self.request_logger, lora_request=lora_request)
         if req.stream:
             return self._stream(req, request_id, prompts, streams)
         try:
