@@ -25,4 +25,5 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv-transfer": ("kv_transfer", "KV transfer throughput of the ZMQ connector over TCP loopback"),
     "disagg-itl": ("disagg_itl", "stream inter-token latency during a burst of long prompts (any server)"),
     "dashboard-snapshot": ("dashboard_snapshot", "cost of the dashboard's KV snapshot against the step time"),
+    "lora": ("lora", "multi-LoRA decode: 0, 1 and 4 adapters in a batch against the merged model"),
 }

@@ -13,7 +13,8 @@ For the step's tokens x: [T, K] and their slot one-hot [T, S] (all zero: no adap
     u *= one_hot (per slot)    each token keeps only its own adapter's R columns
     y += u @ lora_b^T          [T, N]       one GEMM; zero for tokens without an adapter
 
-Padding rows/columns are zero, so adapters of different ranks (and adapters on a subset of a
+The fused decode (models/fused_decode.py) computes the same deltas in C++
+(kernels/csrc/lora_delta.h), per group of rows sharing a slot. Padding rows/columns are zero, so adapters of different ranks (and adapters on a subset of a
 fused projection's sections, or of the model's projections) share the slots exactly. The
 per-step mapping reaches every layer through one scoped context (`lora_context`), as the
 attention metadata does.
@@ -35,6 +36,7 @@ class LoRAMapping:
     """Which adapter slot each token of the step uses."""
 
     one_hot: torch.Tensor  # [T, S] in the model's dtype; a row of zeros: no adapter
+    row_slots: torch.Tensor  # [T] int64, each token's slot, -1: no adapter (the fused decode's form)
 
 
 _mapping: LoRAMapping | None = None
@@ -72,6 +74,12 @@ class LinearLoRASlots:
         out_features = sum(size for _, size in sections.values())
         self.lora_a = torch.zeros(max_loras * self.width, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(out_features, max_loras * self.width, dtype=dtype, device=device)
+
+    @property
+    def section_rows(self) -> list[int]:
+        """Output row offsets of the sections, len(sections) + 1 entries."""
+        offsets = [offset for offset, _ in self.sections.values()]
+        return [*offsets, offsets[-1] + list(self.sections.values())[-1][1]]
 
     def set_slot(self, slot: int, weights: dict[object, LoRAModuleWeights]) -> None:
         """Fill `slot` with an adapter's sections (absent sections: zero)."""

@@ -137,7 +137,7 @@ class LoRAManager:
         slot_per_token = torch.from_numpy(np.repeat(slot_per_req, counts))  # [T], -1: none
         one_hot = torch.zeros(len(slot_per_token), self.config.max_loras + 1, dtype=self.dtype)
         one_hot[torch.arange(len(slot_per_token)), slot_per_token] = 1  # -1 lands in the spare column
-        return LoRAMapping(one_hot[:, : self.config.max_loras].to(self.device))
+        return LoRAMapping(one_hot[:, : self.config.max_loras].to(self.device), slot_per_token.to(self.device))
 
     def _activate(self, adapter_id: int, taken: set[int]) -> int:
         """The slot holding `adapter_id`, filling the least recently used free one if none."""

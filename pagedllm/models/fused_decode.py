@@ -47,6 +47,7 @@ KERNEL_QUERY_ROWS_PER_REQUEST = 1
 
 _ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 _EMPTY = torch.empty(0)
+_EMPTY_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,6 @@ class FusedDecoderLayers(nn.Module):
             return False  # a CPU kernel: CUDA runs module by module through the Triton kernels
         if layers[0].self_attn.attn.backend != "torch":
             return False
-        if active_mapping() is not None:
-            return False  # a step with LoRA adapters runs the modules (lora/layers.py's delta)
         md = get_attention_metadata(0)
         # KERNEL_QUERY_ROWS_PER_REQUEST = 1: every request of the step is one decode row.
         if not isinstance(md, AttentionMetadata) or md.num_decodes != rows or md.num_reqs != rows:
@@ -194,8 +193,22 @@ class FusedDecoderLayers(nn.Module):
                 a.attn.logit_soft_cap or 0.0,
                 bits, weights, scales, zeros, biases,
             )
+        self._bind_lora(decoder, layers)
         self._decoder = decoder
         self._bound_cache = first.self_attn.attn.kv_cache
+
+    @staticmethod
+    def _bind_lora(decoder: Any, layers: nn.ModuleList) -> None:
+        """Hand the layers' LoRA slots (lora/layers.py) to the compiled forward, which adds each
+        row's delta after every projection (kernels/csrc/lora_delta.h)."""
+        for index, layer in enumerate(layers):
+            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            slots = [m.lora_slots for m in linears]
+            if any(s is None for s in slots):
+                assert all(s is None for s in slots), "LoRA slots on some projections of a layer only"
+                continue
+            decoder.set_lora(index, [s.lora_a for s in slots], [s.lora_b for s in slots],
+                             [s.section_rows for s in slots], slots[0].max_rank)
 
     @staticmethod
     def _why_unsupported(layers: nn.ModuleList) -> str | None:
@@ -233,6 +246,8 @@ class FusedDecoderLayers(nn.Module):
         md = get_attention_metadata(0)
         rows = hidden_states.shape[0]
         slots = _EMPTY if md.slots is None else md.slots[:rows]
+        lora = active_mapping()
+        self._decoder.set_lora_rows(_EMPTY_ROWS if lora is None else lora.row_slots[:rows])
         h, residual = self._decoder.forward(
             hidden_states, _EMPTY, positions, md.slot_mapping, md.block_tables, md.seq_lens[:rows], slots,
         )

@@ -39,12 +39,34 @@ def lora(checkpoints: dict[str, Any], name: str) -> LoRARequest:
     return LoRARequest(name, {"a": 1, "b": 2}[name], str(checkpoints["root"] / name))
 
 
-def check_mixed_batch(llm: LLM, checkpoints: dict[str, Any], refs: dict[str | None, Any]) -> None:
-    """Every prompt under a, b and the base, interleaved in one generate call."""
+def fused_steps_with_adapters(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the decode steps the compiled forward runs while adapters are active."""
+    from pagedllm.lora.layers import active_mapping
+    from pagedllm.models.fused_decode import FusedDecoderLayers
+
+    counts: list[int] = []
+    forward = FusedDecoderLayers.forward
+
+    def spy(self, positions, hidden_states):
+        mapping = active_mapping()
+        if mapping is not None and bool((mapping.row_slots >= 0).any()):
+            counts.append(hidden_states.shape[0])
+        return forward(self, positions, hidden_states)
+
+    monkeypatch.setattr(FusedDecoderLayers, "forward", spy)
+    return counts
+
+
+def check_mixed_batch(llm: LLM, checkpoints: dict[str, Any], refs: dict[str | None, Any],
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prompt under a, b and the base, interleaved in one generate call; the decode
+    steps run the compiled forward with the adapters' deltas (kernels/csrc/lora_delta.h)."""
     names = [None, "a", "b"]
     prompts = [p for p in PROMPTS for _ in names]
     loras = [None if n is None else lora(checkpoints, n) for _ in PROMPTS for n in names]
+    fused = fused_steps_with_adapters(monkeypatch)
     outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    assert len(fused) >= MAX_TOKENS - 1, "the decode steps with adapters did not run fused"
     distinct = set()
     for out, request in zip(outs, loras):
         name = None if request is None else request.lora_name
@@ -54,9 +76,18 @@ def check_mixed_batch(llm: LLM, checkpoints: dict[str, Any], refs: dict[str | No
     assert len(distinct) > len(PROMPTS), "the adapters change nothing: the test could not fail"
 
 
-def test_mixed_adapters_match_hf_peft_merged(checkpoints: dict[str, Any]) -> None:
+def test_mixed_adapters_match_hf_peft_merged(checkpoints: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(checkpoints["root"] / "base"), enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
-    check_mixed_batch(llm, checkpoints, {None: checkpoints["base"], "a": checkpoints["a"], "b": checkpoints["b"]})
+    refs = {None: checkpoints["base"], "a": checkpoints["a"], "b": checkpoints["b"]}
+    check_mixed_batch(llm, checkpoints, refs, monkeypatch)
+    # The module path (layers/linear.py's hook, lora/layers.py's stacked form) alike.
+    llm.llm_engine.engine_core.runner.model.model.fused_layers.enabled = False
+    names = [None, "a", "b"]
+    loras = [None if n is None else lora(checkpoints, n) for n in names]
+    outs = llm.generate(PROMPTS[:1] * 3, GREEDY, lora_request=loras, use_tqdm=False)
+    for out, name in zip(outs, names):
+        ref, gaps = hf_greedy(refs[name], out.prompt_token_ids, MAX_TOKENS)
+        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"module path under {name}")
     # Same prompt under a, b and the base: no prefix-cache hit across adapters; under one
     # adapter the second request hits.
     prompt = {"prompt_token_ids": list(range(40, 40 + 40))}  # two full 16-token blocks and more
@@ -90,7 +121,7 @@ def test_quantized_base_matches_hf_peft_on_the_dequantized_weights(
     llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, quantization="gguf", **ENGINE)
     layer = llm.llm_engine.engine_core.runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant is not None and layer.mlp.down_proj.quant is not None
-    check_mixed_batch(llm, checkpoints, {n: reference(n) for n in (None, "a", "b")})
+    check_mixed_batch(llm, checkpoints, {n: reference(n) for n in (None, "a", "b")}, monkeypatch)
 
 
 def test_a_request_waiting_for_a_slot_holds_no_one_behind(checkpoints: dict[str, Any]) -> None:
