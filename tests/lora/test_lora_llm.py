@@ -199,3 +199,17 @@ def test_refusals(checkpoints: dict[str, Any], tmp_path: Path) -> None:
         LoRARequest("x", 0, "")
     # The engine still serves after every refusal.
     assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_speculative_decoding_with_adapters_is_lossless(checkpoints: dict[str, Any]) -> None:
+    """ngram drafts verified under each request's adapter: greedy equal to HF + PEFT merged."""
+    llm = LLM(str(checkpoints["root"] / "base"), enable_lora=True, max_loras=2, max_lora_rank=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)
+    prompts = ["1, 2, 3, 1, 2, 3, 1, 2, 3,", "abc abc abc abc"] * 2
+    loras = [lora(checkpoints, "a"), lora(checkpoints, "b"), None, lora(checkpoints, "a")]
+    refs = {None: checkpoints["base"], "a": checkpoints["a"], "b": checkpoints["b"]}
+    outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    for out, request in zip(outs, loras):
+        name = None if request is None else request.lora_name
+        ref, gaps = hf_greedy(refs[name], out.prompt_token_ids, MAX_TOKENS)
+        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"speculative, under {name}")
