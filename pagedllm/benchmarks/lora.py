@@ -31,8 +31,6 @@ def write_random_adapter(path: str, model: Any, rank: int, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from pagedllm.lora.manager import _sections
-
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for index, layer in enumerate(model.model.layers):
@@ -40,7 +38,7 @@ def write_random_adapter(path: str, model: Any, rank: int, seed: int) -> None:
                              ("mlp", "down_proj")):
             linear = getattr(getattr(layer, parent), part)
             names = _CHECKPOINT_NAMES.get(part, (part,))
-            for name, (_, rows) in zip(names, _sections(linear).values()):
+            for name, (_, rows) in zip(names, linear.output_sections().values()):
                 key = f"base_model.model.model.layers.{index}.{parent}.{name}"
                 a = torch.randn(rank, linear.in_features, generator=generator) / linear.in_features**0.5
                 tensors[f"{key}.lora_A.weight"] = a

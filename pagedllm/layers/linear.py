@@ -124,6 +124,10 @@ class Linear(nn.Module):
             y = linear_op(x, self.weight, self.bias, persistent_weight=True)
         return y if self.lora_slots is None else add_lora_delta(self.lora_slots, x, y)
 
+    def output_sections(self) -> dict[object, tuple[int, int]]:
+        """Shard id -> (first output row, rows) of each checkpoint projection in this layer."""
+        return {None: (0, self.out_features)}
+
     def extra_repr(self) -> str:
         quant = "" if self.quant is None else f", int{self.quant.bits}"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{quant}"
@@ -160,6 +164,9 @@ class MergedLinear(Linear):
             raise ValueError(f"shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
         self._load_rows(param, _rank_rows(self.tp, loaded_weight, size), offset, size)
+
+    def output_sections(self) -> dict[object, tuple[int, int]]:
+        return {i: (sum(self.output_sizes[:i]), size) for i, size in enumerate(self.output_sizes)}
 
 
 class QKVLinear(Linear):
@@ -204,6 +211,9 @@ class QKVLinear(Linear):
             raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
         offset, size = self._shards[shard_id]  # type: ignore[index]
         self._load_rows(param, _rank_rows(self.tp, loaded_weight, size), offset, size)
+
+    def output_sections(self) -> dict[object, tuple[int, int]]:
+        return dict(self._shards)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # qkv: [T, q_size + 2 * kv_size] -> q: [T, q_size], k, v: [T, kv_size]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.layers.linear import Linear
 from pagedllm.lora.checkpoint import LoRAAdapter, LoRAModuleWeights, load_peft_adapter
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LinearLoRASlots, LoRAMapping
@@ -26,16 +26,6 @@ from pagedllm.lora.request import LoRARequest
 logger = logging.getLogger(__name__)
 
 PackedModules = Sequence[tuple[str, str, object]]  # (fused parameter, checkpoint projection, shard id)
-
-
-def _sections(linear: Linear) -> dict[object, tuple[int, int]]:
-    """Shard id -> (first output row, rows) of a Linear's checkpoint projections."""
-    if isinstance(linear, QKVLinear):
-        return dict(linear._shards)
-    if isinstance(linear, MergedLinear):
-        starts = np.cumsum([0, *linear.output_sizes]).tolist()
-        return {i: (starts[i], size) for i, size in enumerate(linear.output_sizes)}
-    return {None: (0, linear.out_features)}
 
 
 class LoRAManager:
@@ -53,7 +43,7 @@ class LoRAManager:
                 if tp is not None and tp.size > 1:
                     raise ValueError("LoRA adapters run in one process only (--tensor-parallel-size 1)")
                 module.lora_slots = LinearLoRASlots(
-                    module.in_features, _sections(module), config.max_loras, config.max_lora_rank, dtype, device)
+                    module.in_features, module.output_sections(), config.max_loras, config.max_lora_rank, dtype, device)
                 self.layers[name] = module
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no decoder-layer projections to adapt")
