@@ -24,50 +24,55 @@ struct LoRAProjection {
 
   bool empty() const { return a.numel() == 0; }
 
-  // y [M, N] += per row m of slot row_slot[m]: B_s (A_s x_m); u: scratch.
+  // y [M, N] += per row m of slot row_slot[m]: B_s (A_s x_m); u: scratch. Two parallel
+  // regions per projection, whatever the number of adapters.
   void add(const float* x, int64_t M, int64_t K, float* y, int64_t N, const int64_t* row_slot,
            std::vector<float>& u) const {
-    const int64_t width = rank * static_cast<int64_t>(section_rows.size() - 1);  // R
-    const int64_t cols = b.size(1);                                               // S * R
-    const int64_t slots = cols / width;
+    const int64_t sections = static_cast<int64_t>(section_rows.size()) - 1;
+    const int64_t width = rank * sections;  // R
+    const int64_t cols = b.size(1);         // S * R
+    std::vector<std::vector<int64_t>> rows(cols / width);  // the rows of each slot
+    for (int64_t m = 0; m < M; ++m)
+      if (row_slot[m] >= 0) rows.at(row_slot[m]).push_back(m);
+    std::vector<int64_t> active;
+    for (int64_t s = 0; s < static_cast<int64_t>(rows.size()); ++s)
+      if (!rows[s].empty()) active.push_back(s);
+    if (active.empty()) return;
     const float* ap = a.data_ptr<float>();
     const float* bp = b.data_ptr<float>();
     u.assign(M * width, 0.f);
-    for (int64_t s = 0; s < slots; ++s) {
-      std::vector<int64_t> rows;
-      for (int64_t m = 0; m < M; ++m)
-        if (row_slot[m] == s) rows.push_back(m);
-      if (rows.empty()) continue;
-      const float* as = ap + s * width * K;
-      // u[m, j] = A_s[j] . x_m: each A row read once for all of the slot's rows.
-      at::parallel_for(0, width, 8, [&](int64_t begin, int64_t end) {
-        for (int64_t j = begin; j < end; ++j)
-          for (const int64_t m : rows) {
-            const float* xr = x + m * K;
-            const float* ar = as + j * K;
+    // u[m, j] = A_s[j] . x_m: each adapter's A row read once for all of its rows.
+    const int64_t num_a = static_cast<int64_t>(active.size()) * width;
+    at::parallel_for(0, num_a, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t s = active[t / width], j = t % width;
+        const float* ar = ap + (s * width + j) * K;
+        for (const int64_t m : rows[s]) {
+          const float* xr = x + m * K;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t k = 0; k < K; ++k) sum += ar[k] * xr[k];
+          u[m * width + j] = sum;
+        }
+      }
+    });
+    // y[m, n] += B_s[n, section(n)] . u[m, section(n)]: only the section's own r columns.
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      int64_t i = 0;
+      for (int64_t n = begin; n < end; ++n) {
+        while (n >= section_rows[i + 1]) ++i;
+        for (const int64_t s : active) {
+          const float* br = bp + n * cols + s * width + i * rank;
+          for (const int64_t m : rows[s]) {
+            const float* ur = u.data() + m * width + i * rank;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t k = 0; k < K; ++k) sum += ar[k] * xr[k];
-            u[m * width + j] = sum;
+            for (int64_t j = 0; j < rank; ++j) sum += br[j] * ur[j];
+            y[m * N + n] += sum;
           }
-      });
-      // y[m, n] += B_s[n, section(n)] . u[m, section(n)]
-      for (size_t i = 0; i + 1 < section_rows.size(); ++i) {
-        const int64_t col0 = s * width + static_cast<int64_t>(i) * rank;
-        at::parallel_for(section_rows[i], section_rows[i + 1], 64, [&](int64_t begin, int64_t end) {
-          for (int64_t n = begin; n < end; ++n) {
-            const float* br = bp + n * cols + col0;
-            for (const int64_t m : rows) {
-              const float* ur = u.data() + m * width + static_cast<int64_t>(i) * rank;
-              float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-              for (int64_t j = 0; j < rank; ++j) sum += br[j] * ur[j];
-              y[m * N + n] += sum;
-            }
-          }
-        });
+        }
       }
-    }
+    });
   }
 };
 
@@ -81,7 +86,8 @@ class LoRAHooks {
     for (int p = 0; p < 4; ++p) {
       TORCH_CHECK(a[p].scalar_type() == torch::kFloat32 && a[p].is_contiguous() && a[p].dim() == 2 &&
                       b[p].scalar_type() == torch::kFloat32 && b[p].is_contiguous() && b[p].dim() == 2 &&
-                      section_rows[p].size() >= 2 && b[p].size(0) == section_rows[p].back() &&
+                      section_rows[p].size() >= 2 && section_rows[p].front() == 0 &&
+                      b[p].size(0) == section_rows[p].back() &&
                       a[p].size(0) == b[p].size(1) &&
                       b[p].size(1) % (rank * static_cast<int64_t>(section_rows[p].size() - 1)) == 0,
                   "LoRA slots must be float32 a [S * R, K] and b [N, S * R]");
