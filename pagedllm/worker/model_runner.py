@@ -139,9 +139,6 @@ class ModelRunner:
             raise ValueError(f"LoRA adapter {request.lora_name!r} given, but LoRA is not enabled (--enable-lora)")
         self.lora_manager.add_adapter(request)
 
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
-
     # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
