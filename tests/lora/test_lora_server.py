@@ -68,6 +68,11 @@ def test_adapters_through_the_server(setup: dict[str, Any]) -> None:
     assert complete(client, "b") == expected(setup, setup["refs"]["b"])
     chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert chat.choices[0].message.content is not None
+    assert chat.model == "b"  # the adapter's name is reported, as vLLM
+    stream = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                            stream=True)
+    assert {chunk.model for chunk in stream} == {"b"}
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1).model == "tiny"
     bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(root / "none")})
     assert bad.status_code == 400 and "adapter_config.json" in bad.text
     assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200

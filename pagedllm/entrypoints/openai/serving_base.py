@@ -375,6 +375,12 @@ def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
 _ENGINE_CHECKED_FIELDS = frozenset({"kv_transfer_params", "priority", "logprobs", "prompt_logprobs"})
 
 
+def response_model_name(base_name: str, lora_request: LoRARequest | None) -> str:
+    """The `model` a response reports: the adapter's name when one served it (as vLLM), else the
+    base model's first served name."""
+    return lora_request.lora_name if lora_request is not None else base_name
+
+
 def add_requests(
     engine: AsyncLLM, base_id: str, prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams | BeamSearchRequest, cache_salt: str | None,
