@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -61,6 +62,7 @@ class Request:
         "kv_transfer_params",
         "spec_token_ids",
         "priority",
+        "lora_request",
     )
 
     def __init__(
@@ -75,6 +77,7 @@ class Request:
         group_id: str | None = None,
         kv_transfer_params: dict | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -107,6 +110,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         # --scheduling-policy priority: lower values are scheduled first, ties by arrival.
         self.priority = priority
+        # The LoRA adapter the request runs with (None: the base model); part of its first
+        # block's prefix-cache hash, so KV is shared only between requests of one adapter.
+        self.lora_request = lora_request
 
     @property
     def num_tokens(self) -> int:

@@ -27,4 +27,5 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "random-llama-1b": ("random_llama_1b", "a Llama-3.2-1B-shaped random model against llama.cpp on its own GGUF files"),
     "kv-cache-dtype": ("kv_cache_dtype", "decode step time at long contexts, KV capacity and drift per --kv-cache-dtype"),
     "dashboard-snapshot": ("dashboard_snapshot", "cost of the dashboard's KV snapshot against the step time"),
+    "lora": ("lora", "multi-LoRA decode: 0, 1 and 4 adapters in a batch against the merged model"),
 }

@@ -402,7 +402,8 @@ class KVCacheManager(KVManager):
             entry = self._block_hashes[request.request_id] = (request, [])
         hashes = entry[1]
         if len(hashes) < request.num_tokens // self.block_size:
-            extra = first_block_extra_keys(self.hash_extra_keys, request.cache_salt)
+            lora_key = request.lora_request.cache_key() if request.lora_request is not None else None
+            extra = first_block_extra_keys(self.hash_extra_keys, request.cache_salt, lora_key)
             extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra)
         return hashes
 

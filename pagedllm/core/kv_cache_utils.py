@@ -68,14 +68,20 @@ def hash_block_tokens(
     return hashlib.sha256(buf).digest()
 
 
-def first_block_extra_keys(engine_keys: tuple, cache_salt: str | None) -> tuple | None:
-    """Extra keys of a request's first block: the engine-wide keys and the request's salt.
+def first_block_extra_keys(
+    engine_keys: tuple, cache_salt: str | None, lora_key: tuple | None = None
+) -> tuple | None:
+    """Extra keys of a request's first block: the engine-wide keys, the request's salt and its
+    LoRA adapter (``LoRARequest.cache_key()``).
 
     Only the first block needs them: every later hash chains through it.
     """
-    if cache_salt is None:
-        return engine_keys or None
-    return (*engine_keys, ("cache_salt", cache_salt))
+    keys = engine_keys
+    if cache_salt is not None:
+        keys = (*keys, ("cache_salt", cache_salt))
+    if lora_key is not None:
+        keys = (*keys, lora_key)
+    return keys or None
 
 
 def extend_block_hashes(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class NewRequestData:
     """Physical block ids per KV cache group: block_ids[group][logical_block]."""
     num_computed_tokens: int
     """Tokens whose KV is already in the cache (prefix-cache hit)."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 @dataclass(slots=True)

@@ -53,8 +53,11 @@ class Scheduler:
         kv_connector: KVConnectorSchedulerBase | None = None,
         kv_load_failure_policy: str = "recompute",
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """``max_loras``: most distinct LoRA adapters among running requests (None: no cap)."""
         self.scheduler_config = scheduler_config
+        self.max_loras = max_loras
         # Speculative decoding: a running request's drafts are scheduled after its own tokens;
         # a draft model also needs KV slots past them to write its proposals.
         self.speculative_config = speculative_config
@@ -219,10 +222,16 @@ class Scheduler:
         """
         step = _Step(self.max_num_batched_tokens)
         self._schedule_running(step)
-        # Waiting requests, FCFS. Skipped after a preemption: memory is short.
+        # Waiting requests, FCFS. Skipped after a preemption: memory is short. One whose
+        # adapter finds no slot (max_loras in use) is held aside, so it blocks no one behind.
+        held: list[Request] = []
         while not step.preempted and self.waiting and step.token_budget > 0:
+            if not self._lora_fits(self.waiting[0]):
+                held.append(self.waiting.popleft())
+                continue
             if not self._admit_waiting_group(step):
                 break
+        self.waiting.extendleft(reversed(held))  # back at the front, in their order
 
         # As if the step succeeds; the runner reads the pre-step values from the output.
         for request_id, num_tokens in step.num_scheduled_tokens.items():
@@ -367,6 +376,13 @@ class Scheduler:
             step.schedule(request.request_id, num_new_tokens)
         return True
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter is running already or a slot is free for it."""
+        if request.lora_request is None or self.max_loras is None:
+            return True
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_request.lora_int_id in active or len(active) < self.max_loras
+
     def _admit_remote(self, request: Request) -> bool | None:
         """A request whose prompt KV a prefill instance holds: allocate blocks for what can be
         pulled and park the request in ``waiting_for_remote`` while the connector pulls.
@@ -486,6 +502,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=block_ids if block_ids is not None else self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
         )
 
     def update_from_output(

@@ -24,6 +24,7 @@ from pagedllm.config import (
     parse_bytes,
 )
 from pagedllm.kv_backends import KV_BACKEND_NAMES, get_kv_backend
+from pagedllm.lora.config import LoRAConfig
 from pagedllm.reasoning import REASONING_PARSER_NAMES, get_reasoning_parser
 from pagedllm.sampling_params import MAX_LOGPROBS
 
@@ -116,6 +117,14 @@ class EngineArgs:
     """Sampling defaults laid over those of generation_config, e.g. {"temperature": 0.5}."""
     disable_log_stats: bool = False
     """No periodic stats log line (the metrics are still served)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters over the base model (docs/lora.md)."""
+    max_loras: int = 1
+    """Distinct LoRA adapters in one step."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank accepted; every adapter slot is padded to it."""
+    max_cpu_loras: int | None = None
+    """LoRA adapters kept loaded in host memory, least recently used evicted (default: max_loras)."""
 
     def __post_init__(self) -> None:
         ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
@@ -134,6 +143,9 @@ class EngineArgs:
                          tuple(self.cuda_graph_sizes or ()))
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the choices
+        lora = self.lora_config()
+        if lora is not None:
+            check_lora_support(self)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -204,11 +216,23 @@ class EngineArgs:
                             help='sampling defaults over generation-config\'s, e.g. \'{"temperature": 0.5}\'')
         parser.add_argument("--disable-log-stats", action="store_true", default=False,
                             help="no periodic stats log line")
+        parser.add_argument("--enable-lora", action="store_true", default=False,
+                            help="serve LoRA adapters (--lora-modules, or loaded at run time)")
+        parser.add_argument("--max-loras", type=int, default=1, help="distinct LoRA adapters in one step")
+        parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="LoRA adapters kept in host memory, LRU evicted (default: --max-loras)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRAConfig under --enable-lora, else None (ValueError for bad sizes)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def resolve_prefix_caching(self) -> bool:
         if self.enable_prefix_caching is None:
@@ -355,6 +379,17 @@ class EngineArgs:
             attention_config=AttentionConfig(backend=self.resolve_attention_backend()),  # type: ignore[arg-type]
             device_config=self.device_config(),
         )
+
+
+def check_lora_support(args: EngineArgs) -> None:
+    """ValueError naming the first setting LoRA adapters do not run with (docs/lora.md)."""
+    refusals = {
+        "tensor parallelism (--tensor-parallel-size > 1)": args.tensor_parallel_size > 1,
+        "disaggregated prefill (--kv-transfer-config)": args.kv_transfer_config is not None,
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise ValueError(f"--enable-lora does not run with {what}; see docs/lora.md")
 
 
 def _json_dict(text: str) -> dict:

@@ -34,6 +34,7 @@ from pagedllm.engine.core_messages import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import KVSnapshot
 from pagedllm.engine.llm_engine import check_priority, make_requests
+from pagedllm.lora.request import LoRARequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_stats import RequestStatsTracker
 from pagedllm.kv_backends import get_kv_backend
@@ -246,6 +247,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request. Raises ValueError on bad input."""
         self._check_ready()
@@ -267,7 +269,7 @@ class AsyncLLM:
         assert self.output_processor is not None
         request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
-            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params, priority,
+            self.tokenizer, self.output_processor, cache_salt, kv_transfer_params, priority, lora_request,
         )
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         stream = RequestStream(request_id, self, deadline)

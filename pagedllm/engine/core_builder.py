@@ -81,6 +81,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     kv = kv_backend.build(args, loaded)
     config = kv.config
     transfer_config = args.parse_kv_transfer_config()
+    lora_config = args.lora_config()
     scheduler_connector = None
     if transfer_config is not None:
         from pagedllm.distributed.kv_transfer.zmq_connector import ZmqConnectorScheduler
@@ -90,12 +91,14 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         config.scheduler_config, kv.manager, kv_connector=scheduler_connector,
         kv_load_failure_policy=transfer_config.kv_load_failure_policy if transfer_config is not None else "recompute",
         speculative_config=config.speculative_config,
+        max_loras=lora_config.max_loras if lora_config is not None else None,
     )
     runner = ModelRunner(
         loaded.model, model_config, kv.block_size, kv.num_blocks, seed=args.seed,
         make_kv_worker=kv.make_worker, speculative_config=config.speculative_config,
         attention_config=config.attention_config,
         decode_graph_sizes=config.device_config.cuda_graph_sizes,
+        lora_config=lora_config,
     )
     if executor is not None:
         runner = executor.start(runner, kv.block_size, kv.num_blocks)

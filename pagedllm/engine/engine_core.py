@@ -44,6 +44,8 @@ class EngineCore:
         """Tokens the last ``step()`` scheduled (for the tokens-per-step histogram)."""
 
     def add_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.runner.add_lora(request.lora_request)  # ValueError if refused or LoRA is off
         spec = request.sampling_params.structured_outputs
         if spec is None:
             self.scheduler.add_request(request)

@@ -13,6 +13,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_builder import build_engine_core
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input."""
         check_priority(priority, self.config.scheduler_config.scheduling_policy)
@@ -58,7 +60,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         core_request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
-            self.tokenizer, self.output_processor, cache_salt, priority=priority,
+            self.tokenizer, self.output_processor, cache_salt, priority=priority, lora_request=lora_request,
         )
         try:
             self.engine_core.add_request(core_request)
@@ -101,6 +103,7 @@ def make_requests(
     cache_salt: str | None = None,
     kv_transfer_params: dict | None = None,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> Request:
     """Register a validated request with the output processor; return the core request to
     submit. For n > 1, one core request per sequence ("{i}_{request_id}", as vLLM) in one
@@ -113,7 +116,7 @@ def make_requests(
         return Request(
             core_id, prompt_token_ids, child, eos_token_ids=model_config.eos_token_ids,
             max_tokens=max_tokens, arrival_time=arrival_time, group_id=group_id, cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params, priority=priority,
+            kv_transfer_params=kv_transfer_params, priority=priority, lora_request=lora_request,
         )
 
     if params.n == 1:

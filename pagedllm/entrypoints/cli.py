@@ -14,6 +14,7 @@ from pagedllm.entrypoints.vllm_flags import (
     api_keys_from,
     check_vllm_compat_args,
     kv_cache_bytes_from_env,
+    runtime_lora_updating_from_env,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ def _engine_args(args: argparse.Namespace, command: str) -> EngineArgs:
         for warning in check_vllm_compat_args(args):
             logger.warning(warning)
         args.kv_cache_memory_bytes = kv_cache_bytes_from_env(os.environ, args.kv_cache_memory_bytes)
+        if getattr(args, "lora_modules", None) and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         return EngineArgs.from_cli_args(args)
     except ValueError as e:
         raise SystemExit(f"pagedllm {command}: {e}") from None
@@ -103,6 +106,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         engine_args.parse_kv_transfer_config()  # fail before loading anything
         tool_calls = ToolCallConfig(args.enable_auto_tool_choice, args.tool_call_parser)
+        allow_runtime_lora_updating = runtime_lora_updating_from_env(os.environ)
+        if allow_runtime_lora_updating and not engine_args.enable_lora:
+            raise ValueError("VLLM_ALLOW_RUNTIME_LORA_UPDATING needs --enable-lora")
+        from pagedllm.lora.registry import LoRARegistry
+
+        check = LoRARegistry(engine_args.max_lora_rank)  # every adapter's files, before loading the model
+        for module in args.lora_modules or ():
+            check.add(module["name"], module["path"])
     except ValueError as e:
         raise SystemExit(f"pagedllm serve: {e}") from None
     # Start-up: the core loads the model on one CPU while this process imports the server
@@ -135,6 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        lora_modules=tuple(args.lora_modules or ()),
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
     )
     run_server(engine_args, config, started_core)
 
@@ -182,7 +195,19 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, JSON")
     serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per HTTP request")
+    serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None,
+                       help='LoRA adapters as name=path or \'{"name": ..., "path": ..., "base_model_name": ...}\' '
+                            "(needs --enable-lora; `model` selects one)")
     serve.set_defaults(func=cmd_serve)
+
+
+def _lora_module(text: str) -> dict:
+    from pagedllm.lora.registry import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _json_list(text: str) -> list[str]:

@@ -13,6 +13,7 @@ from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -33,7 +34,8 @@ class LLM:
     stop the workers); ``reasoning_parser`` ("deepseek_r1", "qwen3": structured outputs start after
     the reasoning, docs/reasoning.md); ``scheduling_policy`` ("fcfs" or "priority"),
     ``generation_config`` / ``override_generation_config`` (sampling defaults:
-    docs/vllm_compatibility.md), ``tokenizer``, ``max_logprobs``.
+    docs/vllm_compatibility.md), ``tokenizer``, ``max_logprobs``; ``enable_lora``, ``max_loras``,
+    ``max_lora_rank``, ``max_cpu_loras`` (LoRA adapters per request: docs/lora.md).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
@@ -61,13 +63,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. priority: one per
-        prompt, lower first (needs scheduling_policy="priority"), as vLLM."""
+        prompt, lower first (needs scheduling_policy="priority"), as vLLM. lora_request: one
+        adapter for every prompt, or one (or None: the base) per prompt (needs enable_lora)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         requests = [(p, None) for p in prompts]
-        return self._run(requests, sampling_params, use_tqdm, priority)
+        return self._run(requests, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -78,6 +82,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Chat: one conversation (a list of messages) or a list of conversations;
         ``chat_template_kwargs`` are variables for the template (e.g. ``enable_thinking``);
@@ -94,7 +99,7 @@ class LLM:
             requests.append((text, ids))
         if self.llm_engine.reasoning_parser is not None:
             sampling_params = self._reasoning_states(requests, sampling_params, chat_template_kwargs)
-        return self._run(requests, sampling_params, use_tqdm)
+        return self._run(requests, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _reasoning_states(
         self, requests: list[tuple[str, list[int]]], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
@@ -136,7 +141,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        loras = _per_prompt(lora_request, len(requests))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if priority is not None and len(priority) != len(requests):
@@ -154,9 +161,10 @@ class LLM:
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for i, ((prompt, ids), p, prio) in enumerate(zip(requests, params, priorities)):
+            for i, ((prompt, ids), p, prio, lora) in enumerate(zip(requests, params, priorities, loras)):
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                order[engine.add_request(prompt, p, prompt_token_ids=ids, cache_salt=salt, priority=prio)] = i
+                order[engine.add_request(
+                    prompt, p, prompt_token_ids=ids, cache_salt=salt, priority=prio, lora_request=lora)] = i
         except Exception:
             engine.abort_request(list(order))  # a bad prompt: nothing half-queued stays behind
             raise
@@ -183,3 +191,15 @@ class LLM:
         bar.close()
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} lora_requests for {num_prompts} prompts; pass one, or one per prompt")
+    return loras

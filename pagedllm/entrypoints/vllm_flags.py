@@ -82,10 +82,6 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
 )
 
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
-    _missing_switch("--enable-lora", reason="no LoRA adapters"),
-    CompatFlag(("--lora-modules",), "no LoRA adapters", {"nargs": "+"}),
-    CompatFlag(("--max-loras",), "no LoRA adapters", {"type": int}),
-    CompatFlag(("--max-lora-rank",), "no LoRA adapters", {"type": int}),
     CompatFlag(("--pipeline-parallel-size", "-pp"), "no pipeline parallelism (tensor parallelism: -tp)",
                {"type": int}, harmless=lambda v: v == 1),
     CompatFlag(("--data-parallel-size", "-dp"), "no data parallelism: run one server per replica",
@@ -102,7 +98,7 @@ MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
                {"type": int}, harmless=lambda v: v == 0),
     CompatFlag(("--max-num-partial-prefills",), "no concurrent partial prefills limit",
                {"type": int}, harmless=lambda v: v == 1),
-    _missing_switch("--enable-expert-parallel", reason="no mixture-of-experts models"),
+    _missing_switch("--enable-expert-parallel", reason="no expert parallelism (tensor parallelism shards each expert)"),
     CompatFlag(("--rope-scaling",), "no RoPE scaling override (the checkpoint's config applies)", {}),
     CompatFlag(("--hf-overrides",), "no config overrides (the checkpoint's config applies)", {}),
 )
@@ -147,6 +143,12 @@ def _show(flag: CompatFlag, value: Any) -> str:
     if isinstance(value, list):
         return f"{name} {' '.join(map(str, value))}"
     return f"{name} {value}"
+
+
+def runtime_lora_updating_from_env(environ: Mapping[str, str]) -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM reads it: "1" or "true" (any case) allow
+    loading and unloading LoRA adapters through the API; unset or anything else does not."""
+    return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def kv_cache_bytes_from_env(environ: Mapping[str, str], flag_value: str | None) -> str | int | None:

@@ -63,7 +63,7 @@ EXTENSIONS: dict[str, Extension] = {
         Extension("bf16_linear", ("bf16_linear.cpp", "gemm_tiles.h", "vec_avx2.h"),
                   "using torch's bf16 matmul", needs_avx2=True),
         Extension("decode_layers", ("decode_layers.cpp", "layer_ops.h", "paged_attention.h", "kv_codes.h", "quant_linear.h",
-                                    "gemm_tiles.h", "vec_avx2.h"),
+                                    "gemm_tiles.h", "vec_avx2.h", "lora_delta.h"),
                   "running the layers one module at a time", needs_avx2=True),
     )
 }

@@ -26,6 +26,7 @@ from pagedllm.kernels import (
     quantized_linear,
 )
 from pagedllm.layers.utils import set_weight_loader
+from pagedllm.lora.layers import LinearLoRASlots, add_lora_delta
 
 __all__ = [
     "ColumnParallelLinear", "Linear", "MergedLinear", "QKVLinear", "RowParallelLinear", "linear_op",
@@ -57,6 +58,8 @@ class Linear(nn.Module):
         set_prefill_activations)"""
         """4 or 8: quantize float weight shards as they load (--quantization int4|int8)."""
         self._quant_parts: dict[int, QuantizedWeight] = {}  # row offset -> rows loaded so far
+        self.lora_slots: LinearLoRASlots | None = None
+        """--enable-lora: the adapters' stacked weights, added to the output (lora/layers.py)."""
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -116,8 +119,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.quant is not None:
-            return quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
-        return linear_op(x, self.weight, self.bias, persistent_weight=True)
+            y = quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
+        else:
+            y = linear_op(x, self.weight, self.bias, persistent_weight=True)
+        return y if self.lora_slots is None else add_lora_delta(self.lora_slots, x, y)
+
+    def output_sections(self) -> dict[object, tuple[int, int]]:
+        """Shard id -> (first output row, rows) of each checkpoint projection in this layer."""
+        return {None: (0, self.out_features)}
 
     def extra_repr(self) -> str:
         quant = "" if self.quant is None else f", int{self.quant.bits}"
@@ -155,6 +164,9 @@ class MergedLinear(Linear):
             raise ValueError(f"shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
         self._load_rows(param, _rank_rows(self.tp, loaded_weight, size), offset, size)
+
+    def output_sections(self) -> dict[object, tuple[int, int]]:
+        return {i: (sum(self.output_sizes[:i]), size) for i, size in enumerate(self.output_sizes)}
 
 
 class QKVLinear(Linear):
@@ -199,6 +211,9 @@ class QKVLinear(Linear):
             raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
         offset, size = self._shards[shard_id]  # type: ignore[index]
         self._load_rows(param, _rank_rows(self.tp, loaded_weight, size), offset, size)
+
+    def output_sections(self) -> dict[object, tuple[int, int]]:
+        return dict(self._shards)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # qkv: [T, q_size + 2 * kv_size] -> q: [T, q_size], k, v: [T, kv_size]

@@ -39,6 +39,7 @@ from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
 from pagedllm.kernels import decode_layers_ops
 from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import Linear
+from pagedllm.lora.layers import active_mapping
 from pagedllm.kernels import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ KERNEL_MAX_QUERY_RUN = 16
 
 _ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 _EMPTY = torch.empty(0)
+_EMPTY_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -206,8 +208,22 @@ class FusedDecoderLayers(nn.Module):
                 a.attn.logit_soft_cap or 0.0,
                 bits, weights, scales, zeros, biases,
             )
+        self._bind_lora(decoder, layers)
         self._decoder = decoder
         self._bound_cache = first.self_attn.attn.kv_cache
+
+    @staticmethod
+    def _bind_lora(decoder: Any, layers: nn.ModuleList) -> None:
+        """Hand the layers' LoRA slots (lora/layers.py) to the compiled forward, which adds each
+        row's delta after every projection (kernels/csrc/lora_delta.h)."""
+        for index, layer in enumerate(layers):
+            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            slots = [m.lora_slots for m in linears]
+            if any(s is None for s in slots):
+                assert all(s is None for s in slots), "LoRA slots on some projections of a layer only"
+                continue
+            decoder.set_lora(index, [s.lora_a for s in slots], [s.lora_b for s in slots],
+                             [s.section_rows for s in slots], slots[0].max_rank)
 
     @staticmethod
     def _why_unsupported(layers: nn.ModuleList) -> str | None:
@@ -246,6 +262,8 @@ class FusedDecoderLayers(nn.Module):
         md = get_attention_metadata(0).row_decodes
         rows = hidden_states.shape[0]
         slots = _EMPTY if md.slots is None else md.slots[:rows]
+        lora = active_mapping()
+        self._decoder.set_lora_rows(_EMPTY_ROWS if lora is None else lora.row_slots[:rows])
         h, residual = self._decoder.forward(
             hidden_states, _EMPTY, positions, md.slot_mapping, md.block_tables, md.seq_lens[:rows], slots,
         )

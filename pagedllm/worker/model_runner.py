@@ -21,6 +21,9 @@ from pagedllm.config import AttentionConfig, ModelConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
 from pagedllm.kernels import paged_attention_ops
 from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
+from pagedllm.lora.config import LoRAConfig
+from pagedllm.lora.layers import lora_context
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
@@ -48,13 +51,15 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         attention_config: AttentionConfig | None = None,
         decode_graph_sizes: Sequence[int] = (),
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """``make_kv_worker`` builds the KV backend's worker side over the model's Attention
         layers (default: the paged pool of ``num_blocks`` blocks of ``block_size`` tokens;
         with another backend those two are unused). ``attention_config`` chooses the
         attention implementation of every layer. ``decode_graph_sizes``: decode steps run
         as graphs replayed at these batch sizes (worker/cuda_graphs.py; CUDA graphs on CUDA,
-        a re-run of the captured function elsewhere)."""
+        a re-run of the captured function elsewhere). ``lora_config``: serve LoRA adapters
+        (lora/manager.py; None: the base model only)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -89,6 +94,13 @@ class ModelRunner:
         if speculative_config is not None:
             self.proposer = build_proposer(speculative_config, self)
             self.draft_policy = DraftPolicy(speculative_config)
+        self.lora_manager = None
+        if lora_config is not None:
+            from pagedllm.lora.manager import LoRAManager
+            from pagedllm.models.registry import family_of
+
+            packed = family_of(model_config.architecture).packed_modules
+            self.lora_manager = LoRAManager(model, lora_config, packed, getattr(torch, model_config.dtype), self.device)
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
 
@@ -112,6 +124,7 @@ class ModelRunner:
                 block_ids=[list(g) for g in new.block_ids],
                 num_computed_tokens=new.num_computed_tokens,
                 prompt_logprobs=[] if wants_prompt_logprobs else None,
+                lora_request=new.lora_request,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -122,6 +135,14 @@ class ModelRunner:
             for group, new_ids in zip(state.block_ids, cached.new_block_ids):
                 group.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- LoRA adapters -----------------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load and check an adapter (ValueError if refused, or if LoRA is not enabled)."""
+        if self.lora_manager is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} given, but LoRA is not enabled (--enable-lora)")
+        self.lora_manager.add_adapter(request)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -138,11 +159,14 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
         batch = self.prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids], drafts)
+        lora = None
+        if self.lora_manager is not None:
+            lora = self.lora_manager.prepare([s.lora_request for s in states], np.asarray(batch.num_scheduled))
         hidden = None
-        if self.decode_graphs is not None:
+        if self.decode_graphs is not None and lora is None:
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
         if hidden is None:
-            with forward_context(batch.attn_metadata):
+            with forward_context(batch.attn_metadata), lora_context(lora):
                 hidden = self.model(batch.input_ids, batch.positions)
         self._prompt_logprobs(hidden, states, batch)
         sample_rows = batch.sample_rows

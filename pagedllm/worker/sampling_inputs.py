@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm import faults
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sample.penalties import PenaltyMetadata
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class CachedRequestState:
     # Accumulated over prompt chunks; None unless the request wants prompt logprobs and has
     # not sampled yet (a resumed request recomputes its prompt but reported them already).
     prompt_logprobs: list | None = None
+    lora_request: LoRARequest | None = None  # the adapter the request runs with (lora/)
 
     @property
     def num_output_tokens(self) -> int:

@@ -204,7 +204,7 @@ def parse(*argv: str):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--enable-lora"], "--enable-lora is not supported: no LoRA adapters"),
+    (["--lora-modules", "a=/no/such/dir"], "--lora-modules needs --enable-lora"),
     (["--enable-sleep-mode"], "--enable-sleep-mode is not supported: no sleep mode"),
     (["-pp", "2"], "--pipeline-parallel-size 2 is not supported: no pipeline parallelism"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported: chunked prefill is always on"),

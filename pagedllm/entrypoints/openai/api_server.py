@@ -30,6 +30,7 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaul
 from pagedllm.engine.core_client import StartedCore
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
 from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
+from pagedllm.entrypoints.openai.lora_routes import add_lora_routes, build_lora_registry, resolve_model
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -99,6 +100,10 @@ class ServerConfig:
     """CORS: allow credentials (cookies, authorization headers) in cross-origin requests."""
     disable_uvicorn_access_log: bool = False
     """No uvicorn access log line per HTTP request."""
+    lora_modules: tuple[dict, ...] = ()
+    """--lora-modules: {"name", "path", "base_model_name"?} per adapter (needs --enable-lora)."""
+    allow_runtime_lora_updating: bool = False
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -150,6 +155,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     model_name = model_names[0]
+    loras = build_lora_registry(engine.args, config.lora_modules, model_names)
     request_logger = RequestLogger(config.max_log_len) if config.enable_log_requests else None
     completion = OpenAIServingCompletion(engine, model_name, request_logger)
     renderer = ChatRenderer(engine, config.chat_template, config.trust_request_chat_template,
@@ -194,8 +200,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
         return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500, "InternalServerError"))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in model_names:
-            raise OpenAIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
+        resolve_model(name, model_names, loras)  # the base's names or an adapter's, else a 404
 
     def check_ready() -> None:
         engine._check_ready()
@@ -218,20 +223,24 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        lora = resolve_model(body.model, model_names, loras)
         check_ready()
-        return await respond(request, await until_disconnected(request, completion.create(body)))
+        return await respond(request, await until_disconnected(request, completion.create(body, lora)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        lora = resolve_model(body.model, model_names, loras)
         check_ready()
-        return await respond(request, await until_disconnected(request, chat.create(body)))
+        return await respond(request, await until_disconnected(request, chat.create(body, lora)))
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         max_len = engine.model_config.max_model_len if engine.model_config is not None else None
-        return ModelList(data=[ModelCard(id=name, root=engine.args.model, max_model_len=max_len) for name in model_names])
+        cards = [ModelCard(id=name, root=engine.args.model, max_model_len=max_len) for name in model_names]
+        for adapter in loras.adapters() if loras is not None else ():
+            cards.append(ModelCard(id=adapter.lora_name, root=adapter.lora_path, max_model_len=max_len,
+                                   parent=adapter.base_model_name or model_name))
+        return ModelList(data=cards)
 
     @app.get("/health")
     async def health() -> Response:
@@ -283,6 +292,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
         return {"reset": await engine.reset_prefix_cache()}
 
     add_dashboard_routes(app, engine)
+    add_lora_routes(app, loras, config.allow_runtime_lora_updating)
 
     return app
 

@@ -358,6 +358,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (None for the base itself)."""
     max_model_len: int | None = None
 
 

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -374,11 +375,18 @@ def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
 _ENGINE_CHECKED_FIELDS = frozenset({"kv_transfer_params", "priority", "logprobs", "prompt_logprobs"})
 
 
+def response_model_name(base_name: str, lora_request: LoRARequest | None) -> str:
+    """The `model` a response reports: the adapter's name when one served it (as vLLM), else the
+    base model's first served name."""
+    return lora_request.lora_name if lora_request is not None else base_name
+
+
 def add_requests(
     engine: AsyncLLM, base_id: str, prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams | BeamSearchRequest, cache_salt: str | None,
     kv_transfer_params: dict | None = None, *, priority: int = 0,
     request_logger: RequestLogger | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[RequestStream]:
     """Queue one request per prompt; on a bad one, abort those already queued and raise a 400.
     Each queued request is logged by request_logger (--enable-log-requests)."""
@@ -398,13 +406,15 @@ def add_requests(
                     raise ValueError("kv_transfer_params cannot be combined with use_beam_search")
                 if priority != 0:
                     raise ValueError("priority cannot be combined with use_beam_search")
+                if lora_request is not None:
+                    raise ValueError("a LoRA adapter cannot be combined with use_beam_search")
                 assert engine.model_config is not None
                 beam = params.params_for(len(ids), engine.model_config.max_model_len)
                 streams.append(engine.add_beam_search(request_id, text, beam, prompt_token_ids=ids))
             else:
                 streams.append(engine.add_request(
                     request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt,
-                    kv_transfer_params=kv_transfer_params, priority=priority,
+                    kv_transfer_params=kv_transfer_params, priority=priority, lora_request=lora_request,
                 ))
             if request_logger is not None:
                 request_logger.log(request_id, text, ids, params.params if isinstance(params, BeamSearchRequest) else params)

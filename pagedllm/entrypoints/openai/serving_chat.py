@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
     add_requests,
+    response_model_name,
     bad_request,
     engine_error,
     chat_logprobs,
@@ -56,6 +57,7 @@ from pagedllm.entrypoints.openai.tool_parsers.handler import (
     finish_reason_with_calls,
 )
 from pagedllm.entrypoints.openai.tool_parsers.stream import TextStreamState, ToolStreamState
+from pagedllm.lora.request import LoRARequest
 
 
 def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
@@ -118,7 +120,9 @@ class OpenAIServingChat:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
 
-    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def create(
+        self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
         num_logprobs = self._check(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs, self.engine.generation_defaults)
@@ -137,10 +141,11 @@ class OpenAIServingChat:
         reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning)
         reasoning.apply_to(params)
         request_id = req.request_id or random_id("chatcmpl")
+        model = response_model_name(self.model_name, lora_request)
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params,
-                               priority=req.priority, request_logger=self.request_logger)
+                               priority=req.priority, request_logger=self.request_logger, lora_request=lora_request)
         if req.stream:
-            return self._stream(req, request_id, streams, ids, tools, reasoning)
+            return self._stream(req, request_id, model, streams, ids, tools, reasoning)
         try:
             (out,) = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
@@ -158,7 +163,7 @@ class OpenAIServingChat:
                 finish_reason=finish_reason_with_calls(c.finish_reason, made_calls), stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage_info(*usage_of([out])), prompt_logprobs=prompt_logprobs_of(out),
                                       prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
                                       kv_transfer_params=out.kv_transfer_params)
@@ -166,13 +171,13 @@ class OpenAIServingChat:
     def _decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def _chunk(self, request_id: str, choice: ChatStreamChoice, usage: UsageInfo | None = None,
+    def _chunk(self, request_id: str, model: str, choice: ChatStreamChoice, usage: UsageInfo | None = None,
                prompt_token_ids: list[int] | None = None) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice], usage=usage,
+        return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice], usage=usage,
                                        prompt_token_ids=prompt_token_ids))
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, streams, prompt_token_ids: list[int],
+        self, req: ChatCompletionRequest, request_id: str, model: str, streams, prompt_token_ids: list[int],
         tools: ToolCallHandler | None, reasoning: RequestReasoning,
     ) -> AsyncIterator[str]:
         # Per choice index: the reasoning split runs first on each text delta; tool parsing
@@ -189,7 +194,7 @@ class OpenAIServingChat:
         return_ids = req.return_token_ids
         try:
             for index in range(req.n):  # the role first, for every choice (with the prompt's ids)
-                yield self._chunk(request_id, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
+                yield self._chunk(request_id, model, ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
                                   None if num_prompt is None else usage_info(num_prompt, 0),
                                   list(prompt_token_ids) if return_ids and index == 0 else None)
             async for _, out in merge_streams(streams):
@@ -211,14 +216,14 @@ class OpenAIServingChat:
                         ids, lps = choice_logprob_slice(c, sent_tokens.get(c.index, 0))
                         logprobs = ChatChoiceLogprobs(content=chat_logprobs(ids, lps, num_logprobs, self._decode))
                     sent_tokens[c.index] = len(c.token_ids)
-                    yield self._chunk(request_id, ChatStreamChoice(
+                    yield self._chunk(request_id, model, ChatStreamChoice(
                         index=c.index, delta=message,
                         logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids[start:]) if return_ids else None,
                     ), None if num_prompt is None else usage_info(num_prompt, len(c.token_ids)))
             if out is not None and req.stream_options is not None and req.stream_options.include_usage:
                 usage = usage_info(*usage_of([out]))
-                yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage))
+                yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
         except (EngineNotReadyError, RequestFaultError) as e:
             yield sse(engine_error(e).to_response())
         yield SSE_DONE

@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
     add_requests,
+    response_model_name,
     bad_request,
     engine_error,
     check_context_length,
@@ -31,6 +32,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage_info,
     usage_of,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 
 
@@ -73,7 +75,9 @@ class OpenAIServingCompletion:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs (prompt logprobs) is not supported yet", "echo")
 
-    async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create(
+        self, req: CompletionRequest, lora_request: LoRARequest | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         self._check(req)
         defaults = self.engine.generation_defaults
         # Left out: the checkpoint's default, else OpenAI's 16 (null: the default, else the room left).
@@ -85,15 +89,16 @@ class OpenAIServingCompletion:
         for _, ids in prompts:
             check_context_length(len(ids), max_tokens, self.engine.model_config.max_model_len)
         request_id = req.request_id or random_id("cmpl")
+        model = response_model_name(self.model_name, lora_request)
         streams = add_requests(self.engine, request_id, prompts, params, req.cache_salt, req.kv_transfer_params,
-                               priority=req.priority, request_logger=self.request_logger)
+                               priority=req.priority, request_logger=self.request_logger, lora_request=lora_request)
         if req.stream:
-            return self._stream(req, request_id, prompts, streams)
+            return self._stream(req, request_id, model, prompts, streams)
         try:
             outputs = await final_outputs(streams)
         except (EngineNotReadyError, RequestFaultError) as e:
             raise engine_error(e) from None
-        return self._response(req, request_id, prompts, outputs)
+        return self._response(req, request_id, model, prompts, outputs)
 
     def _prompt_text(self, prompt: tuple[str | None, list[int]]) -> str:
         text, ids = prompt
@@ -103,7 +108,7 @@ class OpenAIServingCompletion:
         return self.engine.tokenizer.decode([token_id])
 
     def _response(
-        self, req: CompletionRequest, request_id: str, prompts: list, outputs: list[RequestOutput]
+        self, req: CompletionRequest, request_id: str, model: str, prompts: list, outputs: list[RequestOutput]
     ) -> CompletionResponse:
         choices = []
         for i, out in enumerate(outputs):
@@ -120,10 +125,10 @@ class OpenAIServingCompletion:
                     token_ids=list(c.token_ids) if req.return_token_ids else None,
                 ))
         usage = usage_info(*usage_of(outputs))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
                                   kv_transfer_params=outputs[0].kv_transfer_params if outputs else None)
 
-    async def _stream(self, req: CompletionRequest, request_id: str, prompts: list, streams) -> AsyncIterator[str]:
+    async def _stream(self, req: CompletionRequest, request_id: str, model: str, prompts: list, streams) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}  # choice index -> chars sent
         sent_tokens: dict[int, int] = {}
         sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
@@ -152,7 +157,7 @@ class OpenAIServingCompletion:
                         continue
                     # Continuous usage, as vLLM: this choice's prompt and its tokens so far.
                     usage = usage_info(len(out.prompt_token_ids), len(c.token_ids)) if continuous else None
-                    chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
+                    chunk = CompletionResponse(id=request_id, model=model, choices=[CompletionChoice(
                         index=index, text=delta, logprobs=logprobs,
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                         prompt_token_ids=list(out.prompt_token_ids) if ids and index not in sent_prompt else None,
@@ -162,7 +167,7 @@ class OpenAIServingCompletion:
                     yield sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = usage_info(*usage_of(list(last.values())))
-                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         except (EngineNotReadyError, RequestFaultError) as e:
             yield sse(engine_error(e).to_response())
         yield SSE_DONE

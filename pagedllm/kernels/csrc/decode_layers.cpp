@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "layer_ops.h"
+#include "lora_delta.h"
 #include "paged_attention.h"
 #include "quant_linear.h"
 
@@ -248,6 +249,7 @@ class LlamaDecodeLayers {
     const float* cos_sin = cos_sin_.data_ptr<float>();
     bool first = residual.numel() == 0;
     for (const DecodeLayer& layer : layers_) {
+      const size_t li = &layer - layers_.data();  // LoRA deltas (lora_delta.h) after each projection
       if (first) {
         std::memcpy(res, h, sizeof(float) * M * H);
         first = false;
@@ -256,6 +258,7 @@ class LlamaDecodeLayers {
       }
       rms_norm_rows<float>(res, H, layer.input_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
       layer.qkv(xn_.data(), M, qkv_.data(), int16_max_rows_, tile_max_rows_);
+      lora_.apply(li, 0, xn_.data(), M, H, qkv_.data(), QKV);
       if (layer.q_norm.numel()) {  // in place, each head's D values of q then of k
         const float* qw = layer.q_norm.data_ptr<float>();
         const float* kw = layer.k_norm.data_ptr<float>();
@@ -296,11 +299,14 @@ class LlamaDecodeLayers {
         }
       });
       layer.o(attn_.data(), M, h, int16_max_rows_, tile_max_rows_);
+      lora_.apply(li, 1, attn_.data(), M, QD, h, H);
       add_rows<float>(h, H, res, H, res, M, H);
       rms_norm_rows<float>(res, H, layer.post_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
       layer.gate_up(xn_.data(), M, gu_.data(), int16_max_rows_, tile_max_rows_);
+      lora_.apply(li, 2, xn_.data(), M, H, gu_.data(), 2 * inter_);
       silu_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
       layer.down(act_.data(), M, h, int16_max_rows_, tile_max_rows_);
+      lora_.apply(li, 3, act_.data(), M, inter_, h, H);
     }
     return {h_out, res_out};
   }
@@ -311,6 +317,11 @@ class LlamaDecodeLayers {
   torch::Tensor cos_sin_;
   int64_t int16_max_rows_, tile_max_rows_;
   std::vector<DecodeLayer> layers_;
+
+ public:
+  LoRAHooks lora_;  // per-row adapter deltas; none until set_lora / set_lora_rows
+
+ private:
   // Buffers reused from step to step (one forward at a time per object).
   std::vector<float> xn_, qkv_, q_, k_, attn_, gu_, act_;
 };
@@ -323,5 +334,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t>())
       .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
       .def("num_layers", &pagedllm::LlamaDecodeLayers::num_layers)
+      .def("set_lora", [](pagedllm::LlamaDecodeLayers& d, int64_t layer, std::vector<torch::Tensor> a,
+                          std::vector<torch::Tensor> b, std::vector<std::vector<int64_t>> sections,
+                          int64_t rank) { d.lora_.set_layer(layer, a, b, sections, rank); })
+      .def("set_lora_rows", [](pagedllm::LlamaDecodeLayers& d, torch::Tensor rows) { d.lora_.set_rows(rows); })
       .def("forward", &pagedllm::LlamaDecodeLayers::forward, "every decoder layer over a decode step's rows");
 }
