@@ -5,13 +5,15 @@ over `max_loras` slots, every slot padded to `max_lora_rank` per section (a fuse
 has one section per checkpoint projection: q/k/v of a QKV, gate/up of a gate_up):
 
     lora_a: [S * R, K]   rows slot * R + section * r_max + j  (R = sections * r_max)
-    lora_b: [N, S * R]   column blocks likewise; a section's B fills only its own output rows
+    lora_b: [S * R, N]   row blocks likewise (B transposed, so the fused decode adds each
+                         rank row to a contiguous run of outputs); a section's B fills only
+                         its own output columns
 
 For the step's tokens x: [T, K] and their slot one-hot [T, S] (all zero: no adapter),
 
     u = x @ lora_a^T           [T, S * R]   every slot's down-projection, one GEMM
     u *= one_hot (per slot)    each token keeps only its own adapter's R columns
-    y += u @ lora_b^T          [T, N]       one GEMM; zero for tokens without an adapter
+    y += u @ lora_b            [T, N]       one GEMM; zero for tokens without an adapter
 
 The fused decode (models/fused_decode.py) computes the same deltas in C++
 (kernels/csrc/lora_delta.h), per group of rows sharing a slot. Padding rows/columns are zero, so adapters of different ranks (and adapters on a subset of a
@@ -73,7 +75,7 @@ class LinearLoRASlots:
         self.width = len(sections) * max_rank  # R
         out_features = sum(size for _, size in sections.values())
         self.lora_a = torch.zeros(max_loras * self.width, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(out_features, max_loras * self.width, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras * self.width, out_features, dtype=dtype, device=device)
 
     @property
     def section_rows(self) -> list[int]:
@@ -88,19 +90,19 @@ class LinearLoRASlots:
             offset, size = self.sections[shard]
             start = slot * self.width + self.section_index[shard] * self.max_rank
             self.lora_a[start : start + w.rank].copy_(w.lora_a)
-            self.lora_b[offset : offset + size, start : start + w.rank].copy_(w.lora_b)
+            self.lora_b[start : start + w.rank, offset : offset + size].copy_(w.lora_b.t())
 
     def clear_slot(self, slot: int) -> None:
         cols = slice(slot * self.width, (slot + 1) * self.width)
         self.lora_a[cols].zero_()
-        self.lora_b[:, cols].zero_()
+        self.lora_b[cols].zero_()
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         # x: [T, K], y: [T, N] (the base projection's output) -> y + delta
         t = x.shape[0]
         u = x.to(self.lora_a.dtype) @ self.lora_a.t()  # [T, S * R]
         u = (u.view(t, self.max_loras, self.width) * mapping.one_hot[:, :, None]).view(t, -1)
-        return y + (u @ self.lora_b.t()).to(y.dtype)
+        return y + (u @ self.lora_b).to(y.dtype)
 
 
 def add_lora_delta(slots: LinearLoRASlots | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

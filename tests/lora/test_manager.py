@@ -41,7 +41,7 @@ def test_slots_and_host_cache(setup) -> None:
     # q_proj's section of the QKV holds a0's A in slot 0; k and v (not adapted) stay zero.
     width = qkv.width
     assert qkv.lora_a[:4].abs().sum() > 0 and qkv.lora_a[4:width].abs().sum() == 0
-    assert qkv.lora_b[qkv.sections["q"][1]:, :width].abs().sum() == 0
+    assert qkv.lora_b[:width, qkv.sections["q"][1]:].abs().sum() == 0
     # A third adapter: the host cache (2) evicts the least recently used one not in a slot;
     # both are in slots, so it grows past capacity rather than drop a slot's adapter.
     manager.add_adapter(a2)

@@ -5,12 +5,14 @@
 // The weights are lora/layers.py's stacked slots, held by reference (their slots are refilled
 // in place when the step's adapters change):
 //   a: float32 [S * R, K]  rows slot * R + section * r + j   (R = sections * r, r = max rank)
-//   b: float32 [N, S * R]  section i's output rows [off_i, off_i+1) read only its r columns
+//   b: float32 [S * R, N]  B transposed, rows likewise; section i's rank rows are nonzero only
+//                          in its own output columns [off_i, off_i+1), the only ones read
 // Rows are grouped by slot, so each adapter's A and B are read once per step, whatever the
 // number of its rows; a row without an adapter (slot -1) adds nothing.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <vector>
@@ -30,8 +32,7 @@ struct LoRAProjection {
            std::vector<float>& u) const {
     const int64_t sections = static_cast<int64_t>(section_rows.size()) - 1;
     const int64_t width = rank * sections;  // R
-    const int64_t cols = b.size(1);         // S * R
-    std::vector<std::vector<int64_t>> rows(cols / width);  // the rows of each slot
+    std::vector<std::vector<int64_t>> rows(b.size(0) / width);  // the rows of each slot
     for (int64_t m = 0; m < M; ++m)
       if (row_slot[m] >= 0) rows.at(row_slot[m]).push_back(m);
     std::vector<int64_t> active;
@@ -56,19 +57,24 @@ struct LoRAProjection {
         }
       }
     });
-    // y[m, n] += B_s[n, section(n)] . u[m, section(n)]: only the section's own r columns.
+    // y[m, n] += sum_j u[m, i r + j] B_s[i r + j, n] over section i's columns: each rank row
+    // of B scales into a contiguous run of outputs (no per-output horizontal sums); a padded
+    // rank row (u = 0: its A row is zero) is skipped.
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      int64_t i = 0;
-      for (int64_t n = begin; n < end; ++n) {
-        while (n >= section_rows[i + 1]) ++i;
+      for (int64_t i = 0; i < sections; ++i) {
+        const int64_t n0 = std::max(begin, section_rows[i]), n1 = std::min(end, section_rows[i + 1]);
+        if (n0 >= n1) continue;
         for (const int64_t s : active) {
-          const float* br = bp + n * cols + s * width + i * rank;
           for (const int64_t m : rows[s]) {
+            float* yr = y + m * N;
             const float* ur = u.data() + m * width + i * rank;
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < rank; ++j) sum += br[j] * ur[j];
-            y[m * N + n] += sum;
+            for (int64_t j = 0; j < rank; ++j) {
+              const float c = ur[j];
+              if (c == 0.f) continue;
+              const float* br = bp + (s * width + i * rank + j) * N;
+#pragma omp simd
+              for (int64_t n = n0; n < n1; ++n) yr[n] += c * br[n];
+            }
           }
         }
       }
@@ -87,10 +93,10 @@ class LoRAHooks {
       TORCH_CHECK(a[p].scalar_type() == torch::kFloat32 && a[p].is_contiguous() && a[p].dim() == 2 &&
                       b[p].scalar_type() == torch::kFloat32 && b[p].is_contiguous() && b[p].dim() == 2 &&
                       section_rows[p].size() >= 2 && section_rows[p].front() == 0 &&
-                      b[p].size(0) == section_rows[p].back() &&
-                      a[p].size(0) == b[p].size(1) &&
-                      b[p].size(1) % (rank * static_cast<int64_t>(section_rows[p].size() - 1)) == 0,
-                  "LoRA slots must be float32 a [S * R, K] and b [N, S * R]");
+                      b[p].size(1) == section_rows[p].back() &&
+                      a[p].size(0) == b[p].size(0) &&
+                      b[p].size(0) % (rank * static_cast<int64_t>(section_rows[p].size() - 1)) == 0,
+                  "LoRA slots must be float32 a [S * R, K] and b [S * R, N]");
       layers_[layer][p] = LoRAProjection{a[p], b[p], section_rows[p], rank};
     }
   }
