@@ -287,7 +287,7 @@ def torch_attention(
     nd = md.num_decodes
     if nd and nd == md.num_reqs:  # a pure decode step: one call, no copy into `out`
         return _decode_attention(q, kv_cache, md, scale, sliding_window, config, cap)
-    if md.longest_query_run <= _MAX_SHORT_RUN and _compiled_decode(q, md, config):
+    if md.longest_query_run <= MAX_SHORT_RUN and _compiled_decode(q, md, config):
         # Decodes and short runs only (speculative verification): each row as a decode of
         # its own context, one kernel call (the fused decode's attention, models/fused_decode.py).
         return _decode_attention(q, kv_cache, md.row_decodes, scale, sliding_window, config, cap)
@@ -297,7 +297,7 @@ def torch_attention(
     # Short query runs over a cached context (speculative verification): one padded call.
     short = [
         i for i in range(nd, md.num_reqs)
-        if 1 < md.query_start_loc[i + 1] - md.query_start_loc[i] <= _MAX_SHORT_RUN
+        if 1 < md.query_start_loc[i + 1] - md.query_start_loc[i] <= MAX_SHORT_RUN
         and md.query_start_loc[i + 1] - md.query_start_loc[i] < md.seq_lens_list[i]
     ]
     if len(short) > 1:
@@ -345,7 +345,10 @@ def _attend(
     return scores.softmax(-1) @ v
 
 
-_MAX_SHORT_RUN = 16  # query lengths batched into one padded call (drafts + 1)
+MAX_SHORT_RUN = 16
+"""The longest query run (drafts + 1) taken as short: a step of decodes and such runs goes
+to the compiled decode kernel as row decodes (AttentionMetadata.row_decodes), here and in the
+fused decode (models/fused_decode.py), so both paths agree; else such runs share one padded call."""
 
 
 def _short_runs_attention(

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata, get_attention_metadata
+from pagedllm.layers.attention import MAX_SHORT_RUN, AttentionMetadata, get_attention_metadata
 from pagedllm.kernels import decode_layers_ops
 from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import Linear
@@ -48,9 +48,10 @@ logger = logging.getLogger(__name__)
 FUSED_MAX_ROWS = PANEL_MAX_ROWS
 
 # The longest query run of one request the fused path takes (a decode: 1; verifying k drafts:
-# k + 1); a step with a longer run or a first prompt chunk runs the modules, whose prefill
-# attention is a flash kernel.
-KERNEL_MAX_QUERY_RUN = 16
+# k + 1): the module path's attention sends the same steps to the same kernel (MAX_SHORT_RUN);
+# a step with a longer run or a first prompt chunk runs the modules, whose prefill attention
+# is a flash kernel.
+KERNEL_MAX_QUERY_RUN = MAX_SHORT_RUN
 
 _ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 _EMPTY = torch.empty(0)
@@ -81,7 +82,9 @@ class DecodeLayout:
     attn_logit_softcap: float | None = None
     """Attention scores soft-capped to c * tanh(s / c) (the layers' Attention.logit_soft_cap)."""
     row_deltas: bool = False
-    """Per-row additive deltas on the projections' outputs (e.g. LoRA adapters per request)."""
+    """A layer whose own forward adds per-row deltas to its projections' outputs (refused).
+    LoRA adapters are not declared here: they live on the Linear layers (lora_slots) and the
+    compiled forward adds them itself (_bind_lora, kernels/csrc/lora_delta.h)."""
 
 
 # The layout fields the kernel runs as they are (biases, q/k norm, soft-cap: any; the rest:
