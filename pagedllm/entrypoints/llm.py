@@ -143,21 +143,13 @@ class LLM:
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        loras = _per_prompt(lora_request, len(requests))
+        loras = _per_prompt(lora_request, LoRARequest, len(requests), "lora_requests")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if priority is not None and len(priority) != len(requests):
             raise ValueError(f"got {len(priority)} priorities for {len(requests)} prompts; pass one per prompt")
         priorities = list(priority) if priority is not None else [0] * len(requests)
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(requests)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(requests):
-                raise ValueError(
-                    f"got {len(params)} SamplingParams for {len(requests)} prompts; "
-                    "pass one, or one per prompt"
-                )
+        params = _per_prompt(sampling_params, SamplingParams, len(requests), "SamplingParams")
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
@@ -193,13 +185,12 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
-def _per_prompt(
-    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
-) -> list[LoRARequest | None]:
-    """One adapter (or None) per prompt, from one for all or a list of one per prompt."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * num_prompts
-    loras = list(lora_request)
-    if len(loras) != num_prompts:
-        raise ValueError(f"got {len(loras)} lora_requests for {num_prompts} prompts; pass one, or one per prompt")
-    return loras
+def _per_prompt(value: Any, single: type, num_prompts: int, what: str) -> list[Any]:
+    """One value per prompt, from one ``single`` (or None) for all or a sequence of one per
+    prompt (ValueError naming ``what`` otherwise): sampling params, LoRA adapters."""
+    if value is None or isinstance(value, single):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {what} for {num_prompts} prompts; pass one, or one per prompt")
+    return values
