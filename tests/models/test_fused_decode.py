@@ -42,6 +42,18 @@ def _fused(loaded: LoadedModel) -> Any:
     return loaded.model.model.fused_layers
 
 
+def _fused_against_modules(model, fused, md, input_ids, positions, atol: float) -> torch.Tensor:
+    """One step module by module, then through the compiled forward: equal within atol; the
+    fused hidden states."""
+    with forward_context(md):
+        fused.enabled = False
+        want = model(input_ids, positions)
+        fused.enabled = True
+        got = model(input_ids, positions)
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    return got
+
+
 @torch.inference_mode()
 def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float) -> int:
     """Prefill num_reqs prompts, then decode `steps` steps of all of them; at each step run
@@ -67,12 +79,7 @@ def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: f
             for r, t in zip(reqs, next_ids):
                 r.token_ids.append(int(t))
             md, input_ids, positions = make_metadata([(r, 1) for r in reqs], BLOCK_SIZE)
-            with forward_context(md):
-                fused.enabled = False
-                want = model(input_ids, positions)
-                fused.enabled = True
-                got = model(input_ids, positions)
-            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            got = _fused_against_modules(model, fused, md, input_ids, positions, atol)
             next_ids = model.compute_logits(got).argmax(-1).tolist()
             for r in reqs:
                 r.num_computed_tokens += 1
@@ -129,12 +136,7 @@ def compare_verify_steps(loaded: LoadedModel, atol: float, chunk: int = 3, compu
             chunks.sort(key=lambda item: item[1] != 1)  # decodes first, as the runner orders them
             md, input_ids, positions = make_metadata(chunks, BLOCK_SIZE)
             runs += md.longest_query_run > 1
-            with forward_context(md):
-                fused.enabled = False
-                want = model(input_ids, positions)
-                fused.enabled = True
-                got = model(input_ids, positions)
-            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            _fused_against_modules(model, fused, md, input_ids, positions, atol)
             for r, (_, kept) in zip(reqs, step):
                 r.num_computed_tokens += kept
             chunked.num_computed_tokens += chunk if n == 1 else 0
