@@ -104,11 +104,12 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
 
 
-PrefillActivations = Literal["float", "int8"]
-PREFILL_ACTIVATIONS = ("float", "int8")
-"""How quantized weights meet prefill activations: "float" (dequantized weights, float32
-products) or "int8" (activations rounded to int8 per group of 32, integer dot products;
-docs/quantization.md)."""
+PrefillActivations = Literal["float", "int8", "bf16"]
+PREFILL_ACTIVATIONS = ("float", "int8", "bf16")
+"""How weights meet the activations of many-row matmuls (prefill chunks, large decode
+batches): "float" (dequantized weights, float32 products), "int8" (quantized weights only:
+activations rounded to int8 per group of 32, integer dot products) or "bf16" (a bf16 copy of
+each weight, torch's bf16 GEMM: AMX where the CPU has it); docs/quantization.md."""
 
 
 AttentionImpl = Literal["torch", "reference", "triton"]

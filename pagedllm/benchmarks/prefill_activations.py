@@ -1,12 +1,12 @@
-"""Prompt processing (llama-bench's pp: one prompt, no decode) with float against int8 prefill
-activations on the same quantized weights, alternated on one engine.
+"""Prompt processing (llama-bench's pp: one prompt, no decode) with float, int8 and bf16
+prefill activations (`--prefill-activations`) on the same weights, alternated on one engine.
 
-    pagedllm bench prefill-activations [--input-len 512] [--rounds 6] [--model M]
+    pagedllm bench prefill-activations [--input-len 512] [--rounds 6] [--modes float,int8,bf16] [--model M]
 
 Each run prefills one new random `--input-len`-token prompt (max_tokens=1, prefix caching
-off) and reports prompt tokens / s; the two modes alternate ABBA... per round after one
-warm-up each, and the per-round ratio int8 / float is the figure to read on a shared machine.
-The same shape as `llama-bench -p 512 -n 0`.
+off) and reports prompt tokens / s; the modes alternate (forward, then reversed, per round)
+after one warm-up each, and the per-round ratio to float is the figure to read on a shared
+machine. The same shape as `llama-bench -p 512 -n 0`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--modes", default="float,int8,bf16",
+                        help="comma-separated --prefill-activations modes; float first (the ratios' base)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -32,17 +34,20 @@ def run(args: argparse.Namespace) -> None:
               kv_cache_memory_bytes="256MiB", enable_prefix_caching=False)  # fmt: skip
     model = llm.llm_engine.engine_core.runner.model
     vocab = llm.llm_engine.model_config.vocab_size
-    prompts = iter(random_prompts(2 * args.rounds + 2, args.input_len, args.input_len, vocab, seed=0))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
+    modes = tuple(args.modes.split(","))
+    if modes[0] != "float":
+        raise SystemExit("--modes must start with float (the base of the ratios)")
+    prompts = iter(random_prompts(len(modes) * (args.rounds + 1), args.input_len, args.input_len, vocab, seed=0))
+
     def once(mode: str) -> float:
-        set_prefill_activations(model, mode)
+        set_prefill_activations(model, mode)  # before the clock: bf16 makes its weight copies here
         prompt = next(prompts)
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         return len(prompt) / (time.perf_counter() - start)
 
-    modes = ("float", "int8")
     for mode in modes:
         once(mode)  # warm-up (and the kernel build)
     results: dict[str, list[float]] = {m: [] for m in modes}
@@ -54,5 +59,7 @@ def run(args: argparse.Namespace) -> None:
     for mode, values in results.items():
         print(f"{mode:5s} prompt tok/s {' '.join(f'{v:.0f}' for v in values)}   median {statistics.median(values):.0f}"
               f"   best {max(values):.0f}")  # fmt: skip
-    ratios = [b / a for a, b in zip(results["float"], results["int8"])]
-    print(f"int8 / float per round {' '.join(f'{r:.2f}' for r in ratios)}   median {statistics.median(ratios):.2f}")
+    for mode in modes[1:]:
+        ratios = [b / a for a, b in zip(results["float"], results[mode])]
+        print(f"{mode} / float per round {' '.join(f'{r:.2f}' for r in ratios)}   "
+              f"median {statistics.median(ratios):.2f}")  # fmt: skip

@@ -90,8 +90,10 @@ class EngineArgs:
     """Weights: gguf (keep a GGUF file's Q4/Q8 types), int8 / int4 (quantize at load), none
     (dequantize to dtype); default: gguf for GGUF files whose types it supports, else none."""
     prefill_activations: str = "float"
-    """Quantized weights at prefill: "float" (dequantized, float32 products) or "int8"
-    (activations rounded to int8 per group of 32, integer dot products; docs/quantization.md)."""
+    """Matmuls of many activation rows (prefill chunks, large decode batches): "float"
+    (float32 products), "int8" (quantized weights: activations rounded to int8 per group of 32,
+    integer dot products) or "bf16" (bf16 weight copies and torch's bf16 GEMM: AMX where the CPU
+    has it); docs/quantization.md."""
     kv_transfer_config: str | dict | None = None
     """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
     speculative_config: dict | None = None

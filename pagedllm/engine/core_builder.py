@@ -51,7 +51,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     kv_backend = get_kv_backend(args.kv_cache_backend)
     kv_backend.check_args(args, args.resolve_prefix_caching())
     if args.prefill_activations != "float" and args.tensor_parallel_size > 1:
-        raise ValueError("prefill_activations='int8' runs in one process only (--tensor-parallel-size 1)")
+        raise ValueError(
+            f"--prefill-activations {args.prefill_activations} runs in one process only (--tensor-parallel-size 1)")
     executor = None
     if args.tensor_parallel_size > 1:  # rank 0 here, ranks 1..N-1 in workers (distributed/)
         executor = _create_executor(args)
@@ -68,7 +69,7 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         from pagedllm.layers.linear import set_prefill_activations
 
         layers = set_prefill_activations(loaded.model, args.prefill_activations)
-        logger.info("prefill activations %s on %d quantized linear layers", args.prefill_activations, layers)
+        logger.info("prefill activations %s on %d layers", args.prefill_activations, layers)
     if args.tokenizer is not None:
         from pagedllm.models.loader import with_tokenizer
 

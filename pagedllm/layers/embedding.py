@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import current_tp, shard_range
 from pagedllm.kernels import QuantizedWeight, embedding_lookup, linear_op, quantize, quantized_linear
+from pagedllm.kernels.bf16_activations import bf16_activation_linear, bf16_weight_copy
 from pagedllm.layers.utils import default_weight_loader, set_weight_loader
 
 
@@ -98,6 +99,10 @@ class LMHead(_QuantizableTable):
         super().__init__(vocab_size, hidden_size)
         self.vocab_size = vocab_size
         self._tied: list[VocabEmbedding] = []  # a list: not registered as a submodule
+        self.bf16_weight: torch.Tensor | None = None
+        self.bf16_min_rows = 0
+        """--prefill-activations bf16: a bf16 copy of the (tied) table for at least
+        bf16_min_rows rows (kernels/bf16_activations.py)"""
 
     def tie(self, embedding: VocabEmbedding) -> None:
         # One tensor for both: the checkpoint stores it once (as the embedding).
@@ -109,9 +114,25 @@ class LMHead(_QuantizableTable):
         if self._tied:
             self.weight = self._tied[0].weight
 
+    def _owner(self) -> _QuantizableTable:
+        return self._tied[0] if self._tied else self
+
+    def use_bf16_activations(self, min_rows: int | None) -> bool:
+        """Keep a bf16 copy of the table for at least `min_rows` rows (None: drop it); False
+        where it is neither float32 nor quantized, or split over tensor-parallel ranks."""
+        self.bf16_weight, self.bf16_min_rows = None, 0
+        owner = self._owner()
+        source = owner.quant if owner.quant is not None else owner.weight
+        if min_rows is None or self.tp.size > 1 or (isinstance(source, torch.Tensor) and source.dtype != torch.float32):
+            return False
+        self.bf16_weight, self.bf16_min_rows = bf16_weight_copy(source), min_rows
+        return True
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [N, hidden] -> logits: [N, vocab] in the model dtype
-        owner: _QuantizableTable = self._tied[0] if self._tied else self
+        owner = self._owner()
+        if self.bf16_weight is not None and hidden_states.shape[0] >= self.bf16_min_rows:
+            return bf16_activation_linear(hidden_states, self.bf16_weight).to(hidden_states.dtype)
         if owner.quant is not None:
             return quantized_linear(hidden_states, owner.quant)
         logits = linear_op(hidden_states, owner.weight, persistent_weight=True)

@@ -25,6 +25,13 @@ from pagedllm.kernels import (
     quantize,
     quantized_linear,
 )
+from pagedllm.kernels.bf16_activations import (
+    BF16_ACTIVATION_MIN_ROWS,
+    bf16_activation_linear,
+    bf16_weight_copy,
+    warn_if_not_native,
+)
+from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.utils import set_weight_loader
 from pagedllm.lora.layers import LinearLoRASlots, add_lora_delta
 
@@ -53,10 +60,14 @@ class Linear(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         self.quant: QuantizedWeight | None = None
         self.quantize_bits: int | None = None
+        """4 or 8: quantize float weight shards as they load (--quantization int4|int8)."""
         self.int8_min_rows: int | None = None
         """quantized weight: from this many activation rows up, int8 activations (None: never;
         set_prefill_activations)"""
-        """4 or 8: quantize float weight shards as they load (--quantization int4|int8)."""
+        self.bf16_weight: torch.Tensor | None = None
+        self.bf16_min_rows = 0
+        """--prefill-activations bf16: a bf16 copy of the weight for matmuls of at least
+        bf16_min_rows rows (kernels/bf16_activations.py; set_prefill_activations)"""
         self._quant_parts: dict[int, QuantizedWeight] = {}  # row offset -> rows loaded so far
         self.lora_slots: LinearLoRASlots | None = None
         """--enable-lora: the adapters' stacked weights, added to the output (lora/layers.py)."""
@@ -118,11 +129,24 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        if self.quant is not None:
+        if self.bf16_weight is not None and x.dim() == 2 and x.shape[0] >= self.bf16_min_rows:
+            y = bf16_activation_linear(x, self.bf16_weight, self.bias).to(x.dtype)
+        elif self.quant is not None:
             y = quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
         else:
             y = linear_op(x, self.weight, self.bias, persistent_weight=True)
         return y if self.lora_slots is None else add_lora_delta(self.lora_slots, x, y)
+
+    def use_bf16_activations(self, min_rows: int | None) -> bool:
+        """Keep a bf16 copy of the weight for matmuls of at least `min_rows` rows (None: drop
+        it); False where the layer has no float32 or quantized weight (bf16 models, shards)."""
+        self.bf16_weight, self.bf16_min_rows = None, 0
+        source = self.quant if self.quant is not None else self.weight
+        if min_rows is None or (isinstance(source, torch.Tensor) and (source.dtype != torch.float32
+                                                                      or source.numel() == 0)):
+            return False
+        self.bf16_weight, self.bf16_min_rows = bf16_weight_copy(source), min_rows
+        return True
 
     def output_sections(self) -> dict[object, tuple[int, int]]:
         """Shard id -> (first output row, rows) of each checkpoint projection in this layer."""
@@ -262,14 +286,23 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
-def set_prefill_activations(net: nn.Module, mode: str, min_rows: int = INT8_ACTIVATION_MIN_ROWS) -> int:
-    """Make every quantized Linear of `net` take "int8" activations from `min_rows` rows up
-    (prefill chunks), or "float" ones always; returns how many layers it set."""
+def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = None) -> int:
+    """Set how the matmuls of `net` with at least `min_rows` activation rows (prefill chunks,
+    large decode batches) meet their weights; returns how many layers it set:
+    - "float": float32 activations always (the default);
+    - "int8": every quantized Linear rounds activations to int8 per group of 32 from
+      `min_rows` (default INT8_ACTIVATION_MIN_ROWS) rows up;
+    - "bf16": every Linear and LM head with a float32 or quantized weight keeps a bf16 copy
+      of it and multiplies in bf16 from `min_rows` (default BF16_ACTIVATION_MIN_ROWS) up."""
     if mode not in PREFILL_ACTIVATIONS:
         raise ValueError(f"prefill_activations={mode!r} is not one of {', '.join(PREFILL_ACTIVATIONS)}")
+    if mode == "bf16":
+        warn_if_not_native()
     count = 0
     for module in net.modules():
         if isinstance(module, Linear):
-            module.int8_min_rows = min_rows if mode == "int8" else None
-            count += module.quant is not None
+            module.int8_min_rows = (min_rows or INT8_ACTIVATION_MIN_ROWS) if mode == "int8" else None
+            count += module.quant is not None and mode == "int8"
+        if isinstance(module, (Linear, LMHead)):
+            count += module.use_bf16_activations((min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None)
     return count

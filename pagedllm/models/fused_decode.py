@@ -9,7 +9,9 @@ kernels of the per-module path (norms, rotary, attention, the quantized projecti
 vectorised silu (its exp within ~2 ulp) and, for float32 weights, an AVX2 matrix-vector
 kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of torch's GEMM:
 the results agree with the module path to float32 rounding, exactly for quantized weights
-(tests/models/test_fused_decode.py). A verification run's rows are decoded each as a one-token
+(tests/models/test_fused_decode.py). With `--prefill-activations bf16` a step of at least
+BF16_ACTIVATION_MIN_ROWS rows multiplies with the layers' bf16 weight copies through torch's
+bf16 GEMM, as the module path does (kernels/bf16_activations.py). A verification run's rows are decoded each as a one-token
 decode of its own context (`AttentionMetadata.row_decodes`: the row at position p reads its
 request's K/V over [0, p], every row's K/V written first), which is causal attention over the
 run; the module path's attention does the same for such steps, with the same kernel.
@@ -150,6 +152,7 @@ class FusedDecoderLayers(nn.Module):
         """False runs every step module by module (PAGEDLLM_FUSED_DECODE=0 at start-up)."""
         self._decoder: Any = None
         self._bound_cache: torch.Tensor | None = None  # layer 0's KV cache when built
+        self._bound_bf16: torch.Tensor | None = None  # layer 0's qkv bf16 copy when built
         self._unsupported: str | None = None  # why this model cannot run fused, once found
 
     def applies(self, layers: nn.ModuleList, hidden_states: torch.Tensor) -> bool:
@@ -164,7 +167,9 @@ class FusedDecoderLayers(nn.Module):
         md = get_attention_metadata(0)
         if not isinstance(md, AttentionMetadata) or not _decodes_and_verifications(md):
             return False
-        if self._decoder is None or layers[0].self_attn.attn.kv_cache is not self._bound_cache:
+        first = layers[0].self_attn
+        if (self._decoder is None or first.attn.kv_cache is not self._bound_cache
+                or first.qkv_proj.bf16_weight is not self._bound_bf16):  # set_prefill_activations
             self._build(layers)
         return self._decoder is not None
 
@@ -197,8 +202,11 @@ class FusedDecoderLayers(nn.Module):
         )
         for layer in layers:
             a = layer.self_attn
-            linears = [_linear_args(m) for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            bits, weights, scales, zeros, biases = (list(column) for column in zip(*linears))
+            modules = (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            bits, weights, scales, zeros, biases = (list(column) for column in zip(*map(_linear_args, modules)))
+            # --prefill-activations bf16: the copies, used from the layers' (one) min_rows up.
+            bf16 = [_EMPTY if m.bf16_weight is None else m.bf16_weight for m in modules]
+            bf16_min_rows = max(m.bf16_min_rows for m in modules)
             q_norm = a.q_norm.weight.detach() if layout.qk_norm else _EMPTY
             k_norm = a.k_norm.weight.detach() if layout.qk_norm else _EMPTY
             decoder.add_layer(
@@ -210,10 +218,12 @@ class FusedDecoderLayers(nn.Module):
                 a.attn.sliding_window or 0,
                 a.attn.logit_soft_cap or 0.0,
                 bits, weights, scales, zeros, biases,
+                bf16, bf16_min_rows,
             )
         self._bind_lora(decoder, layers)
         self._decoder = decoder
         self._bound_cache = first.self_attn.attn.kv_cache
+        self._bound_bf16 = first.self_attn.qkv_proj.bf16_weight
 
     @staticmethod
     def _bind_lora(decoder: Any, layers: nn.ModuleList) -> None:

@@ -61,11 +61,14 @@ inline void rows4_dot_f32(const float* x, int64_t K, const float* w, float* y) {
 struct DecodeLinear {
   int64_t bits = 32;  // 32: float32 weight [N, K]; 8 or 4: quant_linear.h's layouts
   torch::Tensor weight, scales, zeros, bias;
+  torch::Tensor bf16;         // bf16 [N, K] copy of the weight for M >= bf16_min_rows, or empty
+  int64_t bf16_min_rows = 0;  // (--prefill-activations bf16: kernels/bf16_activations.py)
   int64_t N = 0, K = 0;
 
   DecodeLinear(int64_t bits_, torch::Tensor weight_, torch::Tensor scales_, torch::Tensor zeros_,
-               torch::Tensor bias_)
-      : bits(bits_), weight(weight_), scales(scales_), zeros(zeros_), bias(bias_) {
+               torch::Tensor bias_, torch::Tensor bf16_, int64_t bf16_min_rows_)
+      : bits(bits_), weight(weight_), scales(scales_), zeros(zeros_), bias(bias_), bf16(bf16_),
+        bf16_min_rows(bf16_min_rows_) {
     TORCH_CHECK(bits == 32 || bits == 8 || bits == 4, "bits must be 32, 8 or 4, got ", bits);
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous 2-D tensor");
     N = weight.size(0);
@@ -82,13 +85,22 @@ struct DecodeLinear {
     }
     TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat32 &&
                                       bias.is_contiguous()), "bias must be float32 [N] or empty");
+    TORCH_CHECK(bf16.numel() == 0 || (bf16.scalar_type() == torch::kBFloat16 && bf16.is_contiguous() &&
+                                      bf16.dim() == 2 && bf16.size(0) == N && bf16.size(1) == K),
+                "the bf16 weight copy must be bf16 [N, K] or empty");
   }
 
   // y [M, N] = x [M, K] @ W^T (+ bias), by quantization.quantized_linear's choice of kernel
   // for quantized weights (int16 activations up to int16_max_rows, then 8-row tiles up to
   // tile_max_rows, then dequantized panels).
+  // With a bf16 copy and at least bf16_min_rows rows: torch's bf16 GEMM (oneDNN; AMX where the
+  // CPU has it) on x rounded to bf16, its bf16 output widened into y, as
+  // bf16_activations.bf16_activation_linear computes.
   void operator()(const float* x, int64_t M, float* y, int64_t int16_max_rows, int64_t tile_max_rows) const {
-    if (bits == 32 && M == 1) {  // single stream: four weight rows at a time
+    if (bf16.numel() && M >= bf16_min_rows) {
+      const auto xb = torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32).to(torch::kBFloat16);
+      torch::from_blob(y, {M, N}, torch::kFloat32).copy_(torch::mm(xb, bf16.t()));
+    } else if (bits == 32 && M == 1) {  // single stream: four weight rows at a time
       const float* wp = weight.data_ptr<float>();
       const int64_t n_ = N, k_ = K, blocks = N / 4;
 #pragma omp parallel for schedule(guided, kMinChunkRows / 4)
@@ -177,12 +189,14 @@ class LlamaDecodeLayers {
   // qweight), scales and zeros (empty where the format has none), bias (empty for none).
   // q_norm, k_norm: the per-head RMSNorm weights [head_dim], or both empty for none.
   // window: the sliding window (0: full attention); softcap: the attention logit soft-cap (0: none).
+  // bf16_weights: each linear's bf16 copy (empty: none), used from bf16_min_rows rows up.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
                  torch::Tensor kv_cache, int64_t window, double softcap,
                  std::vector<int64_t> bits, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
-                 std::vector<torch::Tensor> zeros, std::vector<torch::Tensor> biases) {
+                 std::vector<torch::Tensor> zeros, std::vector<torch::Tensor> biases,
+                 std::vector<torch::Tensor> bf16_weights, int64_t bf16_min_rows) {
     TORCH_CHECK(bits.size() == 4 && weights.size() == 4 && scales.size() == 4 && zeros.size() == 4 &&
-                    biases.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
+                    biases.size() == 4 && bf16_weights.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
     for (const auto& w : {input_norm, post_norm})
       TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == hidden_,
                   "norm weights must be float32 [hidden]");
@@ -196,7 +210,8 @@ class LlamaDecodeLayers {
                     kv_cache.size(3) == hkv_ && kv_cache.size(4) == row,
                 "kv_cache must be [2, blocks, block_size, num_kv_heads, head_dim] (8-bit codes: head_dim + 4)");
     std::vector<DecodeLinear> lin;
-    for (int i = 0; i < 4; ++i) lin.emplace_back(bits[i], weights[i], scales[i], zeros[i], biases[i]);
+    for (int i = 0; i < 4; ++i)
+      lin.emplace_back(bits[i], weights[i], scales[i], zeros[i], biases[i], bf16_weights[i], bf16_min_rows);
     const int64_t qkv_width = (hq_ + 2 * hkv_) * d_;
     TORCH_CHECK(lin[0].N == qkv_width && lin[0].K == hidden_, "qkv_proj must be [", qkv_width, ", ", hidden_, "]");
     TORCH_CHECK(lin[1].N == hidden_ && lin[1].K == hq_ * d_, "o_proj shape");

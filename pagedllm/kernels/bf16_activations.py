@@ -1,0 +1,67 @@
+"""Many-row matmuls in bf16 on CPUs that compute bf16 natively (`--prefill-activations bf16`).
+
+On a CPU with AMX-BF16 (or AVX512-BF16) torch's bf16 GEMM (oneDNN) runs several times the
+float32 rate: measured on a 2-core Sapphire Rapids VM, 2 threads, [M, 576] x [576, 1536]:
+M=16 0.19 ms float32 / 0.10 bf16; M=64 0.52 / 0.16; M=512 2.9 / 0.63 (330 against 2,200
+GFLOP/s). The compiled quantized kernels compute in float32 from 4/8-bit weights (8-row tiles
+and dequantized panels, ~80-90 GFLOP/s at M=64 there), so for matmuls of at least
+`BF16_ACTIVATION_MIN_ROWS` activation rows (prefill chunks, decode batches of that size) a
+layer keeps a bf16 copy of its weight, made once at load (the dequantized 4/8-bit weight or
+the float one, rounded to bf16: 2 bytes a weight beside the quantized ones), and multiplies
+bf16 activations with it, accumulating in float32; the output is rounded to bf16 once (the
+GEMM's own output type) and widened back to float32, where the residual stream stays.
+
+The error is that of a bf16 model's matmuls (activations, weights and outputs each rounded to
+8 significant bits); the drift against float32 on the default model is stated in
+docs/quantization.md and bounded in tests/models/test_bf16_activations.py. Fewer rows keep the
+float32 kernels: single-stream and small-batch decode read 0.6-1.1 bytes a weight there
+against the copy's 2.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.bf16 import native_bf16
+from pagedllm.kernels.quantization import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+# From this many activation rows up, the bf16 GEMM (below: the float32 kernels).
+BF16_ACTIVATION_MIN_ROWS = 16
+
+# Weight rows dequantized to float32 at a time while making a copy (bounds the peak).
+_COPY_CHUNK_ROWS = 4096
+
+
+def bf16_weight_copy(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """bf16 [N, K] copy of a float weight or of a quantized one's dequantized values."""
+    if isinstance(weight, torch.Tensor):
+        return weight.detach().to(torch.bfloat16).contiguous()
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    for start in range(0, n, _COPY_CHUNK_ROWS):
+        rows = torch.arange(start, min(start + _COPY_CHUNK_ROWS, n))
+        out[start : start + rows.numel()] = weight.rows(rows).dequantize()
+    return out
+
+
+def bf16_activation_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] (any float dtype), weight: bf16 [N, K] -> float32 [M, N]: x rounded to bf16,
+    torch's bf16 GEMM, the output widened (plus the bias, in float32)."""
+    y = F.linear(x.to(torch.bfloat16), weight).float()
+    if bias is not None:
+        y += bias.float()
+    return y
+
+
+def warn_if_not_native() -> None:
+    """bf16 activations are correct everywhere, but only fast where the CPU computes bf16."""
+    if not native_bf16():
+        logger.warning(
+            "--prefill-activations bf16: this CPU has no native bf16 (AMX-BF16 or AVX512-BF16), where "
+            "torch's bf16 matmul is slower than float32; use --prefill-activations float or int8"
+        )
