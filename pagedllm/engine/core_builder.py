@@ -16,6 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.generation_config import resolve_generation_defaults
 from pagedllm.kv_backends import get_kv_backend
+from pagedllm.malloc_policy import keep_freed_memory
 from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -41,6 +42,8 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner
 
     t0 = time.monotonic()
+    if args.resolve_device() == "cpu" and keep_freed_memory():  # before the model and KV cache allocate
+        logger.debug("glibc keeps freed memory for reuse (malloc_policy.py)")
     # "auto" resolved once, so every later reader of the arguments sees the same device.
     args = dataclasses.replace(args, device=args.resolve_device())
     # Settings that cannot work together fail before the model loads.
