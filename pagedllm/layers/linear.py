@@ -31,6 +31,7 @@ from pagedllm.kernels.bf16_activations import (
     bf16_weight_copy,
     warn_if_not_native,
 )
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.utils import set_weight_loader
 from pagedllm.lora.layers import LinearLoRASlots, add_lora_delta
@@ -293,7 +294,8 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
     - "int8": every quantized Linear rounds activations to int8 per group of 32 from
       `min_rows` (default INT8_ACTIVATION_MIN_ROWS) rows up;
     - "bf16": every Linear and LM head with a float32 or quantized weight keeps a bf16 copy
-      of it and multiplies in bf16 from `min_rows` (default BF16_ACTIVATION_MIN_ROWS) up."""
+      of it and multiplies in bf16 from `min_rows` (default BF16_ACTIVATION_MIN_ROWS) up, and
+      first prompt chunks of that many tokens run their attention (SDPA) in bf16."""
     if mode not in PREFILL_ACTIVATIONS:
         raise ValueError(f"prefill_activations={mode!r} is not one of {', '.join(PREFILL_ACTIVATIONS)}")
     if mode == "bf16":
@@ -305,4 +307,6 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
             count += module.quant is not None and mode == "int8"
         if isinstance(module, (Linear, LMHead)):
             count += module.use_bf16_activations((min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None)
+        if isinstance(module, Attention):
+            module.bf16_min_rows = (min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None
     return count
