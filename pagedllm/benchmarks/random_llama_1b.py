@@ -35,6 +35,8 @@ import subprocess
 import sys
 from typing import Any
 
+from pagedllm.config import PREFILL_ACTIVATIONS
+
 LLAMA_3_2_1B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -227,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q8_0"], choices=sorted(QUANTIZE_FLAGS))
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's -t")
     parser.add_argument("--dtype", default="auto", help="pagedllm's activation dtype")
-    parser.add_argument("--prefill-activations", default="float", choices=["float", "int8"])
+    parser.add_argument("--prefill-activations", default="float", choices=list(PREFILL_ACTIVATIONS))
     parser.add_argument("--rounds", type=int, default=2, help="pagedllm / llama-bench alternations")
     parser.add_argument("--pp", type=int, default=512)
     parser.add_argument("--tg", type=int, default=128)
