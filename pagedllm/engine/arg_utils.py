@@ -310,6 +310,8 @@ class EngineArgs:
             f"kv_cache_dtype={self.kv_cache_dtype!r} (the 8-bit KV kernels are CPU code)":
                 self.kv_cache_dtype != "auto",
             "tensor_parallel_size > 1 (--tensor-parallel-size)": self.tensor_parallel_size > 1,
+            f"prefill_activations={self.prefill_activations!r} (a CPU setting: cuda runs in its --dtype)":
+                self.prefill_activations != "float",
             "KV transfer (--kv-transfer-config; it reads the pool with .numpy())": self.kv_transfer_config is not None,
             "speculative decoding (--speculative-config; the rejection sampler is host-side)":
                 self.speculative_config is not None,

@@ -194,3 +194,12 @@ def test_bf16_engine_arg(tiny_llama_dir: Any) -> None:
     assert model.lm_head.bf16_weight is not None
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
         LLM(str(tiny_llama_dir), prefill_activations="bf16", tensor_parallel_size=2)
+
+
+def test_cuda_refuses_cpu_activation_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = EngineArgs(model="m", device="cuda", prefill_activations="bf16", attention_backend="triton")
+    with pytest.raises(ValueError, match="device='cuda' does not support prefill_activations='bf16'"):
+        args.check_device_support()
