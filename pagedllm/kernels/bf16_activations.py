@@ -49,6 +49,17 @@ def bf16_weight_copy(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     return out
 
 
+def bf16_copy_for(source: torch.Tensor | QuantizedWeight, min_rows: int | None) -> torch.Tensor | None:
+    """The bf16 copy a layer keeps for bf16 activations from `min_rows` rows up: None where
+    min_rows is None (the mode is off) or the weight is neither quantized nor a non-empty
+    float32 tensor (a bf16 model's weights are already bf16)."""
+    if min_rows is None:
+        return None
+    if isinstance(source, torch.Tensor) and (source.dtype != torch.float32 or source.numel() == 0):
+        return None
+    return bf16_weight_copy(source)
+
+
 def bf16_activation_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] (any float dtype), weight: bf16 [N, K] -> float32 [M, N]: x rounded to bf16,
     torch's bf16 GEMM, the output widened (plus the bias, in float32)."""

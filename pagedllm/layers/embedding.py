@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import current_tp, shard_range
 from pagedllm.kernels import QuantizedWeight, embedding_lookup, linear_op, quantize, quantized_linear
-from pagedllm.kernels.bf16_activations import bf16_activation_linear, bf16_weight_copy
+from pagedllm.kernels.bf16_activations import bf16_activation_linear, bf16_copy_for
 from pagedllm.layers.utils import default_weight_loader, set_weight_loader
 
 
@@ -120,13 +120,11 @@ class LMHead(_QuantizableTable):
     def use_bf16_activations(self, min_rows: int | None) -> bool:
         """Keep a bf16 copy of the table for at least `min_rows` rows (None: drop it); False
         where it is neither float32 nor quantized, or split over tensor-parallel ranks."""
-        self.bf16_weight, self.bf16_min_rows = None, 0
         owner = self._owner()
         source = owner.quant if owner.quant is not None else owner.weight
-        if min_rows is None or self.tp.size > 1 or (isinstance(source, torch.Tensor) and source.dtype != torch.float32):
-            return False
-        self.bf16_weight, self.bf16_min_rows = bf16_weight_copy(source), min_rows
-        return True
+        self.bf16_weight = bf16_copy_for(source, None if self.tp.size > 1 else min_rows)
+        self.bf16_min_rows = min_rows or 0
+        return self.bf16_weight is not None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [N, hidden] -> logits: [N, vocab] in the model dtype

@@ -28,7 +28,7 @@ from pagedllm.kernels import (
 from pagedllm.kernels.bf16_activations import (
     BF16_ACTIVATION_MIN_ROWS,
     bf16_activation_linear,
-    bf16_weight_copy,
+    bf16_copy_for,
     warn_if_not_native,
 )
 from pagedllm.layers.attention import Attention
@@ -141,13 +141,9 @@ class Linear(nn.Module):
     def use_bf16_activations(self, min_rows: int | None) -> bool:
         """Keep a bf16 copy of the weight for matmuls of at least `min_rows` rows (None: drop
         it); False where the layer has no float32 or quantized weight (bf16 models, shards)."""
-        self.bf16_weight, self.bf16_min_rows = None, 0
-        source = self.quant if self.quant is not None else self.weight
-        if min_rows is None or (isinstance(source, torch.Tensor) and (source.dtype != torch.float32
-                                                                      or source.numel() == 0)):
-            return False
-        self.bf16_weight, self.bf16_min_rows = bf16_weight_copy(source), min_rows
-        return True
+        self.bf16_weight = bf16_copy_for(self.quant if self.quant is not None else self.weight, min_rows)
+        self.bf16_min_rows = min_rows or 0
+        return self.bf16_weight is not None
 
     def output_sections(self) -> dict[object, tuple[int, int]]:
         """Shard id -> (first output row, rows) of each checkpoint projection in this layer."""
