@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (M, N, K): groups per row 1, 2, 3, 5, 18 (= 4 * 4 + 2: the AVX-512 int4 blocks' tails, and
-# int8's odd tail), 48; N past one guided chunk of rows; M = 9: a row tile of 8 and one more.
-SHAPES = [(1, 37, 32), (2, 19, 64), (1, 5, 96), (2, 40, 160), (1, 33, 576), (2, 17, 1536), (9, 6, 96)]
+# int8's odd tail), 48; N past several guided chunks (both threads take rows; 203: a last
+# quad of 3 rows); M = 9: a row tile of 8 and one more (the AVX-512 kernel: tiles of 2).
+SHAPES = [(1, 37, 32), (2, 19, 64), (1, 5, 96), (2, 40, 160), (1, 33, 576), (2, 17, 1536), (2, 203, 96), (9, 6, 96)]
 
 
 def _variants() -> list[str]:

@@ -241,10 +241,19 @@ void quant_matmul_q16_avx512(const float* x, int64_t M, int64_t K, int64_t N, co
                              const float* zp, float* y) {
   const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K, width = q16_permuted_width<INT4>(groups);
   const int64_t sstride = width / kQ16BlockWords<INT4> * 16;
-  std::vector<int16_t> xq(M * K), xp(M * width);
-  std::vector<float> xs(M * groups), xsum(M * groups), xse(M * sstride);
+  // The caller's buffers, kept from call to call (a decode step makes ~120 of these calls).
+  thread_local std::vector<int16_t> xq, xp;
+  thread_local std::vector<float> xs, xsum, xse;
+  xq.resize(M * K);
+  xp.resize(M * width);
+  xs.resize(M * groups);
+  xsum.resize(M * groups);
+  xse.resize(M * sstride);
   quantize_activations(x, M, K, xq.data(), xs.data(), xsum.data());
   permute_activations_avx512<INT4>(xq.data(), xs.data(), M, K, xp.data(), xse.data());
+  // Pointers, not the names: inside the parallel region a thread_local name is each thread's own.
+  const int16_t* xpp = xp.data();
+  const float *xsep = xse.data(), *xsump = xsum.data();
   const int64_t quads = (N + 3) / 4;
 #pragma omp parallel for schedule(guided, kMinChunkRows / 4)
   for (int64_t i = 0; i < quads; ++i) {
@@ -254,7 +263,7 @@ void quant_matmul_q16_avx512(const float* x, int64_t M, int64_t K, int64_t N, co
       constexpr int MT = decltype(mt)::value;
       auto rows = [&](auto nt, int64_t n) {
         rows_dot_q16_avx512<MT, decltype(nt)::value, INT4>(
-            xp.data() + m * width, width, xse.data() + m * sstride, sstride, xsum.data() + m * groups,
+            xpp + m * width, width, xsep + m * sstride, sstride, xsump + m * groups,
             qp + n * qstride, qstride, sp + n * groups, INT4 ? zp + n * groups : nullptr, groups, y + m * N + n, N);
       };
       if (4 * i + 4 <= N) {
