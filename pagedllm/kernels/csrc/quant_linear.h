@@ -12,13 +12,15 @@
 //   int8: qweight int8 [N, K]; w = q * scale; scale float32 [N, G].
 // Three kernels, by the number of activation rows M (quant_matmul picks, with the thresholds
 // of quantization.py, for the module path and the fused decode alike):
-//   quant_matmul_q16  (M <= 2): activations rounded to int16, integer dot products per group;
+//   quant_matmul_q16  (M <= 2): activations rounded to int16, integer dot products per group
+//                     (AVX2 madd_epi16; where the compiler targets AVX512-BW/VL and VNNI,
+//                     quant_q16_avx512.h's vpdpwssd kernel with the same integer arithmetic);
 //   quant_matmul_f32  (M <= 16): a tile of up to 8 activation rows shares each dequantized
 //                     group, so small batches read the weights once;
 //   quant_matmul_panel (M <= 128): gemm_tiles.h's panel_matmul, a panel of 8 weight rows
 //                     dequantized once into a float32 buffer, then register tiles of 6 x 2.
 
-// AVX2-only: no scalar path here; build.py builds its extensions only for the avx2 ISA
+// AVX2 at least: no scalar path here; build.py builds its extensions only for the avx2 ISA
 // (elsewhere the callers' torch paths run).
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "quant_linear.h needs AVX2 and FMA (compile with -march=native on such a CPU)"
