@@ -5,11 +5,13 @@ quantized_linear at M <= INT16_MAX_ROWS to the build's last variant."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
 from pagedllm import kernels
-from pagedllm.kernels import INT16_MAX_ROWS, QuantizedWeight, quant_linear_ops, quantize, quantized_linear
+from pagedllm.kernels import INT16_MAX_ROWS, QuantizedWeight, build, isa, quant_linear_ops, quantize, quantized_linear
 
 pytestmark = pytest.mark.skipif(
     kernels.cpu_isa() != "avx2" or quant_linear_ops() is None, reason="the int16-activation kernels are AVX2 code"
@@ -100,3 +102,20 @@ def test_an_unknown_variant_is_refused() -> None:
     w = _weight(8, 4, 32, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="no int16-activation kernel"):
         ops.int8_linear_q16(torch.zeros(1, 32), w.qweight, w.scales, "avx1024")
+
+
+@pytest.mark.parametrize(
+    ("flags", "avx512"),
+    [(["-mavx2", "-mfma"], 0), (["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"], 1)],
+)
+def test_the_avx512_kernel_is_chosen_by_the_compilers_target(flags: list[str], avx512: int) -> None:
+    # Both kernels compile on any x86 build host (an AVX2-only CI machine checks the AVX-512
+    # code too); the AVX-512 one only where the target has AVX512-BW/VL and VNNI.
+    cxx = isa.compiler_info("avx2").path
+    assert cxx is not None
+    src = f'#include "quant_linear.h"\nstatic_assert(PAGEDLLM_Q16_AVX512 == {avx512});\n'
+    proc = subprocess.run(
+        [cxx, *flags, "-fopenmp", "-fsyntax-only", "-I", str(build.CSRC), "-x", "c++", "-"],
+        input=src, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
