@@ -9,9 +9,9 @@
 // The integer arithmetic is the AVX2 kernel's: the same int16 activations
 // (quantize_activations), exact int32 products of the stored 4/8-bit codes, then per group
 // times (weight scale * activation scale) in float32 (+ zero * the group's exact sum for
-// 4-bit). Only the float summation order differs (a group's integer sum is converted in 4
-// int32 partials, each exact in float32: at most 8 * 15 * 32767 (4-bit) or 4 * 128 * 32767
-// (8-bit) < 2^24).
+// 4-bit). Only the float summation order differs (a group's integer sum is converted as 4
+// (4-bit) or 8 (8-bit) int32 partials, each exact in float32: at most 8 * 15 * 32767 or
+// 4 * 128 * 32767 < 2^24).
 //
 // The weights are read as stored, without byte shuffles: a 16-bit word j of an int4 group's
 // 16 bytes holds elements 2j, 2j + 16, 2j + 1, 2j + 17 in its four nibbles (quant_linear.h's
