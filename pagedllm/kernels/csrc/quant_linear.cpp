@@ -39,6 +39,37 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight,
   return y;
 }
 
+// The int16-activation kernels this build holds: "avx2" always, "avx512" where
+// quant_q16_avx512.h is compiled (quant_matmul_q16 then runs it).
+std::vector<std::string> q16_variants() {
+  std::vector<std::string> names{"avx2"};
+  if (PAGEDLLM_Q16_AVX512) names.emplace_back("avx512");
+  return names;
+}
+
+// x [M, K] -> [M, N] through one int16-activation kernel by name (q16_variants), any M.
+template <bool INT4>
+torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                               const torch::Tensor& zeros, const std::string& variant) {
+  check_quant_linear_args<INT4>(x, qweight, scales, zeros);
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
+  if (variant == "avx2") {
+    quant_matmul_q16_avx2<INT4>(xp, M, K, N, qp, sp, zp, y.data_ptr<float>());
+#if PAGEDLLM_Q16_AVX512
+  } else if (variant == "avx512") {
+    quant_matmul_q16_avx512<INT4>(xp, M, K, N, qp, sp, zp, y.data_ptr<float>());
+#endif
+  } else {
+    TORCH_CHECK(false, "no int16-activation kernel ", variant, " in this build");
+  }
+  return y;
+}
+
 // Rows [row0, row0 + out.size(0)) of the dequantized weight into `out` (float32 [R, K]).
 template <bool INT4>
 void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
@@ -67,6 +98,14 @@ void int4_dequantize_rows(torch::Tensor q, torch::Tensor s, torch::Tensor z, int
 }
 void int8_dequantize_rows(torch::Tensor q, torch::Tensor s, int64_t row0, torch::Tensor out) {
   dequantize_rows<false>(q, s, s, row0, out);
+}
+
+torch::Tensor int4_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z,
+                              std::string variant) {
+  return quant_linear_q16<true>(x, q, s, z, variant);
+}
+torch::Tensor int8_linear_q16(torch::Tensor x, torch::Tensor q, torch::Tensor s, std::string variant) {
+  return quant_linear_q16<false>(x, q, s, s, variant);
 }
 
 // x [M, K] float32 -> [M, N] with x rounded to int8 per group of 32 (quant_q8.h): prefill.
@@ -109,6 +148,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ dequant(int4 weight [N, K]).T -> [M, N], the kernel picked by M (int16_max_rows, tile_max_rows)");
   m.def("int8_linear", &int8_linear,
         "x [M, K] @ dequant(int8 weight [N, K]).T -> [M, N], the kernel picked by M (int16_max_rows, tile_max_rows)");
+  m.def("q16_variants", &q16_variants, "the int16-activation kernels compiled in (the last one is quant_matmul's)");
+  m.def("int4_linear_q16", &int4_linear_q16, "x @ dequant(int4 weight).T with int16 activations, by kernel name");
+  m.def("int8_linear_q16", &int8_linear_q16, "x @ dequant(int8 weight).T with int16 activations, by kernel name");
   m.def("int4_linear_q8", &int4_linear_q8, "x [M, K] @ dequant(int4 weight [N, K]).T with int8 activations");
   m.def("int8_linear_q8", &int8_linear_q8, "x [M, K] @ dequant(int8 weight [N, K]).T with int8 activations");
   m.def("quantize_activations_int8", &quantize_activations_int8, "x -> (int8 x, scales, exact sums) per group of 32");

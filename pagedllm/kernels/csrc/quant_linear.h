@@ -12,13 +12,15 @@
 //   int8: qweight int8 [N, K]; w = q * scale; scale float32 [N, G].
 // Three kernels, by the number of activation rows M (quant_matmul picks, with the thresholds
 // of quantization.py, for the module path and the fused decode alike):
-//   quant_matmul_q16  (M <= 2): activations rounded to int16, integer dot products per group;
+//   quant_matmul_q16  (M <= 2): activations rounded to int16, integer dot products per group
+//                     (AVX2 madd_epi16; where the compiler targets AVX512-BW/VL and VNNI,
+//                     quant_q16_avx512.h's vpdpwssd kernel with the same integer arithmetic);
 //   quant_matmul_f32  (M <= 16): a tile of up to 8 activation rows shares each dequantized
 //                     group, so small batches read the weights once;
 //   quant_matmul_panel (M <= 128): gemm_tiles.h's panel_matmul, a panel of 8 weight rows
 //                     dequantized once into a float32 buffer, then register tiles of 6 x 2.
 
-// AVX2-only: no scalar path here; build.py builds its extensions only for the avx2 ISA
+// AVX2 at least: no scalar path here; build.py builds its extensions only for the avx2 ISA
 // (elsewhere the callers' torch paths run).
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "quant_linear.h needs AVX2 and FMA (compile with -march=native on such a CPU)"
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "gemm_tiles.h"
+#include "quant_q16_avx512.h"
 
 namespace pagedllm {
 
@@ -200,8 +203,8 @@ void quant_matmul_f32(const float* x, int64_t M, int64_t K, int64_t N, const uin
 
 // int16 activations (quantize_activations): integer dot products per group; y [M, N].
 template <bool INT4>
-void quant_matmul_q16(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                      const float* zp, float* y) {
+void quant_matmul_q16_avx2(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
+                           const float* zp, float* y) {
   const int64_t groups = K / kGroup;
   std::vector<int16_t> xq(M * K);
   std::vector<float> xs(M * groups), xsum(M * groups);
@@ -211,6 +214,79 @@ void quant_matmul_q16(const float* x, int64_t M, int64_t K, int64_t N, const uin
     row_dot_q16<decltype(mt)::value, INT4>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K,
                                            qrow, srow, zrow, groups, yp, N);
   });
+}
+
+#if PAGEDLLM_Q16_AVX512
+// Software prefetch of the four weight rows (codes, scales, zeros) this many quads ahead: the
+// rows stream from L3 or memory once per call, and the hardware prefetchers lose each short
+// stream's start (measured at one thread, 30 layers' four projections cycled: 1.0-1.2x ->
+// 1.6-2.1x over the AVX2 kernel; 1 and 3-6 quads ahead slower than 2).
+constexpr int64_t kQ16PrefetchQuads = 2;
+
+template <bool INT4>
+inline void prefetch_rows_q16(const uint8_t* qp, const float* sp, const float* zp, int64_t qstride, int64_t groups,
+                              int64_t n, int64_t rows) {
+  const char* q = reinterpret_cast<const char*>(qp + n * qstride);
+  for (int64_t o = 0; o < rows * qstride; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  const char* s = reinterpret_cast<const char*>(sp + n * groups);
+  for (int64_t o = 0; o < rows * groups * 4; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
+  if constexpr (INT4) {
+    const char* z = reinterpret_cast<const char*>(zp + n * groups);
+    for (int64_t o = 0; o < rows * groups * 4; o += 64) _mm_prefetch(z + o, _MM_HINT_T0);
+  }
+}
+
+// The same with quant_q16_avx512.h's dot products (vpdpwssd on the weights as stored): four
+// weight rows per task item, activation rows in tiles of up to 2 (its 2 x 4 accumulators).
+template <bool INT4>
+void quant_matmul_q16_avx512(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
+                             const float* zp, float* y) {
+  const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K, width = q16_permuted_width<INT4>(groups);
+  const int64_t sstride = width / kQ16BlockWords<INT4> * 16;
+  // The caller's buffers, kept from call to call (a decode step makes ~120 of these calls).
+  thread_local std::vector<int16_t> xq, xp;
+  thread_local std::vector<float> xs, xsum, xse;
+  xq.resize(M * K);
+  xp.resize(M * width);
+  xs.resize(M * groups);
+  xsum.resize(M * groups);
+  xse.resize(M * sstride);
+  quantize_activations(x, M, K, xq.data(), xs.data(), xsum.data());
+  permute_activations_avx512<INT4>(xq.data(), xs.data(), M, K, xp.data(), xse.data());
+  // Pointers, not the names: inside the parallel region a thread_local name is each thread's own.
+  const int16_t* xpp = xp.data();
+  const float *xsep = xse.data(), *xsump = xsum.data();
+  const int64_t quads = (N + 3) / 4;
+#pragma omp parallel for schedule(guided, kMinChunkRows / 4)
+  for (int64_t i = 0; i < quads; ++i) {
+    if (const int64_t ahead = 4 * (i + kQ16PrefetchQuads); ahead < N)
+      prefetch_rows_q16<INT4>(qp, sp, zp, qstride, groups, ahead, std::min<int64_t>(4, N - ahead));
+    for_row_tiles<2>(M, [&](auto mt, int64_t m) {
+      constexpr int MT = decltype(mt)::value;
+      auto rows = [&](auto nt, int64_t n) {
+        rows_dot_q16_avx512<MT, decltype(nt)::value, INT4>(
+            xpp + m * width, width, xsep + m * sstride, sstride, xsump + m * groups,
+            qp + n * qstride, qstride, sp + n * groups, INT4 ? zp + n * groups : nullptr, groups, y + m * N + n, N);
+      };
+      if (4 * i + 4 <= N) {
+        rows(std::integral_constant<int, 4>{}, 4 * i);
+      } else {
+        for (int64_t n = 4 * i; n < N; ++n) rows(std::integral_constant<int, 1>{}, n);
+      }
+    });
+  }
+}
+#endif
+
+// The int16-activation kernel this build runs: AVX-512 VNNI where the compiler targets it.
+template <bool INT4>
+void quant_matmul_q16(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
+                      const float* zp, float* y) {
+#if PAGEDLLM_Q16_AVX512
+  quant_matmul_q16_avx512<INT4>(x, M, K, N, qp, sp, zp, y);
+#else
+  quant_matmul_q16_avx2<INT4>(x, M, K, N, qp, sp, zp, y);
+#endif
 }
 
 // Rows [n0, n0 + R) of the dequantized weight, float32, into out [R, K].
