@@ -285,7 +285,8 @@ class RowParallelLinear(Linear):
 
 def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = None) -> int:
     """Set how the matmuls of `net` with at least `min_rows` activation rows (prefill chunks,
-    large decode batches) meet their weights; returns how many layers it set:
+    large decode batches) meet their weights; returns how many layers it concerns (float,
+    int8: the quantized Linears; bf16: the layers that took a bf16 copy):
     - "float": float32 activations always (the default);
     - "int8": every quantized Linear rounds activations to int8 per group of 32 from
       `min_rows` (default INT8_ACTIVATION_MIN_ROWS) rows up;
@@ -300,7 +301,7 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
     for module in net.modules():
         if isinstance(module, Linear):
             module.int8_min_rows = (min_rows or INT8_ACTIVATION_MIN_ROWS) if mode == "int8" else None
-            count += module.quant is not None and mode == "int8"
+            count += module.quant is not None and mode != "bf16"  # float, int8: its quantized layers
         if isinstance(module, (Linear, LMHead)):
             count += module.use_bf16_activations((min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None)
         if isinstance(module, Attention):
