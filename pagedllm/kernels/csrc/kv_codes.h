@@ -150,4 +150,23 @@ inline __m256 load8(const E5M2Code* p) { return fp8x8_to_float<2, 15>(reinterpre
 #endif
 #endif
 
+#ifdef __AVX512F__
+// Sixteen consecutive elements of a row as float32 (the AVX-512 kernels' widening; fp8 through
+// float16 as load8 above: AVX-512F has the sixteen-lane float16 conversion).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const Int8Code* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const E4M3Code* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i x = _mm256_slli_epi16(c, 7);
+  const __m256i h = _mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x4000)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+inline __m512 load16(const E5M2Code* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(c, 8));
+}
+#endif
+
 }  // namespace pagedllm
