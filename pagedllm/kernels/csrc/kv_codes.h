@@ -8,7 +8,8 @@
 // a float's and re-biasing the exponent with an integer add; the subnormal codes (exponent 0)
 // are code * 2^-(bias - 1 + mantissa bits), computed as an int-to-float conversion times a
 // power of two, so no float denormal ever appears (denormals are slow on x86). With F16C
-// (every AVX2 CPU has it) the eight-at-a-time widening goes through float16 instead.
+// (every AVX2 CPU has it) the eight-at-a-time widening goes through float16 instead; under
+// AVX-512F load16 widens sixteen at a time the same ways.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -110,11 +110,24 @@ struct Vec512 {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  static __m256 fold(V a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  // Two vectors' 256-bit halves added: [a lo + a hi | b lo + b hi].
+  static V fold2(V a, V b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
   }
+  // Two fold2 results' 128-bit quarters added: [key 0 | key 1 | key 2 | key 3], four lanes each.
+  static V fold4(V x, V y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  }
+  // A transpose-add tree (24 instructions for 8 vectors): the 8 lane sums in order.
   static __m256 sums8(const V* a) {
-    return hsum8(fold(a[0]), fold(a[1]), fold(a[2]), fold(a[3]), fold(a[4]), fold(a[5]), fold(a[6]), fold(a[7]));
+    const V c = fold4(fold2(a[0], a[1]), fold2(a[2], a[3]));  // keys 0-3, a quarter each
+    const V d = fold4(fold2(a[4], a[5]), fold2(a[6], a[7]));  // keys 4-7
+    // quarter j: [c_j 0+1, c_j 2+3, d_j 0+1, d_j 2+3], then each pair summed: key j at lane
+    // 4j, key 4 + j at lane 4j + 2.
+    const V e = _mm512_add_ps(_mm512_shuffle_ps(c, d, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(c, d, _MM_SHUFFLE(3, 1, 3, 1)));
+    const V f = _mm512_add_ps(e, _mm512_shuffle_ps(e, e, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, f));
   }
 };
 #endif
