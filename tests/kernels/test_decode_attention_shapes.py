@@ -16,7 +16,7 @@ from tests.kernels.test_kv_quant import _float64_decode, needs_kernel, ops
 
 @needs_kernel
 @pytest.mark.parametrize("G", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("D", [24, 32, 64, 80, 128])
+@pytest.mark.parametrize("D", [16, 24, 32, 64, 80, 128])
 @pytest.mark.parametrize("kv", ["float32", "int8", "fp8_e4m3", "fp8_e5m2"])
 def test_decode_attention_group_and_head_dim(G: int, D: int, kv: str) -> None:
     g = torch.Generator().manual_seed(G * 1000 + D)

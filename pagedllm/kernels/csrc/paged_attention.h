@@ -8,6 +8,16 @@
 // An 8-bit cache (kv_codes.h: codes then a float32 scale per row) is widened as it is read;
 // each row's scale multiplies its score (q . k = scale * q . codes) and its softmax weight
 // (sum_i p_i v_i = sum_i (p_i * scale_i) codes_i), so the inner loops see codes only.
+//
+// Vector paths (float32 and coded caches, head_dim a multiple of 8): AVX-512F (16 lanes) where
+// the build has it and head_dim % 16 == 0, else AVX2 (8 lanes), one template over both. Pass 1
+// scores eight keys at a time, each key slice widened once for up to 3 (AVX-512) query heads;
+// pass 2 walks the V rows once per slice of up to 4 vectors for up to 3 (AVX2) or 4 heads, so
+// a V row is read about once, not G times; the softmax leaves exp(s - max) and its 1/sum
+// scales the sums. Both passes prefetch the rows kPrefetchRows positions ahead (a head's rows
+// are Hkv rows apart, in blocks scattered over the pool: the hardware prefetchers miss them).
+// Each output is computed by one thread in a fixed order: results do not depend on the thread
+// count.
 #include <cstdint>
 
 #include <algorithm>
@@ -110,24 +120,11 @@ struct Vec512 {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  // Two vectors' 256-bit halves added: [a lo + a hi | b lo + b hi].
-  static V fold2(V a, V b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  static __m256 fold(V a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
   }
-  // Two fold2 results' 128-bit quarters added: [key 0 | key 1 | key 2 | key 3], four lanes each.
-  static V fold4(V x, V y) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-  }
-  // A transpose-add tree (24 instructions for 8 vectors): the 8 lane sums in order.
   static __m256 sums8(const V* a) {
-    const V c = fold4(fold2(a[0], a[1]), fold2(a[2], a[3]));  // keys 0-3, a quarter each
-    const V d = fold4(fold2(a[4], a[5]), fold2(a[6], a[7]));  // keys 4-7
-    // quarter j: [c_j 0+1, c_j 2+3, d_j 0+1, d_j 2+3], then each pair summed: key j at lane
-    // 4j, key 4 + j at lane 4j + 2.
-    const V e = _mm512_add_ps(_mm512_shuffle_ps(c, d, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(c, d, _MM_SHUFFLE(3, 1, 3, 1)));
-    const V f = _mm512_add_ps(e, _mm512_shuffle_ps(e, e, _MM_SHUFFLE(2, 3, 0, 1)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, f));
+    return hsum8(fold(a[0]), fold(a[1]), fold(a[2]), fold(a[3]), fold(a[4]), fold(a[5]), fold(a[6]), fold(a[7]));
   }
 };
 #endif
