@@ -8,7 +8,8 @@
 // a float's and re-biasing the exponent with an integer add; the subnormal codes (exponent 0)
 // are code * 2^-(bias - 1 + mantissa bits), computed as an int-to-float conversion times a
 // power of two, so no float denormal ever appears (denormals are slow on x86). With F16C
-// (every AVX2 CPU has it) the eight-at-a-time widening goes through float16 instead.
+// (every AVX2 CPU has it) the eight-at-a-time widening goes through float16 instead; under
+// AVX-512F load16 widens sixteen at a time the same ways.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -148,6 +149,25 @@ inline __m256 load8(const E5M2Code* p) {
 inline __m256 load8(const E4M3Code* p) { return fp8x8_to_float<3, 7>(reinterpret_cast<const uint8_t*>(p)); }
 inline __m256 load8(const E5M2Code* p) { return fp8x8_to_float<2, 15>(reinterpret_cast<const uint8_t*>(p)); }
 #endif
+#endif
+
+#ifdef __AVX512F__
+// Sixteen consecutive elements of a row as float32 (the AVX-512 kernels' widening; fp8 through
+// float16 as load8 above: AVX-512F has the sixteen-lane float16 conversion).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const Int8Code* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const E4M3Code* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i x = _mm256_slli_epi16(c, 7);
+  const __m256i h = _mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x4000)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+inline __m512 load16(const E5M2Code* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(c, 8));
+}
 #endif
 
 }  // namespace pagedllm
