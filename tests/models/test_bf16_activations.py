@@ -167,13 +167,13 @@ def test_bf16_decode_batch_greedy(engine: tuple[Any, Any]) -> None:
         a, b = list(ref.token_ids), list(ours.token_ids)
         identical += a == b
         if a != b:
-            # The tie rule at the drift's scale: they may part only where float's top two
-            # tokens were within the bound on the logprob drift (0.4) of each other (measured:
-            # 4 of 16 part, at gaps 0.015-0.061).
+            # The tie rule at the drift's scale: each logprob moves by at most the drift bound
+            # (0.4), so two tokens can swap only where float's top two were within twice that
+            # (measured: 4 of 16 part, at gaps 0.015-0.061).
             step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             top2 = sorted((lp.logprob for lp in ref.logprobs[step].values()), reverse=True)[:2]
             print(f"bf16 diverges at step {step}, float top-2 gap {top2[0] - top2[1]:.3f}")
-            assert top2[0] - top2[1] < 0.4
+            assert top2[0] - top2[1] < 2 * 0.4
     print(f"bf16 greedy identical {identical}/{len(prompts)}")
     assert identical >= len(prompts) // 2
 
