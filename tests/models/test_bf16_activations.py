@@ -5,9 +5,8 @@ arithmetic, the fused decode, and the default model's logprob drift, stated and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +17,7 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, set_prefill_activations
 from pagedllm.models.loader import load_model
 from tests.models.test_fused_decode import BLOCK_SIZE, compare_decode_steps
-from tests.models.test_int8_prefill import PROMPTS, TEXT
+from tests.models.test_int8_prefill import PROMPTS, engine, greedy_identical, prompt_drift  # noqa: F401 (engine: a fixture)
 from tests.models.test_llama import tiny_config
 from tests.models.utils import bind_kv_caches, save_tiny_model
 
@@ -104,77 +103,27 @@ def test_fused_decode_takes_the_bf16_copies(tiny_dir: Path, quantization: str) -
     assert fused._bound_bf16 is None
 
 
-@pytest.fixture
-def engine(default_llm: Any) -> Iterator[tuple[Any, Any]]:
-    """The session's default engine and its model, put back to float activations after."""
-    model = default_llm.llm_engine.engine_core.runner.model
-    try:
-        yield default_llm, model
-    finally:
-        set_prefill_activations(model, "float")
-
-
-def _prompt_logprobs(llm: Any, salt: str) -> tuple[np.ndarray, list[dict]]:
-    from pagedllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0.0)
-    # A salt per mode: the second run must not take the first one's KV from the prefix cache.
-    [out] = llm.generate([{"prompt": TEXT + " " + TEXT, "cache_salt": salt}], params, use_tqdm=False)
-    ids = out.prompt_token_ids
-    positions = out.prompt_logprobs[1:]
-    return np.array([pos[t].logprob for pos, t in zip(positions, ids[1:])]), positions
-
-
 def test_bf16_prefill_logprob_drift(engine: tuple[Any, Any]) -> None:
     llm, model = engine
-    set_prefill_activations(model, "float")
-    ref, ref_top = _prompt_logprobs(llm, "float-activations")
-    assert set_prefill_activations(model, "bf16") > 0
-    got, got_top = _prompt_logprobs(llm, "bf16-activations")
-    diff = np.abs(got - ref)
-    argmax_same = sum(
-        max(a, key=lambda t: a[t].logprob) == max(b, key=lambda t: b[t].logprob) for a, b in zip(ref_top, got_top)
-    )
-    ppl_ratio = float(np.exp(-got.mean()) / np.exp(-ref.mean()))
-    print(f"bf16 prefill: logprob |diff| max {diff.max():.3f} mean {diff.mean():.4f}; ppl ratio {ppl_ratio:.4f}; "
-          f"argmax same {argmax_same}/{len(ref_top)}")  # fmt: skip
+    diff, argmax_same, positions, ppl_ratio = prompt_drift(llm, model, "bf16")
     # Measured (155 positions, Q4_1 default model, bf16 linears and prefill attention): max
     # 0.066, mean 0.0148, ppl -0.38%, argmax the same at 153 of 155 positions (the linears
     # alone: 0.100 / 0.0135 / -0.11% / 154): a fifth of int8 activations' drift (max 0.53,
-    # mean 0.070). bf16 keeps 8 significant bits of each activation, weight and output, a relative
-    # step of 2^-8 per element, where int8's step is absmax / 127 per group of 32.
+    # mean 0.070). bf16 keeps 8 significant bits of each activation, weight and output, a
+    # relative step of 2^-8 per element, where int8's step is absmax / 127 per group of 32.
     assert diff.max() < 0.4 and diff.mean() < 0.04
     assert abs(ppl_ratio - 1) < 0.01
-    assert argmax_same >= 0.95 * len(ref_top)
+    assert argmax_same >= 0.95 * positions
     assert diff.max() > 1e-3  # the bf16 GEMM did run
 
 
 def test_bf16_decode_batch_greedy(engine: tuple[Any, Any]) -> None:
-    # 16 prompts decoding together: prefill and every decode step take the bf16 GEMM.
-    from pagedllm import SamplingParams
-
+    # 16 prompts decoding together: prefill and every decode step take the bf16 GEMM; the tie
+    # rule at twice the drift bound (0.4) (measured: 4 of 16 part, at gaps 0.009-0.061).
     llm, model = engine
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = [f"{p} ({i})" for i in range(4) for p in PROMPTS]
     assert len(prompts) >= BF16_ACTIVATION_MIN_ROWS
-    runs = []
-    for mode in ("float", "bf16"):
-        set_prefill_activations(model, mode)
-        outs = llm.generate([{"prompt": p, "cache_salt": mode} for p in prompts], greedy, use_tqdm=False)
-        runs.append([o.outputs[0] for o in outs])
-    identical = 0
-    for ref, ours in zip(*runs):
-        a, b = list(ref.token_ids), list(ours.token_ids)
-        identical += a == b
-        if a != b:
-            # The tie rule at the drift's scale: each logprob moves by at most the drift bound
-            # (0.4), so two tokens can swap only where float's top two were within twice that
-            # (measured: 4 of 16 part, at gaps 0.015-0.061).
-            step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            top2 = sorted((lp.logprob for lp in ref.logprobs[step].values()), reverse=True)[:2]
-            print(f"bf16 diverges at step {step}, float top-2 gap {top2[0] - top2[1]:.3f}")
-            assert top2[0] - top2[1] < 2 * 0.4
-    print(f"bf16 greedy identical {identical}/{len(prompts)}")
+    identical = greedy_identical(llm, model, prompts, "bf16", drift_bound=0.4, max_tokens=12)
     assert identical >= len(prompts) // 2
 
 

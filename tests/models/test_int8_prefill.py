@@ -52,60 +52,74 @@ def _prompt_logprobs(llm: Any, salt: str) -> tuple[np.ndarray, list[dict]]:
     return np.array([pos[t].logprob for pos, t in zip(positions, ids[1:])]), positions
 
 
-def test_int8_prefill_logprob_drift(engine: tuple[Any, Any]) -> None:
-    llm, model = engine
+def prompt_drift(llm: Any, model: Any, mode: str) -> tuple[np.ndarray, int, int, float]:
+    """TEXT's prompt logprobs with `mode` activations against float ones on the same engine:
+    (|diff| per position, positions whose argmax agrees, positions, perplexity ratio)."""
     set_prefill_activations(model, "float")
     ref, ref_top = _prompt_logprobs(llm, "float-activations")
-    assert set_prefill_activations(model, "int8") > 0
-    got, got_top = _prompt_logprobs(llm, "int8-activations")
+    assert set_prefill_activations(model, mode) > 0
+    got, got_top = _prompt_logprobs(llm, f"{mode}-activations")
     diff = np.abs(got - ref)
     argmax_same = sum(
         max(a, key=lambda t: a[t].logprob) == max(b, key=lambda t: b[t].logprob) for a, b in zip(ref_top, got_top)
     )
     ppl_ratio = float(np.exp(-got.mean()) / np.exp(-ref.mean()))
-    print(f"int8 prefill: logprob |diff| max {diff.max():.3f} mean {diff.mean():.4f}; ppl ratio {ppl_ratio:.4f}; "
+    print(f"{mode} prefill: logprob |diff| max {diff.max():.3f} mean {diff.mean():.4f}; ppl ratio {ppl_ratio:.4f}; "
           f"argmax same {argmax_same}/{len(ref_top)}")  # fmt: skip
-    # Measured (155 positions, Q4_1 default model): max 0.53, mean 0.070, ppl +0.34%, argmax
-    # the same at 148 of 155 positions. The activations' rounding is half a step of absmax /
-    # 127 per group of 32, a relative perturbation of ~0.2-0.4% per matmul input, compounding
-    # over 30 layers x 4 projections; llama.cpp's Q8 activations round the same way.
-    assert diff.max() < 1.0 and diff.mean() < 0.15
-    assert abs(ppl_ratio - 1) < 0.02
-    assert argmax_same >= 0.9 * len(ref_top)
-    assert diff.max() > 1e-3  # the int8 kernel did run
+    return diff, argmax_same, len(ref_top), ppl_ratio
 
 
-def test_int8_prefill_greedy(engine: tuple[Any, Any]) -> None:
+def greedy_identical(llm: Any, model: Any, prompts: list[str], mode: str, drift_bound: float,
+                     max_tokens: int, min_rows: int | None = None) -> int:
+    """Greedy continuations of `prompts` with float and with `mode` activations (from
+    `min_rows` rows up; a salt per mode keeps the prefix cache out); asserts the tie rule at
+    the drift's scale and returns how many are identical. Each logprob moves by at most
+    drift_bound, so two tokens can swap only where float's top two were within twice that."""
     from pagedllm import SamplingParams
 
-    llm, model = engine
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)
     runs = []
-    for mode in ("float", "int8"):
-        # Short prompts: int8 from the first row so their prefill takes it (decode steps run
-        # the fused float decode either way); a salt per mode keeps the prefix cache out.
-        set_prefill_activations(model, mode, min_rows=1)
-        prompts = [{"prompt": p, "cache_salt": mode} for p in PROMPTS]
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
+    for m in ("float", mode):
+        set_prefill_activations(model, m, min_rows=min_rows)
+        outs = llm.generate([{"prompt": p, "cache_salt": m} for p in prompts], greedy, use_tqdm=False)
         runs.append([o.outputs[0] for o in outs])
     identical = 0
     for ref, ours in zip(*runs):
         a, b = list(ref.token_ids), list(ours.token_ids)
         identical += a == b
         if a != b:
-            # The tie rule, at the drift's scale: each logprob moves by at most the drift bound
-            # (measured 0.53, bound 1.0), so two tokens can swap only where float's top two
-            # were within twice that of each other. Int8 rounding makes which tokens swap
-            # sensitive to float32-ulp changes upstream: a decode-attention kernel that agrees
-            # with the old one to ~2e-7 moved this from a gap of 0.23 to one of 1.03.
             step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             top2 = sorted((lp.logprob for lp in ref.logprobs[step].values()), reverse=True)[:2]
-            print(f"int8 prefill diverges at step {step}, float top-2 gap {top2[0] - top2[1]:.3f}")
-            assert top2[0] - top2[1] < 2 * 1.0
-    print(f"int8 prefill greedy identical {identical}/{len(PROMPTS)}")
+            print(f"{mode} diverges at step {step}, float top-2 gap {top2[0] - top2[1]:.3f}")
+            assert top2[0] - top2[1] < 2 * drift_bound
+    print(f"{mode} greedy identical {identical}/{len(prompts)}")
+    return identical
+
+
+def test_int8_prefill_logprob_drift(engine: tuple[Any, Any]) -> None:
+    llm, model = engine
+    diff, argmax_same, positions, ppl_ratio = prompt_drift(llm, model, "int8")
+    # Measured (155 positions, Q4_1 default model): max 0.53, mean 0.070, ppl +0.34%, argmax
+    # the same at 148 of 155 positions. The activations' rounding is half a step of absmax /
+    # 127 per group of 32, a relative perturbation of ~0.2-0.4% per matmul input, compounding
+    # over 30 layers x 4 projections; llama.cpp's Q8 activations round the same way.
+    assert diff.max() < 1.0 and diff.mean() < 0.15
+    assert abs(ppl_ratio - 1) < 0.02
+    assert argmax_same >= 0.9 * positions
+    assert diff.max() > 1e-3  # the int8 kernel did run
+
+
+def test_int8_prefill_greedy(engine: tuple[Any, Any]) -> None:
+    # Short prompts: int8 from the first row so their prefill takes it (decode steps run the
+    # fused float decode either way). The tie rule at twice the drift bound (1.0): int8
+    # rounding makes which tokens swap sensitive to float32-ulp changes upstream (a decode
+    # attention kernel ~2e-7 from the old one, float outputs identical, moved one prompt's
+    # parting from a top-two gap of 0.23 to 1.03).
+    llm, model = engine
+    identical = greedy_identical(llm, model, PROMPTS, "int8", drift_bound=1.0, max_tokens=16, min_rows=1)
     # How many stay identical moves with those flips (2/4 and 3/4 with the earlier attention
-    # kernel, 1/4 with the current one, the float outputs unchanged): at least one; the drift
-    # test above bounds the statistics over 155 positions.
+    # kernel, 1/4 with the current one): at least one; the drift test above bounds the
+    # statistics over 155 positions.
     assert identical >= 1
 
 
