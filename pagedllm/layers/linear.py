@@ -140,7 +140,7 @@ class Linear(nn.Module):
 
     def use_bf16_activations(self, min_rows: int | None) -> bool:
         """Keep a bf16 copy of the weight for matmuls of at least `min_rows` rows (None: drop
-        it); False where the layer has no float32 or quantized weight (bf16 models, shards)."""
+        it); False where the layer has no float32 or quantized weight (a bf16 model)."""
         self.bf16_weight = bf16_copy_for(self.quant if self.quant is not None else self.weight, min_rows)
         self.bf16_min_rows = min_rows or 0
         return self.bf16_weight is not None
