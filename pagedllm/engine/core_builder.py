@@ -42,10 +42,10 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
     from pagedllm.worker.model_runner import ModelRunner
 
     t0 = time.monotonic()
-    if args.resolve_device() == "cpu" and keep_freed_memory():  # before the model and KV cache allocate
-        logger.debug("glibc keeps freed memory for reuse (malloc_policy.py)")
     # "auto" resolved once, so every later reader of the arguments sees the same device.
     args = dataclasses.replace(args, device=args.resolve_device())
+    if args.device == "cpu" and keep_freed_memory():  # before the model and KV cache allocate
+        logger.debug("glibc keeps freed memory for reuse (malloc_policy.py)")
     # Settings that cannot work together fail before the model loads.
     args.device_config()
     args.check_device_support()

@@ -130,14 +130,16 @@ def declared_layout(layer: nn.Module) -> DecodeLayout | None:
     return None if declare is None else declare(layer)
 
 
-def _linear_args(linear: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bits, weight, scales, zeros, bias) of a layer as the compiled forward takes them."""
+def _linear_args(linear: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bits, weight, scales, zeros, bias, bf16 copy) of a layer as the compiled forward takes
+    them (the copy: --prefill-activations bf16, empty without)."""
     bias = _EMPTY if linear.bias is None else linear.bias.detach()
+    bf16 = _EMPTY if linear.bf16_weight is None else linear.bf16_weight
     q = linear.quant
     if q is None:
-        return 32, linear.weight.detach(), _EMPTY, _EMPTY, bias
+        return 32, linear.weight.detach(), _EMPTY, _EMPTY, bias, bf16
     zeros = _EMPTY if q.zeros is None else q.zeros
-    return q.bits, q.qweight, q.scales, zeros, bias
+    return q.bits, q.qweight, q.scales, zeros, bias, bf16
 
 
 class FusedDecoderLayers(nn.Module):
@@ -203,9 +205,8 @@ class FusedDecoderLayers(nn.Module):
         for layer in layers:
             a = layer.self_attn
             modules = (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            bits, weights, scales, zeros, biases = (list(column) for column in zip(*map(_linear_args, modules)))
-            # --prefill-activations bf16: the copies, used from the layers' (one) min_rows up.
-            bf16 = [_EMPTY if m.bf16_weight is None else m.bf16_weight for m in modules]
+            bits, weights, scales, zeros, biases, bf16 = (list(column) for column in zip(*map(_linear_args, modules)))
+            # --prefill-activations bf16: the copies are used from the layers' (one) min_rows up.
             bf16_min_rows = max(m.bf16_min_rows for m in modules)
             q_norm = a.q_norm.weight.detach() if layout.qk_norm else _EMPTY
             k_norm = a.k_norm.weight.detach() if layout.qk_norm else _EMPTY
