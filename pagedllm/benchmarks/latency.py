@@ -44,13 +44,16 @@ def _linear_weights(model) -> tuple[int, int]:
     tied head counts once."""
     import torch
 
+    from pagedllm.layers.embedding import LMHead
     from pagedllm.layers.moe import SparseMoE
 
     # Routed experts are counted by the step's routing (_expert_weights), not all of them.
     routed = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
     seen: dict[int, tuple[int, int]] = {}  # data pointer -> (numel, bytes)
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
+        if isinstance(module, LMHead):
+            module = module.table_owner()  # a tied head multiplies by the embedding's table
+        elif isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
             continue
         if id(module) in routed:
             continue

@@ -114,13 +114,15 @@ class LMHead(_QuantizableTable):
         if self._tied:
             self.weight = self._tied[0].weight
 
-    def _owner(self) -> _QuantizableTable:
+    def table_owner(self) -> _QuantizableTable:
+        """The module holding the table this head multiplies by (`weight` or `quant`): the
+        tied embedding, or the head itself."""
         return self._tied[0] if self._tied else self
 
     def use_bf16_activations(self, min_rows: int | None) -> bool:
         """Keep a bf16 copy of the table for at least `min_rows` rows (None: drop it); False
         where it is neither float32 nor quantized, or split over tensor-parallel ranks."""
-        owner = self._owner()
+        owner = self.table_owner()
         source = owner.quant if owner.quant is not None else owner.weight
         self.bf16_weight = bf16_copy_for(source, None if self.tp.size > 1 else min_rows)
         self.bf16_min_rows = min_rows or 0
@@ -128,7 +130,7 @@ class LMHead(_QuantizableTable):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [N, hidden] -> logits: [N, vocab] in the model dtype
-        owner = self._owner()
+        owner = self.table_owner()
         if self.bf16_weight is not None and hidden_states.shape[0] >= self.bf16_min_rows:
             return bf16_activation_linear(hidden_states, self.bf16_weight).to(hidden_states.dtype)
         if owner.quant is not None:

@@ -12,11 +12,12 @@ def test_measure_decode_counts_and_frees(tiny_llama_dir):
     result, profile = measure_decode(llm, batch_size=3, context_len=40, num_steps=5, seed=0, profile_steps=4)
     assert result.batch_size == 3 and result.step_ms > 0
     assert abs(result.decode_tok_s - 3 / (result.step_ms / 1e3)) < 1e-6 * result.decode_tok_s
-    # Linear FLOPs count the projections and the head, not the embedding table.
+    # Linear FLOPs count the projections and the head (tied or not), not the embedding table.
     model = engine.engine_core.runner.model
-    hidden = model.model.embed_tokens.weight.shape[1]
+    vocab, hidden = model.model.embed_tokens.weight.shape
     numel, nbytes = _linear_weights(model)
-    assert 2 * 4 * hidden * hidden < numel < sum(p.numel() for p in model.parameters())  # 2 layers' attention at least
+    assert vocab * hidden + 2 * 4 * hidden * hidden < numel  # the head, 2 layers' attention at least
+    assert numel < sum(p.numel() for p in model.parameters())
     assert nbytes == 4 * numel  # float32
     # The profile splits real steps into parts that add up to the step, and unhooks itself.
     assert profile is not None and profile.steps == 4
