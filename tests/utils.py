@@ -81,3 +81,14 @@ def tokens_and_gaps(outs) -> tuple[list[list[int]], list[list[float]]]:
         tops = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in completion.logprobs]
         gaps.append([top[0] - top[1] for top in tops])
     return tokens, gaps
+
+
+def with_float32_scales(w):  # type: ignore[no-untyped-def]
+    """A QuantizedWeight with its scales (and zeros) as float32 values off fp16's grid (a
+    2^-17 relative nudge), as Q4_K's d * sc products are: the kernels' float32-scale path
+    (quantize_int4 / quantize_int8 store float16)."""
+    from pagedllm.kernels import QuantizedWeight
+
+    nudge = 1.0 + 2.0**-17
+    zeros = None if w.zeros is None else w.zeros.float() * nudge
+    return QuantizedWeight(w.bits, w.qweight, w.scales.float() * nudge, zeros)

@@ -58,13 +58,14 @@ EXTENSIONS: dict[str, Extension] = {
         Extension("paged_attention", ("paged_attention.cpp", "paged_attention.h", "kv_codes.h", "vec_avx2.h"),
                   "using torch ops", needs_avx2=False),
         Extension("layer_ops", ("layer_ops.cpp", "layer_ops.h", "vec_avx2.h"), "using torch ops", needs_avx2=False),
-        Extension("quant_linear", ("quant_linear.cpp", "quant_linear.h", "quant_q16_avx512.h", "quant_q8.h", "gemm_tiles.h",
-                                                   "vec_avx2.h"),
+        Extension("quant_linear", ("quant_linear.cpp", "quant_linear.h", "quant_q16_avx512.h", "quant_q8.h",
+                                   "quant_scales.h", "gemm_tiles.h", "vec_avx2.h"),
                   "dequantizing per layer", needs_avx2=True),
         Extension("bf16_linear", ("bf16_linear.cpp", "gemm_tiles.h", "vec_avx2.h"),
                   "using torch's bf16 matmul", needs_avx2=True),
         Extension("decode_layers", ("decode_layers.cpp", "layer_ops.h", "paged_attention.h", "kv_codes.h", "quant_linear.h",
-                                    "quant_q16_avx512.h", "gemm_tiles.h", "vec_avx2.h", "lora_delta.h"),
+                                    "quant_q16_avx512.h", "quant_scales.h", "gemm_tiles.h", "vec_avx2.h",
+                                    "lora_delta.h"),
                   "running the layers one module at a time", needs_avx2=True),
     )
 }

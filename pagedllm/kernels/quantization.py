@@ -1,8 +1,11 @@
 """Weight-only quantized weights (int8 and 4-bit, groups of 32 input columns) and their matmul.
 
-A `QuantizedWeight` holds a [N, K] weight as integers plus float32 scales (and zeros for
-4-bit) per group of 32 consecutive columns of a row: GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K map onto
-it exactly, and `--quantization int8|int4` produce it from float weights at load.
+A `QuantizedWeight` holds a [N, K] weight as integers plus scales (and zeros for 4-bit) per
+group of 32 consecutive columns of a row: GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K map onto it
+exactly, and `--quantization int8|int4` produce it from float weights at load. Scales and
+zeros are float16 where the source stores them so (GGUF Q8_0, Q4_0, Q4_1: a 4-bit group is
+then 20 bytes, as Q4_1's, against 24 with float32; single-stream decode reads every byte of
+it a token) and float32 where fp16 would round them (Q4_K's d * sc products).
 
 The matmul (`quantized_linear`) switches by the number of activation rows M:
 - M <= INT16_MAX_ROWS (single-stream decode): the compiled AVX2 kernel rounds the activations
@@ -53,6 +56,8 @@ PANEL_MAX_ROWS = 128
 INT8_ACTIVATION_MIN_ROWS = 129
 
 QUANTIZATION_METHODS: tuple[str, ...] = ("gguf", "int8", "int4", "none")
+# The dtypes a QuantizedWeight's scales and zeros may have (the kernels take both).
+SCALE_DTYPES = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -64,14 +69,18 @@ class QuantizedWeight:
     """4-bit: uint8 [N, K / 2], per group byte i = element i | element (i + 16) << 4, q in
     [0, 15]; 8-bit: int8 [N, K]."""
     scales: torch.Tensor
-    """float32 [N, K / 32]"""
+    """float32 or float16 [N, K / 32]"""
     zeros: torch.Tensor | None
-    """4-bit only: float32 [N, K / 32]"""
+    """4-bit only: [N, K / 32] in the scales' dtype"""
 
     shape: tuple[int, int] = field(init=False)
     """(N, K), from the scales"""
 
     def __post_init__(self) -> None:
+        if self.scales.dtype not in SCALE_DTYPES:
+            raise ValueError(f"quantized weight scales must be float32 or float16, got {self.scales.dtype}")
+        if self.zeros is not None and self.zeros.dtype != self.scales.dtype:
+            raise ValueError(f"4-bit zeros ({self.zeros.dtype}) must have the scales' dtype ({self.scales.dtype})")
         n, g = self.scales.shape
         object.__setattr__(self, "shape", (int(n), int(g) * GROUP_SIZE))
 
@@ -88,13 +97,14 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] (torch formulation; the kernel's chunks agree with it exactly)."""
         n, k = self.shape
+        scales = self.scales.float()[..., None]
         if self.bits == 8:
             q = self.qweight.float().view(n, -1, GROUP_SIZE)
-            return (q * self.scales[..., None]).view(n, k)
+            return (q * scales).view(n, k)
         assert self.zeros is not None
         packed = self.qweight.view(n, -1, GROUP_SIZE // 2)
         q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # [N, G, 32]
-        return torch.addcmul(self.zeros[..., None], q, self.scales[..., None]).view(n, k)
+        return torch.addcmul(self.zeros.float()[..., None], q, scales).view(n, k)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -105,11 +115,15 @@ class QuantizedWeight:
                 f"fused projection mixes {sorted(bits)}-bit quantized parts; a GGUF file must "
                 "store the parts of one fused layer in the same bit width (use --quantization none)"
             )
-        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])  # type: ignore[misc]
+        # Parts of mixed scale dtypes (say Q4_1 and Q4_K in one file) widen to float32 (exact).
+        dtype = parts[0].scales.dtype if len({p.scales.dtype for p in parts}) == 1 else torch.float32
+        zeros = None
+        if parts[0].zeros is not None:
+            zeros = torch.cat([p.zeros.to(dtype) for p in parts])  # type: ignore[union-attr]
         return QuantizedWeight(
             parts[0].bits,
             torch.cat([p.qweight for p in parts]),
-            torch.cat([p.scales for p in parts]),
+            torch.cat([p.scales.to(dtype) for p in parts]),
             zeros,
         )
 
@@ -121,23 +135,45 @@ def _groups(w: torch.Tensor) -> torch.Tensor:
     return w.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
 
 
+# fp16's largest finite value and smallest normal one (below it fp16 loses relative precision).
+_FP16_MAX, _FP16_MIN_NORMAL = 65504.0, 2.0**-14
+
+
+def _scale_dtype(scales: torch.Tensor, zeros: torch.Tensor | None = None) -> torch.dtype:
+    """float16 where every scale is 0 or a normal fp16 number (relative rounding at most
+    2^-11, a 4,000th of a 4-bit step) and every zero within fp16's range, as GGUF Q8_0 / Q4_1
+    store them; else float32 (weights of extreme magnitude)."""
+    a = scales.abs()
+    ok = bool(((a == 0) | ((a >= _FP16_MIN_NORMAL) & (a <= _FP16_MAX))).all())
+    if zeros is not None:
+        ok = ok and bool((zeros.abs() <= _FP16_MAX).all())
+    return torch.float16 if ok else torch.float32
+
+
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 per group of 32 (as GGUF Q8_0): scale = absmax / 127."""
+    """Symmetric int8 per group of 32 (as GGUF Q8_0): scale = absmax / 127, stored in fp16
+    (`_scale_dtype`), the codes rounded against the stored scale."""
     g = _groups(w)
     scales = g.abs().amax(-1) / 127.0
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    scales = scales.to(_scale_dtype(scales))
+    s32 = scales.float()
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
     q = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8)
     return QuantizedWeight(8, q.view(w.shape[0], -1), scales.contiguous(), None)
 
 
 def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
-    """Asymmetric 4-bit per group of 32 (as GGUF Q4_1): w ~ q * (max - min) / 15 + min."""
+    """Asymmetric 4-bit per group of 32 (as GGUF Q4_1): w ~ q * (max - min) / 15 + min, the
+    scale and min stored in fp16 (`_scale_dtype`), the codes rounded against the stored ones."""
     g = _groups(w)
     lo, hi = g.amin(-1), g.amax(-1)
-    scales = (hi - lo) / 15.0
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    q = torch.round((g - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
-    return QuantizedWeight(4, pack_int4(q), scales.contiguous(), lo.contiguous())
+    dtype = _scale_dtype((hi - lo) / 15.0, lo)
+    zeros = lo.to(dtype)
+    scales = ((hi - zeros.float()) / 15.0).to(dtype)
+    s32, z32 = scales.float(), zeros.float()
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    q = torch.round((g - z32[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(4, pack_int4(q), scales.contiguous(), zeros.contiguous())
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

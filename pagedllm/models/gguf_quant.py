@@ -8,6 +8,9 @@ asymmetric ones), which is exactly `QuantizedWeight`'s form:
 - Q4_K: super-blocks of 256 = 8 groups of 32 with 6-bit sc, m per group and fp16 d, dmin:
                                            w = d sc q - dmin m     -> int4, scale d sc, zero -dmin m
 (d sc and dmin m are exact in float32: an 11-bit mantissa times a 6-bit integer.)
+Q8_0's and Q4_1's fp16 d and m stay fp16, and so does Q4_0's -8 d wherever it is exact in fp16
+(it is unless d is past 8,188): the kernels widen them in registers, and a 4-bit group stays
+20 bytes as in the file. Q4_K's products need float32.
 """
 
 from __future__ import annotations
@@ -27,17 +30,21 @@ def gguf_quantized_weight(data: np.ndarray, type_name: str, shape: tuple[int, in
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
     if type_name == "Q8_0":
         blocks = raw.reshape(n, k // 32, 34)
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0]
         q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
         return QuantizedWeight(8, torch.from_numpy(q), torch.from_numpy(d), None)
     if type_name in ("Q4_0", "Q4_1"):
         width = 18 if type_name == "Q4_0" else 20
         blocks = raw.reshape(n, k // 32, width)
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if type_name == "Q4_0":
-            zero = -8.0 * d
+        d = blocks[..., :2].copy().view(np.float16)[..., 0]
+        if type_name == "Q4_1":
+            zero = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         else:
-            zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            zero32 = -8.0 * d.astype(np.float32)
+            with np.errstate(over="ignore"):
+                zero = zero32.astype(np.float16)
+            if not np.array_equal(zero.astype(np.float32), zero32):
+                d, zero = d.astype(np.float32), zero32
         qs = blocks[..., width - 16 :].reshape(n, -1)  # already in the kernel's nibble order
         return QuantizedWeight(
             4, torch.from_numpy(qs.copy()), torch.from_numpy(d), torch.from_numpy(zero)

@@ -19,6 +19,7 @@ from pagedllm.kernels import (
     quantized_linear,
 )
 from pagedllm.kernels.quantization import _dequantize_gemm
+from tests.utils import with_float32_scales
 
 pytestmark = pytest.mark.skipif(
     kernels.cpu_isa() != "avx2" or quant_linear_ops() is None, reason="the int8-activation kernel is AVX2 code"
@@ -67,14 +68,18 @@ def test_quantize_activations_int8_rounds_as_stated() -> None:
     torch.testing.assert_close(xs, g.sum(-1), atol=1e-4, rtol=1e-6)
 
 
+@pytest.mark.parametrize("scales", ["float16", "float32"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_float64_of_the_same_quantized_math(bits: int, shape: tuple[int, int, int]) -> None:
+def test_kernel_matches_float64_of_the_same_quantized_math(bits: int, shape: tuple[int, int, int], scales: str) -> None:
     # y = sum_g s dx <q, xq> (+ z * sum(x) for 4-bit): the integer sums are exact, so the
     # kernel differs from float64 only by float32 rounding of the scaled sums.
     m, n, k = shape
     gen = torch.Generator().manual_seed(m * 1000 + n + bits)
     w, x = _weight(bits, n, k, gen), _activations(m, k, gen)
+    if scales == "float32":
+        w = with_float32_scales(w)
+    assert w.scales.dtype == getattr(torch, scales)
     xq, dx, xs = quantize_activations_int8(x)
     dots = torch.einsum("mgi,ngi->mng", xq.double().view(m, -1, GROUP_SIZE), _weight_levels(w))
     terms = dots * dx.double()[:, None, :] * w.scales.double()[None]  # [M, N, G]

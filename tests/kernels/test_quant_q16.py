@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.kernels import INT16_MAX_ROWS, QuantizedWeight, build, isa, quant_linear_ops, quantize, quantized_linear
+from tests.utils import with_float32_scales
 
 pytestmark = pytest.mark.skipif(
     kernels.cpu_isa() != "avx2" or quant_linear_ops() is None, reason="the int16-activation kernels are AVX2 code"
@@ -38,7 +39,8 @@ def _weight(bits: int, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
 def _reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, bound): y in float64 from the kernel's int16 activations (round-half-even of
     x * (32767 / group absmax), all in float32 as the kernel computes them) and exact integer
-    group sums; bound: a float32-rounding allowance per output (1e-5 of sum |terms|)."""
+    group sums; bound: a float32-rounding allowance per output (1e-5 of the sum of every
+    product's magnitude)."""
     m, k = x.shape
     n = w.shape[0]
     xg = x.view(m, -1, 32)  # [M, G, 32]
@@ -54,18 +56,25 @@ def _reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch
     dots = torch.einsum("mgi,ngi->mng", xq, q).double()  # exact integer group sums [M, N, G]
     scale = (w.scales[None, :, :] * xs[:, None, :]).double()  # float32 products, as the kernel
     terms = dots * scale
+    size = terms.abs()  # each product's own magnitude (a group's two terms may cancel)
     if w.zeros is not None:
-        terms = terms + w.zeros.double()[None] * xg.double().sum(-1)[:, None, :]
-    return terms.sum(-1), 1e-5 * terms.abs().sum(-1) + 1e-7
+        zero_terms = w.zeros.double()[None] * xg.double().sum(-1)[:, None, :]
+        terms = terms + zero_terms
+        size = size + zero_terms.abs()
+    return terms.sum(-1), 1e-5 * size.sum(-1) + 1e-7
 
 
+@pytest.mark.parametrize("scales", ["float16", "float32"])
 @pytest.mark.parametrize("variant", _variants())
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_q16_kernel_matches_integer_reference(variant: str, bits: int, shape: tuple[int, int, int]) -> None:
+def test_q16_kernel_matches_integer_reference(variant: str, bits: int, shape: tuple[int, int, int], scales: str) -> None:
     m, n, k = shape
     gen = torch.Generator().manual_seed(m * 1000 + k + bits)
     w = _weight(bits, n, k, gen)
+    if scales == "float32":
+        w = with_float32_scales(w)
+    assert w.scales.dtype == getattr(torch, scales)
     x = torch.randn(m, k, generator=gen)
     x[0, :32] = 0.0  # an all-zero group: scale 0, no division by zero
     ops = quant_linear_ops()

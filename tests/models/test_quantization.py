@@ -25,7 +25,7 @@ from pagedllm.models.loader import load_model
 from tests.models.test_llama import PROMPT
 from tests.models.test_loader import cache_dir, tiny_hf, write_gguf  # noqa: F401  (fixtures)
 from tests.models.utils import bind_kv_caches, prompt_logprobs
-from tests.utils import assert_greedy_match
+from tests.utils import assert_greedy_match, with_float32_scales
 
 
 def _weight(bits: int, n: int = 83, k: int = 96, seed: int = 0) -> QuantizedWeight:
@@ -33,14 +33,19 @@ def _weight(bits: int, n: int = 83, k: int = 96, seed: int = 0) -> QuantizedWeig
     return (quantize_int8 if bits == 8 else quantize_int4)(torch.randn(n, k, generator=gen))
 
 
+@pytest.mark.parametrize("scales", ["float16", "float32"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "num_rows", [1, 3, 4, 5, 9, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, 40, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1]
 )
-def test_quantized_linear_matches_dequantized_matmul(bits: int, num_rows: int) -> None:
+def test_quantized_linear_matches_dequantized_matmul(bits: int, num_rows: int, scales: str) -> None:
     # Every kernel (int16 activations, 8-row tiles, dequantized panels, then dequantize + GEMM)
-    # and the tails of their tiles (83 weight rows: a last panel of 3, an odd row).
+    # and the tails of their tiles (83 weight rows: a last panel of 3, an odd row), with the
+    # scales float16 (as quantize and GGUF Q4_1 / Q8_0 store them) and float32 (Q4_K).
     weight = _weight(bits)
+    if scales == "float32":
+        weight = with_float32_scales(weight)
+    assert weight.scales.dtype == getattr(torch, scales)
     n = weight.shape[0]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(num_rows, 96, generator=gen)
@@ -79,6 +84,23 @@ def test_gguf_blocks_decode_like_gguf(type_name: str) -> None:
     raw = quantize(w, qtype)
     qw = gguf_quantized_weight(raw, type_name, (24, 128))
     np.testing.assert_allclose(qw.dequantize().numpy(), dequantize(raw, qtype), atol=1e-5, rtol=1e-6)
+    # The file's fp16 d (and m; Q4_0's -8 d, exact) stay fp16: the file's bytes a group, plus
+    # Q4_0's zero (2 bytes a group: the 4-bit kernels are Q4_1's).
+    assert qw.scales.dtype == torch.float16
+    assert qw.nbytes == raw.nbytes + (2 * qw.scales.numel() if type_name == "Q4_0" else 0)
+
+
+def test_gguf_q4_0_past_fp16s_range_keeps_float32() -> None:
+    # -8 d overflows fp16 for d > 8188: the zeros (and scales) are then float32, still exact.
+    import gguf
+    from gguf.quants import dequantize
+
+    raw = np.zeros((2, 18), dtype=np.uint8)
+    raw[:, 0:2] = np.array([[10000.0], [0.5]], dtype=np.float16).view(np.uint8)
+    raw[:, 2:] = np.arange(16, dtype=np.uint8)
+    qw = gguf_quantized_weight(raw, "Q4_0", (2, 32))
+    assert qw.scales.dtype == torch.float32
+    np.testing.assert_array_equal(qw.dequantize().numpy(), dequantize(raw, gguf.GGMLQuantizationType.Q4_0))
 
 
 def test_q4_k_blocks_decode_like_gguf() -> None:
@@ -92,6 +114,7 @@ def test_q4_k_blocks_decode_like_gguf() -> None:
     raw[..., 0:4] = rng.uniform(0.001, 0.05, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(n, -1)
     qw = gguf_quantized_weight(raw, "Q4_K", (n, k))
+    assert qw.scales.dtype == torch.float32  # d * sc needs float32's mantissa
     want = dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
     np.testing.assert_allclose(qw.dequantize().numpy(), want, atol=1e-5, rtol=1e-5)
 
@@ -244,3 +267,22 @@ def test_quantization_cli_flag() -> None:
 
 # The default model's resident weights against its file size: test_smollm2.py, on that
 # module's own load (no other load of the default model for it).
+
+
+def test_scales_are_fp16_where_exact_and_float32_elsewhere() -> None:
+    # quantize_int4 / quantize_int8 store fp16 scales and mins (Q4_1's and Q8_0's 20 and 34
+    # bytes a group) and round the codes against them; weights so small that a scale would
+    # be subnormal in fp16, or so large that it overflows, keep float32.
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    for qw in (quantize_int8(w), quantize_int4(w)):
+        assert qw.scales.dtype == torch.float16
+        assert qw.zeros is None or qw.zeros.dtype == torch.float16
+        assert qw.nbytes == qw.qweight.nbytes + 2 * qw.scales.numel() * (1 if qw.zeros is None else 2)
+    assert quantize_int4(w).nbytes == 8 * 64 // 32 * 20  # Q4_1's block size
+    for extreme in (w * 1e-5, w * 1e8):
+        for qw in (quantize_int8(extreme), quantize_int4(extreme)):
+            assert qw.scales.dtype == torch.float32
+            step = qw.scales.repeat_interleave(32, dim=1)
+            assert bool(((qw.dequantize() - extreme).abs() <= step / 2 * (1 + 1e-5)).all())
+    with pytest.raises(ValueError, match="scales' dtype"):
+        QuantizedWeight(4, quantize_int4(w).qweight, quantize_int4(w).scales, quantize_int4(w).zeros.float())

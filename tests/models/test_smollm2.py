@@ -97,13 +97,14 @@ def test_matches_hf_on_the_same_gguf(first_load: tuple[LoadedModel, float], hf_d
 @pytest.mark.slow
 def test_weights_stay_near_the_file_size(first_load: tuple[LoadedModel, float]) -> None:
     # The default for the Q4_1 file: its own 4-bit blocks (plus the Q8_0 embedding, which is
-    # also the tied LM head), with scales and mins widened to float32: 108 MiB for 94 MiB.
+    # also the tied LM head), scales and mins fp16 as in the file: 94.1 MiB for 93.8 MiB
+    # (108 MiB when they were widened to float32).
     import os
 
     loaded = first_load[0]
     assert loaded.quantization == "gguf"
     file_size = os.path.getsize(loaded.gguf_path)
-    assert file_size < loaded.weight_bytes < 1.2 * file_size
+    assert file_size < loaded.weight_bytes < 1.02 * file_size
     params = dict(loaded.model.named_parameters())
     assert sum(p.numel() for n, p in params.items() if n.endswith("proj.weight")) == 0  # no float copy
 

@@ -29,6 +29,7 @@
 #include "lora_delta.h"
 #include "paged_attention.h"
 #include "quant_linear.h"
+#include "quant_scales.h"
 
 namespace pagedllm {
 namespace {
@@ -76,12 +77,10 @@ struct DecodeLinear {
       TORCH_CHECK(weight.scalar_type() == torch::kFloat32, "a float weight must be float32");
       K = weight.size(1);
     } else {
-      TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N,
-                  "scales must be float32 [N, K / 32]");
+      TORCH_CHECK(scales.dim() == 2, "scales must be [N, K / 32]");
       K = scales.size(1) * kGroup;
+      check_scales(scales, zeros, bits == 4, N, K / kGroup);
       TORCH_CHECK(weight.size(1) == (bits == 4 ? K / 2 : K), "quantized weight shape does not match its scales");
-      TORCH_CHECK(bits == 8 || (zeros.sizes() == scales.sizes() && zeros.scalar_type() == torch::kFloat32 &&
-                                zeros.is_contiguous()), "4-bit zeros must be float32 [N, K / 32]");
     }
     TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat32 &&
                                       bias.is_contiguous()), "bias must be float32 [N] or empty");
@@ -118,12 +117,15 @@ struct DecodeLinear {
           [&](int64_t m, int64_t n, float v) { y[m * n_ + n] = v; });
     } else {
       const uint8_t* qp = reinterpret_cast<const uint8_t*>(weight.data_ptr());
-      const float* sp = scales.data_ptr<float>();
-      if (bits == 4) {
-        quant_matmul<true>(x, M, K, N, qp, sp, zeros.data_ptr<float>(), y, int16_max_rows, tile_max_rows);
-      } else {
-        quant_matmul<false>(x, M, K, N, qp, sp, nullptr, y, int16_max_rows, tile_max_rows);
-      }
+      with_scale_type(scales, [&](auto tag) {
+        using S = decltype(tag);
+        if (bits == 4) {
+          quant_matmul<true, S>(x, M, K, N, qp, scale_ptr<S>(scales), scale_ptr<S>(zeros), y, int16_max_rows,
+                                tile_max_rows);
+        } else {
+          quant_matmul<false, S>(x, M, K, N, qp, scale_ptr<S>(scales), nullptr, y, int16_max_rows, tile_max_rows);
+        }
+      });
     }
     if (bias.numel()) {
       const float* b = bias.data_ptr<float>();

@@ -3,6 +3,7 @@
 
 #include "quant_linear.h"
 #include "quant_q8.h"
+#include "quant_scales.h"
 
 using namespace pagedllm;
 
@@ -15,14 +16,8 @@ void check_quant_linear_args(const torch::Tensor& x, const torch::Tensor& qweigh
               "x must be a contiguous float32 [M, K] tensor");
   const int64_t K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  const int64_t groups = K / kGroup;
   TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (INT4 ? K / 2 : K), "qweight shape");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N &&
-                  scales.size(1) == groups, "scales must be float32 [N, K / 32]");
-  if (INT4) {
-    TORCH_CHECK(zeros.scalar_type() == torch::kFloat32 && zeros.is_contiguous() &&
-                    zeros.size(0) == N && zeros.size(1) == groups, "zeros must be float32 [N, K / 32]");
-  }
+  check_scales(scales, zeros, INT4, N, K / kGroup);
 }
 
 // x [M, K] float32 -> [M, N] through quant_matmul's choice of kernel by M (thresholds from
@@ -33,9 +28,12 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight,
   check_quant_linear_args<INT4>(x, qweight, scales, zeros);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   auto y = torch::empty({M, N}, x.options());
-  quant_matmul<INT4>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                     scales.data_ptr<float>(), INT4 ? zeros.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                     int16_max_rows, tile_max_rows);
+  with_scale_type(scales, [&](auto tag) {
+    using S = decltype(tag);
+    quant_matmul<INT4, S>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                          scale_ptr<S>(scales), INT4 ? scale_ptr<S>(zeros) : nullptr, y.data_ptr<float>(),
+                          int16_max_rows, tile_max_rows);
+  });
   return y;
 }
 
@@ -56,17 +54,20 @@ torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qwei
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
-  if (variant == "avx2") {
-    quant_matmul_q16_avx2<INT4>(xp, M, K, N, qp, sp, zp, y.data_ptr<float>());
+  with_scale_type(scales, [&](auto tag) {
+    using S = decltype(tag);
+    const S* sp = scale_ptr<S>(scales);
+    const S* zp = INT4 ? scale_ptr<S>(zeros) : nullptr;
+    if (variant == "avx2") {
+      quant_matmul_q16_avx2<INT4, S>(xp, M, K, N, qp, sp, zp, y.data_ptr<float>());
 #if PAGEDLLM_Q16_AVX512
-  } else if (variant == "avx512") {
-    quant_matmul_q16_avx512<INT4>(xp, M, K, N, qp, sp, zp, y.data_ptr<float>());
+    } else if (variant == "avx512") {
+      quant_matmul_q16_avx512<INT4, S>(xp, M, K, N, qp, sp, zp, y.data_ptr<float>());
 #endif
-  } else {
-    TORCH_CHECK(false, "no int16-activation kernel ", variant, " in this build");
-  }
+    } else {
+      TORCH_CHECK(false, "no int16-activation kernel ", variant, " in this build");
+    }
+  });
   return y;
 }
 
@@ -77,12 +78,16 @@ void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: contiguous float32");
   const int64_t R = out.size(0), K = out.size(1);
   TORCH_CHECK(row0 >= 0 && row0 + R <= qweight.size(0), "rows out of range");
+  check_scales(scales, zeros, INT4, qweight.size(0), K / kGroup);
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = INT4 ? zeros.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  with_scale_type(scales, [&](auto tag) {
+    using S = decltype(tag);
+    const S* sp = scale_ptr<S>(scales);
+    const S* zp = INT4 ? scale_ptr<S>(zeros) : nullptr;
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < R; ++r) dequant_rows<INT4>(qp, sp, zp, K, row0 + r, 1, op + r * K);
+    for (int64_t r = 0; r < R; ++r) dequant_rows<INT4, S>(qp, sp, zp, K, row0 + r, 1, op + r * K);
+  });
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z, int64_t int16_max_rows,
@@ -115,8 +120,11 @@ torch::Tensor quant_linear_q8(const torch::Tensor& x, const torch::Tensor& qweig
   check_quant_linear_args<INT4>(x, qweight, scales, zeros);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   auto y = torch::empty({M, N}, x.options());
-  quant_matmul_q8<INT4>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                        scales.data_ptr<float>(), INT4 ? zeros.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  with_scale_type(scales, [&](auto tag) {
+    using S = decltype(tag);
+    quant_matmul_q8<INT4, S>(x.data_ptr<float>(), M, K, N, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                             scale_ptr<S>(scales), INT4 ? scale_ptr<S>(zeros) : nullptr, y.data_ptr<float>());
+  });
   return y;
 }
 

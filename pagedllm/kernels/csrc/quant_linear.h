@@ -8,8 +8,11 @@
 // Layouts (N output rows, K input columns, G = K / 32 groups per row):
 //   int4: qweight uint8 [N, K / 2]; group g of row n is bytes [16 g, 16 g + 16): byte i holds
 //         element i in its low nibble and element i + 16 in its high nibble (GGUF Q4_0/Q4_1's
-//         own order). w = q * scale + zero, q in [0, 15]; scale, zero float32 [N, G].
-//   int8: qweight int8 [N, K]; w = q * scale; scale float32 [N, G].
+//         own order). w = q * scale + zero, q in [0, 15]; scale, zero [N, G].
+//   int8: qweight int8 [N, K]; w = q * scale; scale [N, G].
+// Scales and zeros are float32 or fp16 (S = float or uint16_t, the fp16 bits; both of one
+// weight the same): GGUF Q8_0, Q4_0 and Q4_1 store fp16, which keeps a 4-bit group at 20
+// bytes (0.625 a weight, 0.75 with float32) and is what single-stream decode reads.
 // Three kernels, by the number of activation rows M (quant_matmul picks, with the thresholds
 // of quantization.py, for the module path and the fused decode alike):
 //   quant_matmul_q16  (M <= 2): activations rounded to int16, integer dot products per group
@@ -40,6 +43,15 @@ namespace pagedllm {
 constexpr int kGroup = 32;
 constexpr int kRowTile = 8;
 
+// A group scale or zero as float32 (fp16 widens exactly: F16C's vcvtph2ps).
+inline float scale_at(const float* s, int64_t i) { return s[i]; }
+inline float scale_at(const uint16_t* s, int64_t i) { return _cvtsh_ss(s[i]); }
+// Eight consecutive ones.
+inline __m256 load8_scales(const float* s) { return _mm256_loadu_ps(s); }
+inline __m256 load8_scales(const uint16_t* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+}
+
 // The 32 weights of one int4 group as float32, in element order.
 inline void dequant_int4(const uint8_t* q, float scale, float zero, __m256 w[4]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -63,17 +75,17 @@ inline void dequant_int8(const int8_t* q, float scale, __m256 w[4]) {
 }
 
 // y[m, n] for rows m0 .. m0 + MT of x and one weight row n.
-template <int MT, bool INT4>
-inline void row_dot(const float* x, int64_t ldx, const uint8_t* qrow, const float* srow,
-                    const float* zrow, int64_t groups, float* y, int64_t ldy) {
+template <int MT, bool INT4, typename S>
+inline void row_dot(const float* x, int64_t ldx, const uint8_t* qrow, const S* srow,
+                    const S* zrow, int64_t groups, float* y, int64_t ldy) {
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   __m256 w[4];
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (INT4) {
-      dequant_int4(qrow + g * (kGroup / 2), srow[g], zrow[g], w);
+      dequant_int4(qrow + g * (kGroup / 2), scale_at(srow, g), scale_at(zrow, g), w);
     } else {
-      dequant_int8(reinterpret_cast<const int8_t*>(qrow) + g * kGroup, srow[g], w);
+      dequant_int8(reinterpret_cast<const int8_t*>(qrow) + g * kGroup, scale_at(srow, g), w);
     }
     for (int m = 0; m < MT; ++m) {
       const float* xg = x + m * ldx + g * kGroup;
@@ -116,9 +128,9 @@ inline void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* 
 
 // y[m, n] for rows m0 .. m0 + MT of the int16 activations and one weight row n: per group,
 // integer dot products (madd_epi16: int16 x int16 pairs summed into int32), then scaled.
-template <int MT, bool INT4>
+template <int MT, bool INT4, typename S>
 inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, int64_t K,
-                        const uint8_t* qrow, const float* srow, const float* zrow, int64_t groups,
+                        const uint8_t* qrow, const S* srow, const S* zrow, int64_t groups,
                         float* y, int64_t ldy) {
   // Two accumulators per row (even and odd groups): two multiply-add chains in flight
   // (measured 0.272 -> 0.259 ms per layer's four projections at M = 1, one thread: ~5%).
@@ -136,7 +148,7 @@ inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, i
       w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
       w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
     }
-    const float sw = srow[g];
+    const float sw = scale_at(srow, g);
     for (int m = 0; m < MT; ++m) {
       const int16_t* xg = xq + m * K + g * kGroup;
       const __m256i p = _mm256_add_epi32(
@@ -158,9 +170,9 @@ inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, i
       const float* xsm = xsum + m * groups;
       int64_t g = 0;
       for (; g + 8 <= groups; g += 8)
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(zrow + g), _mm256_loadu_ps(xsm + g), acc[m]);
+        acc[m] = _mm256_fmadd_ps(load8_scales(zrow + g), _mm256_loadu_ps(xsm + g), acc[m]);
       float tail = 0.f;
-      for (; g < groups; ++g) tail += zrow[g] * xsm[g];
+      for (; g < groups; ++g) tail += scale_at(zrow, g) * xsm[g];
       y[m * ldy] = hsum(acc[m]) + tail;
     }
   } else {
@@ -177,41 +189,41 @@ inline void row_dot_q16(const int16_t* xq, const float* xs, const float* xsum, i
 // another process holds up the step at the region's barrier while the other spins; guided
 // hands out shrinking chunks (down to kMinChunkRows weight rows), so the thread that runs
 // takes the rest, at a few chunk hand-outs per call on a quiet machine.
-template <bool INT4, typename Tile>
-void tiled_rows(int64_t M, int64_t N, int64_t K, const uint8_t* qp, const float* sp, const float* zp, float* yp,
+template <bool INT4, typename S, typename Tile>
+void tiled_rows(int64_t M, int64_t N, int64_t K, const uint8_t* qp, const S* sp, const S* zp, float* yp,
                 Tile tile) {
   const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K;
 #pragma omp parallel for schedule(guided, kMinChunkRows)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* qrow = qp + n * qstride;
-    const float* srow = sp + n * groups;
-    const float* zrow = INT4 ? zp + n * groups : nullptr;
+    const S* srow = sp + n * groups;
+    const S* zrow = INT4 ? zp + n * groups : nullptr;
     for_row_tiles<kRowTile>(M, [&](auto mt, int64_t m) { tile(mt, m, qrow, srow, zrow, yp + m * N + n); });
   }
 }
 
 // float32 activations x [M, K]: each weight group dequantized in registers; y [M, N].
-template <bool INT4>
-void quant_matmul_f32(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                      const float* zp, float* y) {
+template <bool INT4, typename S>
+void quant_matmul_f32(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const S* sp,
+                      const S* zp, float* y) {
   const int64_t groups = K / kGroup;
-  tiled_rows<INT4>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const float* srow,
-                                                const float* zrow, float* yp) {
-    row_dot<decltype(mt)::value, INT4>(x + m * K, K, qrow, srow, zrow, groups, yp, N);
+  tiled_rows<INT4, S>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const S* srow,
+                                                const S* zrow, float* yp) {
+    row_dot<decltype(mt)::value, INT4, S>(x + m * K, K, qrow, srow, zrow, groups, yp, N);
   });
 }
 
 // int16 activations (quantize_activations): integer dot products per group; y [M, N].
-template <bool INT4>
-void quant_matmul_q16_avx2(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                           const float* zp, float* y) {
+template <bool INT4, typename S>
+void quant_matmul_q16_avx2(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const S* sp,
+                           const S* zp, float* y) {
   const int64_t groups = K / kGroup;
   std::vector<int16_t> xq(M * K);
   std::vector<float> xs(M * groups), xsum(M * groups);
   quantize_activations(x, M, K, xq.data(), xs.data(), xsum.data());
-  tiled_rows<INT4>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const float* srow,
-                                                const float* zrow, float* yp) {
-    row_dot_q16<decltype(mt)::value, INT4>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K,
+  tiled_rows<INT4, S>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const S* srow,
+                                                const S* zrow, float* yp) {
+    row_dot_q16<decltype(mt)::value, INT4, S>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K,
                                            qrow, srow, zrow, groups, yp, N);
   });
 }
@@ -223,24 +235,24 @@ void quant_matmul_q16_avx2(const float* x, int64_t M, int64_t K, int64_t N, cons
 // 1.6-2.1x over the AVX2 kernel; 1 and 3-6 quads ahead slower than 2).
 constexpr int64_t kQ16PrefetchQuads = 2;
 
-template <bool INT4>
-inline void prefetch_rows_q16(const uint8_t* qp, const float* sp, const float* zp, int64_t qstride, int64_t groups,
+template <bool INT4, typename S>
+inline void prefetch_rows_q16(const uint8_t* qp, const S* sp, const S* zp, int64_t qstride, int64_t groups,
                               int64_t n, int64_t rows) {
   const char* q = reinterpret_cast<const char*>(qp + n * qstride);
   for (int64_t o = 0; o < rows * qstride; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
   const char* s = reinterpret_cast<const char*>(sp + n * groups);
-  for (int64_t o = 0; o < rows * groups * 4; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < rows * groups * static_cast<int64_t>(sizeof(S)); o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
   if constexpr (INT4) {
     const char* z = reinterpret_cast<const char*>(zp + n * groups);
-    for (int64_t o = 0; o < rows * groups * 4; o += 64) _mm_prefetch(z + o, _MM_HINT_T0);
+    for (int64_t o = 0; o < rows * groups * static_cast<int64_t>(sizeof(S)); o += 64) _mm_prefetch(z + o, _MM_HINT_T0);
   }
 }
 
 // The same with quant_q16_avx512.h's dot products (vpdpwssd on the weights as stored): four
 // weight rows per task item, activation rows in tiles of up to 2 (its 2 x 4 accumulators).
-template <bool INT4>
-void quant_matmul_q16_avx512(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                             const float* zp, float* y) {
+template <bool INT4, typename S>
+void quant_matmul_q16_avx512(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const S* sp,
+                             const S* zp, float* y) {
   const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K, width = q16_permuted_width<INT4>(groups);
   const int64_t sstride = width / kQ16BlockWords<INT4> * 16;
   // The caller's buffers, kept from call to call (a decode step makes ~120 of these calls).
@@ -260,11 +272,11 @@ void quant_matmul_q16_avx512(const float* x, int64_t M, int64_t K, int64_t N, co
 #pragma omp parallel for schedule(guided, kMinChunkRows / 4)
   for (int64_t i = 0; i < quads; ++i) {
     if (const int64_t ahead = 4 * (i + kQ16PrefetchQuads); ahead < N)
-      prefetch_rows_q16<INT4>(qp, sp, zp, qstride, groups, ahead, std::min<int64_t>(4, N - ahead));
+      prefetch_rows_q16<INT4, S>(qp, sp, zp, qstride, groups, ahead, std::min<int64_t>(4, N - ahead));
     for_row_tiles<2>(M, [&](auto mt, int64_t m) {
       constexpr int MT = decltype(mt)::value;
       auto rows = [&](auto nt, int64_t n) {
-        rows_dot_q16_avx512<MT, decltype(nt)::value, INT4>(
+        rows_dot_q16_avx512<MT, decltype(nt)::value, INT4, S>(
             xpp + m * width, width, xsep + m * sstride, sstride, xsump + m * groups,
             qp + n * qstride, qstride, sp + n * groups, INT4 ? zp + n * groups : nullptr, groups, y + m * N + n, N);
       };
@@ -279,19 +291,19 @@ void quant_matmul_q16_avx512(const float* x, int64_t M, int64_t K, int64_t N, co
 #endif
 
 // The int16-activation kernel this build runs: AVX-512 VNNI where the compiler targets it.
-template <bool INT4>
-void quant_matmul_q16(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                      const float* zp, float* y) {
+template <bool INT4, typename S>
+void quant_matmul_q16(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const S* sp,
+                      const S* zp, float* y) {
 #if PAGEDLLM_Q16_AVX512
-  quant_matmul_q16_avx512<INT4>(x, M, K, N, qp, sp, zp, y);
+  quant_matmul_q16_avx512<INT4, S>(x, M, K, N, qp, sp, zp, y);
 #else
-  quant_matmul_q16_avx2<INT4>(x, M, K, N, qp, sp, zp, y);
+  quant_matmul_q16_avx2<INT4, S>(x, M, K, N, qp, sp, zp, y);
 #endif
 }
 
 // Rows [n0, n0 + R) of the dequantized weight, float32, into out [R, K].
-template <bool INT4>
-inline void dequant_rows(const uint8_t* qp, const float* sp, const float* zp, int64_t K, int64_t n0, int64_t R,
+template <bool INT4, typename S>
+inline void dequant_rows(const uint8_t* qp, const S* sp, const S* zp, int64_t K, int64_t n0, int64_t R,
                          float* out) {
   const int64_t groups = K / kGroup, qstride = INT4 ? K / 2 : K;
   __m256 w[4];
@@ -299,9 +311,9 @@ inline void dequant_rows(const uint8_t* qp, const float* sp, const float* zp, in
     const int64_t n = n0 + r;
     for (int64_t g = 0; g < groups; ++g) {
       if constexpr (INT4) {
-        dequant_int4(qp + n * qstride + g * (kGroup / 2), sp[n * groups + g], zp[n * groups + g], w);
+        dequant_int4(qp + n * qstride + g * (kGroup / 2), scale_at(sp, n * groups + g), scale_at(zp, n * groups + g), w);
       } else {
-        dequant_int8(reinterpret_cast<const int8_t*>(qp) + n * qstride + g * kGroup, sp[n * groups + g], w);
+        dequant_int8(reinterpret_cast<const int8_t*>(qp) + n * qstride + g * kGroup, scale_at(sp, n * groups + g), w);
       }
       for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + r * K + g * kGroup + 8 * j, w[j]);
     }
@@ -309,28 +321,28 @@ inline void dequant_rows(const uint8_t* qp, const float* sp, const float* zp, in
 }
 
 // float32 activations x [M, K], a panel of 8 weight rows dequantized at a time; y [M, N].
-template <bool INT4>
-void quant_matmul_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                        const float* zp, float* y) {
+template <bool INT4, typename S>
+void quant_matmul_panel(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const S* sp,
+                        const S* zp, float* y) {
   panel_matmul(
       x, M, K, N,
       [&](int64_t n0, int64_t R, float* buf) {
-        dequant_rows<INT4>(qp, sp, zp, K, n0, R, buf);
+        dequant_rows<INT4, S>(qp, sp, zp, K, n0, R, buf);
         return static_cast<const float*>(buf);
       },
       [&](int64_t m, int64_t n, float v) { y[m * N + n] = v; });
 }
 
 // The kernel for M rows (M <= quantization.PANEL_MAX_ROWS; more rows dequantize and GEMM).
-template <bool INT4>
-void quant_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                  const float* zp, float* y, int64_t int16_max_rows, int64_t tile_max_rows) {
+template <bool INT4, typename S>
+void quant_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const S* sp,
+                  const S* zp, float* y, int64_t int16_max_rows, int64_t tile_max_rows) {
   if (M <= int16_max_rows) {
-    quant_matmul_q16<INT4>(x, M, K, N, qp, sp, zp, y);
+    quant_matmul_q16<INT4, S>(x, M, K, N, qp, sp, zp, y);
   } else if (M <= tile_max_rows) {
-    quant_matmul_f32<INT4>(x, M, K, N, qp, sp, zp, y);
+    quant_matmul_f32<INT4, S>(x, M, K, N, qp, sp, zp, y);
   } else {
-    quant_matmul_panel<INT4>(x, M, K, N, qp, sp, zp, y);
+    quant_matmul_panel<INT4, S>(x, M, K, N, qp, sp, zp, y);
   }
 }
 

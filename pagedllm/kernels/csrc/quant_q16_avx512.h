@@ -81,6 +81,14 @@ inline void permute_activations_avx512(const int16_t* xq, const float* xs, int64
   }
 }
 
+// Group scales or zeros (float32, or fp16 bits: quant_linear.h's S), the first lanes of k.
+inline __m128 load4_scales(const float* s, __mmask8 k) { return _mm_maskz_loadu_ps(k, s); }
+inline __m128 load4_scales(const uint16_t* s, __mmask8 k) { return _mm_cvtph_ps(_mm_maskz_loadu_epi16(k, s)); }
+inline __m512 load16_scales(const float* s, __mmask16 k) { return _mm512_maskz_loadu_ps(k, s); }
+inline __m512 load16_scales(const uint16_t* s, __mmask16 k) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s));
+}
+
 // The sums of four vectors' lanes, as one vector [sum a0, sum a1, sum a2, sum a3].
 inline __m128 reduce4_avx512(const __m512 a[4]) {
   __m256 h[4];
@@ -91,13 +99,13 @@ inline __m128 reduce4_avx512(const __m512 a[4]) {
 
 // y[m, n0 + r] for rows m < MT of the permuted activations (xp, xse; row strides width and
 // sstride; xsum [MT, groups] for 4-bit's zeros) and NT consecutive weight rows from n0 (qrow,
-// srow, zrow: row n0's codes, scales and zeros; qstride bytes and `groups` floats per row).
+// srow, zrow: row n0's codes, scales and zeros; qstride bytes and `groups` scales per row).
 // Four weight rows at a time share each activation load, and their sums reduce together
 // (measured at one thread, 576 x 576 in L2: 25.8 -> 20 ns per row; 256 x 1536: 57 -> 43).
-template <int MT, int NT, bool INT4>
+template <int MT, int NT, bool INT4, typename S>
 inline void rows_dot_q16_avx512(const int16_t* xp, int64_t width, const float* xse, int64_t sstride,
-                                const float* xsum, const uint8_t* qrow, int64_t qstride, const float* srow,
-                                const float* zrow, int64_t groups, float* y, int64_t ldy) {
+                                const float* xsum, const uint8_t* qrow, int64_t qstride, const S* srow,
+                                const S* zrow, int64_t groups, float* y, int64_t ldy) {
   static_assert(NT == 1 || NT == 4, "one weight row or four");
   constexpr int BG = kQ16BlockGroups<INT4>, BW = kQ16BlockWords<INT4>;
   // Lane -> its group within the block, to spread the block's BG weight scales.
@@ -127,7 +135,7 @@ inline void rows_dot_q16_avx512(const int16_t* xp, int64_t width, const float* x
         w[1] = _mm512_srai_epi16(v, 8);                         // 2j + 1
       }
       const __m512 sw = _mm512_permutexvar_ps(
-          lane_group, _mm512_castps128_ps512(_mm_maskz_loadu_ps(lanes, srow + r * groups + BG * b)));
+          lane_group, _mm512_castps128_ps512(load4_scales(srow + r * groups + BG * b, lanes)));
       for (int m = 0; m < MT; ++m) {
         __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w[0], xv[m][0]);
         for (int i = 1; i < BW / 32; ++i) p = _mm512_dpwssd_epi32(p, w[i], xv[m][i]);
@@ -144,7 +152,7 @@ inline void rows_dot_q16_avx512(const int16_t* xp, int64_t width, const float* x
       __m512 xs[MT];
       for (int m = 0; m < MT; ++m) xs[m] = _mm512_maskz_loadu_ps(k, xsum + m * groups + g);
       for (int r = 0; r < NT; ++r) {
-        const __m512 z = _mm512_maskz_loadu_ps(k, zrow + r * groups + g);
+        const __m512 z = load16_scales(zrow + r * groups + g, k);
         for (int m = 0; m < MT; ++m) acc[m][r] = _mm512_fmadd_ps(z, xs[m], acc[m][r]);
       }
     }

@@ -279,9 +279,9 @@ inline void q8_tile(Q8Operand x, Q8Operand w, int64_t supers, int64_t groups, fl
 // y [M, N] = x [M, K] . dequant(W)^T with x rounded to int8 once per call; threads split the
 // weight rows in chunks (q8_chunk_rows), each chunk repacked once into a thread-local buffer and
 // then met by every activation row tile.
-template <bool INT4>
-void quant_matmul_q8(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const float* sp,
-                     const float* zp, float* y) {
+template <bool INT4, typename S>
+void quant_matmul_q8(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qp, const S* sp,
+                     const S* zp, float* y) {
   const int64_t groups = K / kQ8Group, supers = groups / kSuper;
   const int64_t qstride = INT4 ? K / 2 : K;
   std::vector<uint8_t> xq(M * K);
@@ -309,8 +309,10 @@ void quant_matmul_q8(const float* x, int64_t M, int64_t K, int64_t N, const uint
       for (int64_t r = 0; r < R; ++r) {
         const uint8_t* qrow = qp + (n0 + r) * qstride;
         for (int64_t g = 0; g < groups; ++g) store_group(load_weight_group<INT4>(qrow, g), &wbuf[r * K], g, supers);
-        std::copy(sp + (n0 + r) * groups, sp + (n0 + r + 1) * groups, &sbuf[r * groups]);
-        if (INT4) std::copy(zp + (n0 + r) * groups, zp + (n0 + r + 1) * groups, &zbuf[r * groups]);
+        for (int64_t g = 0; g < groups; ++g) {  // (widened from fp16 where stored so)
+          sbuf[r * groups + g] = scale_at(sp, (n0 + r) * groups + g);
+          if constexpr (INT4) zbuf[r * groups + g] = scale_at(zp, (n0 + r) * groups + g);
+        }
       }
       for_row_tiles<kQ8MT>(M, [&](auto mt, int64_t m) {
         constexpr int MT = decltype(mt)::value;
