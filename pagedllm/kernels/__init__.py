@@ -17,7 +17,7 @@ from pagedllm.kernels.build import (
     quant_linear_ops,
     use_layer_ops,
 )
-from pagedllm.kernels.elementwise import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from pagedllm.kernels.elementwise import add_rms_norm, argmax_rows, rms_norm, rotary_embedding, silu_and_mul
 from pagedllm.kernels.gemm import chunked_gemm
 from pagedllm.kernels.isa import ISAS, Isa, cpu_isa, detect_cpu_isa, set_cpu_isa
 from pagedllm.kernels.linear import clear_weight_caches, linear_op
@@ -53,6 +53,7 @@ __all__ = [
     "TILE_MAX_ROWS",
     "QuantizedWeight",
     "add_rms_norm",
+    "argmax_rows",
     "bf16_linear",
     "bf16_linear_ops",
     "chunked_gemm",

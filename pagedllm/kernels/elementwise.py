@@ -97,3 +97,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return layer_ops().silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[rows, V] -> int64 [rows], as x.argmax(dim=-1) (the first of equal maxima, NaN the
+    largest): compiled for CPU float32 rows (a batch-1 decode step's 49,152 logits in ~10 us
+    against torch's ~90), torch elsewhere."""
+    if x.dtype == torch.float32 and x.numel() and use_layer_ops(x):
+        return layer_ops().argmax_rows(x)
+    return x.argmax(dim=-1)
+

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kernels.elementwise import argmax_rows
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.penalties import PenaltyMetadata, apply_penalties
 
@@ -57,7 +58,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         # logits: [B, V] after restrictions and penalties -> token ids [B]
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if md.all_greedy:
             return greedy
         probs = target_probs(logits, md)

@@ -79,3 +79,21 @@ def test_silu_and_mul_matches_torch(ops, torch_only, dtype):
     want = torch_only(lambda: act(x))
     torch.testing.assert_close(ops.silu_and_mul(x), want, **TOL[dtype])  # the kernel at any size
     torch.testing.assert_close(act(x[:2]), want[:2], **TOL[dtype])  # the module's fused rows
+
+
+def test_argmax_rows_is_torchs_argmax() -> None:
+    # The compiled row argmax the sampler's greedy rows take: torch's answer on random rows
+    # (the vector body and a scalar tail: 49,157 columns), ties (the first), NaN (the first
+    # NaN), all -inf, a strided view, and bfloat16 (torch's own).
+    from pagedllm.kernels import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 49157, generator=gen)
+    x[1, 49156] = 100.0  # the maximum in the tail
+    x[2, 17] = x[2, 4000] = 50.0  # a tie
+    x[3, 9] = x[3, 70] = float("nan")
+    x[4] = -float("inf")
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [int(x[0].argmax()), 49156, 17, 9, 0]
+    view = x[:, :1000]
+    assert argmax_rows(view).tolist() == view.argmax(dim=-1).tolist()
+    assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))

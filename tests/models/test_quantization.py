@@ -16,6 +16,7 @@ from pagedllm.kernels import (
     PANEL_MAX_ROWS,
     TILE_MAX_ROWS,
     QuantizedWeight,
+    embedding_lookup,
     quantize_int4,
     quantize_int8,
     quantized_linear,
@@ -286,3 +287,19 @@ def test_scales_are_fp16_where_exact_and_float32_elsewhere() -> None:
             assert bool(((qw.dequantize() - extreme).abs() <= step / 2 * (1 + 1e-5)).all())
     with pytest.raises(ValueError, match="scales' dtype"):
         QuantizedWeight(4, quantize_int4(w).qweight, quantize_int4(w).scales, quantize_int4(w).zeros.float())
+
+
+@pytest.mark.parametrize("scales", ["float16", "float32"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_embedding_lookup_is_the_dequantized_rows(bits: int, scales: str) -> None:
+    # The compiled gather (one call a step) against the torch formulation, repeated ids and
+    # the table's first and last rows included; a prefill's many ids take the threads.
+    weight = _weight(bits, n=300, k=96)
+    if scales == "float32":
+        weight = with_float32_scales(weight)
+    for ids in (torch.tensor([7]), torch.tensor([299, 0, 7, 7]), torch.randint(0, 300, (100,))):
+        got = embedding_lookup(ids, weight, torch.float32)
+        assert torch.equal(got, weight.rows(ids).dequantize())
+        assert embedding_lookup(ids, weight, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="out of range"):
+        embedding_lookup(torch.tensor([300]), weight, torch.float32)

@@ -100,6 +100,20 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
+// logits [rows, V] float32 -> int64 [rows]: argmax_row of each row.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.size(1) > 0, "x must be float32 with at least one column");
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * ld, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -107,4 +121,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm: returns (normed, sum)");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding of q and k: returns (q, k)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [gate | up] rows");
+  m.def("argmax_rows", &argmax_rows, "each float32 row's argmax (torch.argmax's ties and NaN)");
 }

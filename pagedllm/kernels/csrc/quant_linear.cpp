@@ -90,6 +90,38 @@ void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
   });
 }
 
+// Rows `ids` of the dequantized weight, float32 [T, K]: the quantized embedding lookup.
+template <bool INT4>
+torch::Tensor gather_rows(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& zeros,
+                          const torch::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "ids must be int64 [T]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be contiguous [N, K / 2 or K]");
+  const int64_t N = qweight.size(0), K = INT4 ? 2 * qweight.size(1) : qweight.size(1), T = ids.size(0);
+  check_scales(scales, zeros, INT4, N, K / kGroup);
+  const auto idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "token id ", ip[t], " out of range [0, ", N, ")");
+  auto out = torch::empty({T, K}, scales.options().dtype(torch::kFloat32));
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  float* op = out.data_ptr<float>();
+  with_scale_type(scales, [&](auto tag) {
+    using S = decltype(tag);
+    const S* sp = scale_ptr<S>(scales);
+    const S* zp = INT4 ? scale_ptr<S>(zeros) : nullptr;
+    // A decode step looks up one row per request: threads only for a prefill's many.
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; ++t) dequant_rows<INT4, S>(qp, sp, zp, K, ip[t], 1, op + t * K);
+  });
+  return out;
+}
+
+torch::Tensor int4_gather_rows(torch::Tensor q, torch::Tensor s, torch::Tensor z, torch::Tensor ids) {
+  return gather_rows<true>(q, s, z, ids);
+}
+torch::Tensor int8_gather_rows(torch::Tensor q, torch::Tensor s, torch::Tensor ids) {
+  return gather_rows<false>(q, s, s, ids);
+}
+
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor z, int64_t int16_max_rows,
                           int64_t tile_max_rows) {
   return quant_linear<true>(x, q, s, z, int16_max_rows, tile_max_rows);
@@ -164,4 +196,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations_int8", &quantize_activations_int8, "x -> (int8 x, scales, exact sums) per group of 32");
   m.def("int4_dequantize_rows", &int4_dequantize_rows, "rows of the int4 weight as float32");
   m.def("int8_dequantize_rows", &int8_dequantize_rows, "rows of the int8 weight as float32");
+  m.def("int4_gather_rows", &int4_gather_rows, "rows ids of the int4 weight as float32 [T, K] (embedding lookup)");
+  m.def("int8_gather_rows", &int8_gather_rows, "rows ids of the int8 weight as float32 [T, K] (embedding lookup)");
 }
