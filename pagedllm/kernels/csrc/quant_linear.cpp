@@ -71,6 +71,21 @@ torch::Tensor quant_linear_q16(const torch::Tensor& x, const torch::Tensor& qwei
   return y;
 }
 
+// op [T, K] float32 <- weight row row_of(t) dequantized, for t < T; threads from
+// min_parallel rows up.
+template <bool INT4, typename RowOf>
+void dequantize_row_list(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& zeros,
+                         int64_t T, int64_t K, RowOf row_of, int64_t min_parallel, float* op) {
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  with_scale_type(scales, [&](auto tag) {
+    using S = decltype(tag);
+    const S* sp = scale_ptr<S>(scales);
+    const S* zp = INT4 ? scale_ptr<S>(zeros) : nullptr;
+#pragma omp parallel for schedule(static) if (T >= min_parallel)
+    for (int64_t t = 0; t < T; ++t) dequant_rows<INT4, S>(qp, sp, zp, K, row_of(t), 1, op + t * K);
+  });
+}
+
 // Rows [row0, row0 + out.size(0)) of the dequantized weight into `out` (float32 [R, K]).
 template <bool INT4>
 void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
@@ -79,15 +94,8 @@ void dequantize_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
   const int64_t R = out.size(0), K = out.size(1);
   TORCH_CHECK(row0 >= 0 && row0 + R <= qweight.size(0), "rows out of range");
   check_scales(scales, zeros, INT4, qweight.size(0), K / kGroup);
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  float* op = out.data_ptr<float>();
-  with_scale_type(scales, [&](auto tag) {
-    using S = decltype(tag);
-    const S* sp = scale_ptr<S>(scales);
-    const S* zp = INT4 ? scale_ptr<S>(zeros) : nullptr;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < R; ++r) dequant_rows<INT4, S>(qp, sp, zp, K, row0 + r, 1, op + r * K);
-  });
+  dequantize_row_list<INT4>(qweight, scales, zeros, R, K, [&](int64_t r) { return row0 + r; }, 1,
+                            out.data_ptr<float>());
 }
 
 // Rows `ids` of the dequantized weight, float32 [T, K]: the quantized embedding lookup.
@@ -102,16 +110,9 @@ torch::Tensor gather_rows(const torch::Tensor& qweight, const torch::Tensor& sca
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "token id ", ip[t], " out of range [0, ", N, ")");
   auto out = torch::empty({T, K}, scales.options().dtype(torch::kFloat32));
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  float* op = out.data_ptr<float>();
-  with_scale_type(scales, [&](auto tag) {
-    using S = decltype(tag);
-    const S* sp = scale_ptr<S>(scales);
-    const S* zp = INT4 ? scale_ptr<S>(zeros) : nullptr;
-    // A decode step looks up one row per request: threads only for a prefill's many.
-#pragma omp parallel for schedule(static) if (T >= 64)
-    for (int64_t t = 0; t < T; ++t) dequant_rows<INT4, S>(qp, sp, zp, K, ip[t], 1, op + t * K);
-  });
+  // A decode step looks up one row per request: threads only for a prefill's many.
+  dequantize_row_list<INT4>(qweight, scales, zeros, T, K, [&](int64_t t) { return ip[t]; }, 64,
+                            out.data_ptr<float>());
   return out;
 }
 
