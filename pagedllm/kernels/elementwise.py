@@ -106,4 +106,3 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32 and x.numel() and use_layer_ops(x):
         return layer_ops().argmax_rows(x)
     return x.argmax(dim=-1)
-

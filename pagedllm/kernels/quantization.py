@@ -3,9 +3,11 @@
 A `QuantizedWeight` holds a [N, K] weight as integers plus scales (and zeros for 4-bit) per
 group of 32 consecutive columns of a row: GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K map onto it
 exactly, and `--quantization int8|int4` produce it from float weights at load. Scales and
-zeros are float16 where the source stores them so (GGUF Q8_0, Q4_0, Q4_1: a 4-bit group is
-then 20 bytes, as Q4_1's, against 24 with float32; single-stream decode reads every byte of
-it a token) and float32 where fp16 would round them (Q4_K's d * sc products).
+zeros are float16 where GGUF stores them so (Q8_0, Q4_0, Q4_1) and for `quantize_int4` /
+`quantize_int8` (rounded to fp16 first, as llama.cpp's quantizer): a 4-bit group is then 20
+bytes, as Q4_1's, against 24 with float32, and single-stream decode reads every byte of it a
+token. They are float32 where fp16 would round them (Q4_K's d * sc products) or cannot hold
+them (`_scale_dtype`).
 
 The matmul (`quantized_linear`) switches by the number of activation rows M:
 - M <= INT16_MAX_ROWS (single-stream decode): the compiled AVX2 kernel rounds the activations

@@ -68,7 +68,9 @@ def _reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("variant", _variants())
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_q16_kernel_matches_integer_reference(variant: str, bits: int, shape: tuple[int, int, int], scales: str) -> None:
+def test_q16_kernel_matches_integer_reference(
+    variant: str, bits: int, shape: tuple[int, int, int], scales: str
+) -> None:
     m, n, k = shape
     gen = torch.Generator().manual_seed(m * 1000 + k + bits)
     w = _weight(bits, n, k, gen)

@@ -108,7 +108,8 @@ torch::Tensor gather_rows(const torch::Tensor& qweight, const torch::Tensor& sca
   check_scales(scales, zeros, INT4, N, K / kGroup);
   const auto idc = ids.contiguous();
   const int64_t* ip = idc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "token id ", ip[t], " out of range [0, ", N, ")");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "token id ", ip[t], " out of range [0, ", N, ")");
   auto out = torch::empty({T, K}, scales.options().dtype(torch::kFloat32));
   // A decode step looks up one row per request: threads only for a prefill's many.
   dequantize_row_list<INT4>(qweight, scales, zeros, T, K, [&](int64_t t) { return ip[t]; }, 64,

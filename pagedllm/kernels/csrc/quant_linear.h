@@ -208,7 +208,7 @@ void quant_matmul_f32(const float* x, int64_t M, int64_t K, int64_t N, const uin
                       const S* zp, float* y) {
   const int64_t groups = K / kGroup;
   tiled_rows<INT4, S>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const S* srow,
-                                                const S* zrow, float* yp) {
+                                                   const S* zrow, float* yp) {
     row_dot<decltype(mt)::value, INT4, S>(x + m * K, K, qrow, srow, zrow, groups, yp, N);
   });
 }
@@ -222,9 +222,9 @@ void quant_matmul_q16_avx2(const float* x, int64_t M, int64_t K, int64_t N, cons
   std::vector<float> xs(M * groups), xsum(M * groups);
   quantize_activations(x, M, K, xq.data(), xs.data(), xsum.data());
   tiled_rows<INT4, S>(M, N, K, qp, sp, zp, y, [&](auto mt, int64_t m, const uint8_t* qrow, const S* srow,
-                                                const S* zrow, float* yp) {
-    row_dot_q16<decltype(mt)::value, INT4, S>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups, K,
-                                           qrow, srow, zrow, groups, yp, N);
+                                                   const S* zrow, float* yp) {
+    row_dot_q16<decltype(mt)::value, INT4, S>(xq.data() + m * K, xs.data() + m * groups, xsum.data() + m * groups,
+                                              K, qrow, srow, zrow, groups, yp, N);
   });
 }
 
@@ -240,11 +240,12 @@ inline void prefetch_rows_q16(const uint8_t* qp, const S* sp, const S* zp, int64
                               int64_t n, int64_t rows) {
   const char* q = reinterpret_cast<const char*>(qp + n * qstride);
   for (int64_t o = 0; o < rows * qstride; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  const int64_t scale_bytes = rows * groups * static_cast<int64_t>(sizeof(S));
   const char* s = reinterpret_cast<const char*>(sp + n * groups);
-  for (int64_t o = 0; o < rows * groups * static_cast<int64_t>(sizeof(S)); o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < scale_bytes; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
   if constexpr (INT4) {
     const char* z = reinterpret_cast<const char*>(zp + n * groups);
-    for (int64_t o = 0; o < rows * groups * static_cast<int64_t>(sizeof(S)); o += 64) _mm_prefetch(z + o, _MM_HINT_T0);
+    for (int64_t o = 0; o < scale_bytes; o += 64) _mm_prefetch(z + o, _MM_HINT_T0);
   }
 }
 
@@ -311,7 +312,8 @@ inline void dequant_rows(const uint8_t* qp, const S* sp, const S* zp, int64_t K,
     const int64_t n = n0 + r;
     for (int64_t g = 0; g < groups; ++g) {
       if constexpr (INT4) {
-        dequant_int4(qp + n * qstride + g * (kGroup / 2), scale_at(sp, n * groups + g), scale_at(zp, n * groups + g), w);
+        dequant_int4(qp + n * qstride + g * (kGroup / 2), scale_at(sp, n * groups + g),
+                     scale_at(zp, n * groups + g), w);
       } else {
         dequant_int8(reinterpret_cast<const int8_t*>(qp) + n * qstride + g * kGroup, scale_at(sp, n * groups + g), w);
       }
