@@ -71,7 +71,9 @@ def test_quantize_activations_int8_rounds_as_stated() -> None:
 @pytest.mark.parametrize("scales", ["float16", "float32"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_float64_of_the_same_quantized_math(bits: int, shape: tuple[int, int, int], scales: str) -> None:
+def test_kernel_matches_float64_of_the_same_quantized_math(
+    bits: int, shape: tuple[int, int, int], scales: str
+) -> None:
     # y = sum_g s dx <q, xq> (+ z * sum(x) for 4-bit): the integer sums are exact, so the
     # kernel differs from float64 only by float32 rounding of the scaled sums.
     m, n, k = shape
