@@ -297,13 +297,15 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
         raise ValueError(f"prefill_activations={mode!r} is not one of {', '.join(PREFILL_ACTIVATIONS)}")
     if mode == "bf16":
         warn_if_not_native()
+    int8_rows = (min_rows or INT8_ACTIVATION_MIN_ROWS) if mode == "int8" else None
+    bf16_rows = (min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None
     count = 0
     for module in net.modules():
         if isinstance(module, Linear):
-            module.int8_min_rows = (min_rows or INT8_ACTIVATION_MIN_ROWS) if mode == "int8" else None
+            module.int8_min_rows = int8_rows
             count += module.quant is not None and mode != "bf16"  # float, int8: its quantized layers
         if isinstance(module, (Linear, LMHead)):
-            count += module.use_bf16_activations((min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None)
+            count += module.use_bf16_activations(bf16_rows)
         if isinstance(module, Attention):
-            module.bf16_min_rows = (min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None
+            module.bf16_min_rows = bf16_rows
     return count
