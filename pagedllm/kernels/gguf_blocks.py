@@ -1,0 +1,135 @@
+"""GGUF weights kept as the file stores them: raw ggml blocks, one row of blocks per output row.
+
+A `GGUFBlocks` is a [N, K] matrix whose row n is the file's bytes for that row (K / block
+elements blocks of the tensor's ggml type), so its resident bytes are the file's bytes. Row
+permutations (llama.cpp's Q/K interleave undone) and row gathers (embedding lookups) select
+whole rows of bytes; nothing is widened at load.
+
+The matmul and the gather dequantize rows on the fly (`gguf_linear`, `gguf_embedding_lookup`).
+This module is the contract and the torch reference (gguf-py's dequantizer, numpy); the
+compiled kernels behind the same functions are chosen per type and ISA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedllm.kernels.gemm import chunked_gemm
+
+# ggml type name -> (elements per block, bytes per block), as the GGUF spec fixes them.
+GGUF_BLOCK_GEOMETRY: dict[str, tuple[int, int]] = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+    "MXFP4": (32, 17),
+}
+# The types kept as blocks and computed on directly.
+KEPT_GGUF_TYPES: tuple[str, ...] = tuple(t for t in GGUF_BLOCK_GEOMETRY if t != "F32")
+
+
+def row_bytes(type_name: str, k: int) -> int:
+    """Bytes of one row of `k` elements of `type_name`; ValueError if k is not whole blocks."""
+    elems, nbytes = GGUF_BLOCK_GEOMETRY[type_name]
+    if k % elems:
+        raise ValueError(f"a {type_name} row of {k} elements is not a whole number of {elems}-element blocks")
+    return k // elems * nbytes
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A [N, K] weight held as ggml blocks of one type, rows in HF order."""
+
+    data: torch.Tensor
+    """uint8 [N, row_bytes(type_name, K)]: row n's blocks, as in the file"""
+    type_name: str
+    """the ggml type (a key of GGUF_BLOCK_GEOMETRY)"""
+    k: int
+    """elements per row (input features)"""
+
+    shape: tuple[int, int] = field(init=False)
+    """(N, K)"""
+
+    def __post_init__(self) -> None:
+        if self.type_name not in GGUF_BLOCK_GEOMETRY:
+            raise ValueError(f"GGUF type {self.type_name} is not kept as blocks; kept: {', '.join(KEPT_GGUF_TYPES)}")
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(f"GGUF blocks must be uint8 [N, row bytes], got {self.data.dtype} {tuple(self.data.shape)}")
+        if self.data.shape[1] != row_bytes(self.type_name, self.k):
+            raise ValueError(
+                f"{self.type_name} rows of {self.k} elements take {row_bytes(self.type_name, self.k)} bytes, "
+                f"got {self.data.shape[1]}"
+            )
+        object.__setattr__(self, "shape", (int(self.data.shape[0]), int(self.k)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def rows(self, index: torch.Tensor) -> GGUFBlocks:
+        """The weight of rows `index` (a permutation, or the rows an embedding looks up)."""
+        return GGUFBlocks(self.data[index], self.type_name, self.k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype` (torch reference: gguf-py's numpy dequantizer)."""
+        return dequantize_blocks(self.data, self.type_name, self.k).to(dtype)
+
+    @staticmethod
+    def cat(parts: list[GGUFBlocks]) -> GGUFBlocks:
+        """Rows of `parts` stacked in order; ValueError unless all share one type and K."""
+        kinds = {(p.type_name, p.k) for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot stack GGUF blocks of different types or widths: {sorted(kinds)}")
+        return GGUFBlocks(torch.cat([p.data for p in parts]), parts[0].type_name, parts[0].k)
+
+
+def dequantize_blocks(data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
+    """uint8 [N, row bytes] of `type_name` -> float32 [N, k] (gguf-py's reference)."""
+    n = data.shape[0]
+    raw = data.contiguous().numpy()
+    if type_name == "F16":
+        out = raw.view(np.float16).astype(np.float32)
+    elif type_name == "BF16":
+        out = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif type_name == "F32":
+        out = raw.view(np.float32)
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        out = dequantize(raw, GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(n, k))
+
+
+def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] -> [..., N] in float32 arithmetic, returned in x's dtype."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).float().contiguous()
+
+    def fill_rows(start: int, buf: torch.Tensor) -> None:
+        buf.copy_(dequantize_blocks(weight.data[start : start + buf.shape[0]], weight.type_name, k))
+
+    y = chunked_gemm(x2, n, fill_rows)
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).view(*lead, n)
+
+
+def gguf_embedding_lookup(input_ids: torch.Tensor, weight: GGUFBlocks, dtype: torch.dtype) -> torch.Tensor:
+    """input_ids: [T] -> [T, K]: only the looked-up rows are dequantized."""
+    return weight.rows(input_ids).dequantize(dtype)
