@@ -1,4 +1,5 @@
-"""The package's import graph, read with ``ast``: no cycles, and no torch in ``core/``.
+"""The package's import graph, read with ``ast``: no cycles, and no torch in the control plane
+(``core/``, the KV backend registry and protocol, and each backend's manager side).
 
 Every import counts, those inside functions included (they run at call time, and a cycle
 through one is still a cycle of the design); imports under ``if TYPE_CHECKING:`` do not
@@ -11,6 +12,8 @@ the importer is imported, the usual re-export of a package's ``__init__``).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +196,45 @@ def test_core_never_imports_torch():
     _, externals = import_graph()
     offenders = sorted(m for m, names in externals.items() if m.startswith(f"{PACKAGE}.core") and "torch" in names)
     assert not offenders, f"{PACKAGE}/core/ must stay torch-free; torch is imported by {offenders}"
+
+
+# The control plane's modules outside core/: the backend registry and its ABC, and each KV
+# backend's manager side (its package ``__init__``, manager, view; the paged block pool and
+# prefix hashing). A backend's worker side (worker.py) is the one place it may use torch.
+TORCH_FREE_OUTSIDE_CORE = (
+    f"{PACKAGE}.kv_backends",
+    f"{PACKAGE}.kv_backends.base",
+    f"{PACKAGE}.kv_backends.paged",
+    f"{PACKAGE}.kv_backends.paged.block_pool",
+    f"{PACKAGE}.kv_backends.paged.kv_cache_utils",
+    f"{PACKAGE}.kv_backends.paged.manager",
+    f"{PACKAGE}.kv_backends.paged.view",
+    f"{PACKAGE}.kv_backends.vattention",
+    f"{PACKAGE}.kv_backends.vattention.manager",
+    f"{PACKAGE}.kv_backends.vattention.view",
+)
+
+
+def test_kv_manager_side_never_imports_torch():
+    """No direct torch import in the manager side of a KV backend (function-level ones
+    included, as in ``test_core_never_imports_torch``)."""
+    edges, externals = import_graph()
+    missing = sorted(set(TORCH_FREE_OUTSIDE_CORE) - set(edges))
+    assert not missing, f"modules named here no longer exist: {missing}"
+    offenders = sorted(m for m in TORCH_FREE_OUTSIDE_CORE if "torch" in externals[m])
+    assert not offenders, f"the KV control plane must stay torch-free; torch is imported by {offenders}"
+
+
+def test_control_plane_imports_run_without_torch():
+    """Importing the control plane (the scheduler and every backend's manager side) does not
+    load torch through any chain of module-level imports (checked in a fresh interpreter)."""
+    core = sorted(
+        module_name(p, ROOT) for p in (ROOT / "core").rglob("*.py") if p.name != "__init__.py"
+    )
+    modules = [*core, *TORCH_FREE_OUTSIDE_CORE]
+    code = f"import sys\nfor m in {modules!r}:\n    __import__(m)\nprint('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False", f"importing {modules} loads torch"

@@ -67,7 +67,7 @@ def _decode(args: argparse.Namespace, dtypes: list[str]) -> None:
     from pagedllm.kernels import paged_attention_ops
     from pagedllm.layers.attention import AttentionMetadata, forward_context
     from pagedllm.models.loader import load_model
-    from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, kv_bytes_per_block
+    from pagedllm.kv_backends.paged.worker import allocate_kv_caches, attention_layers, kv_bytes_per_block
 
     B, L, bs = args.batch, args.context, args.block_size
     loaded = load_model(args.model, dtype="float32", max_model_len=L + 16)

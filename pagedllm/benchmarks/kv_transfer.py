@@ -25,7 +25,7 @@ def caches(num_blocks: int, fill: bool):
 
 
 def producer(port: int, num_blocks: int, repeat: int, ready, done) -> None:
-    from pagedllm.core.kv_cache_utils import hash_request_tokens
+    from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
     from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, SendSpec
     from pagedllm.distributed.kv_transfer.config import KVTransferConfig
     from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> None:
     proc.start()
     ready.wait(600)
 
-    from pagedllm.core.kv_cache_utils import hash_request_tokens
+    from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
     from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, LoadSpec
     from pagedllm.distributed.kv_transfer.config import KVTransferConfig
     from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker

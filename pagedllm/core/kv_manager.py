@@ -6,6 +6,11 @@ copy-on-write forks), the slot backend with its own page accounting. Results are
 (``KVAllocation`` names the ids appended *and* the blocks copied this call); nothing is left
 in attributes for the caller to read afterwards. No torch here.
 
+Capabilities beyond the protocol's core are declared, not discovered by downcasting: each
+manager class states its ``KVCapabilities``, and a caller that needs one asks for it
+(``kv_transfer()``, ``allocate_slots(..., delay_cache_blocks=True)``); a manager without it
+refuses by name with a ValueError.
+
 Ids: ``block_ids[group][i]`` are whatever the backend's worker side needs to find a
 request's KV (physical block ids for paged, a slot for a slot backend). The scheduler passes
 them on to the runner unread.
@@ -14,10 +19,32 @@ them on to the runner unread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: units of ``b`` that hold ``a``."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCapabilities:
+    """What a KV manager can do beyond the protocol's core (one declaration per backend)."""
+
+    prefix_caching: bool
+    """Full blocks are shared between requests under prefix-cache hashes."""
+    forks: bool
+    """A sequence group (n > 1, beams) shares its parent's KV (``fork``)."""
+    delayed_caching: bool
+    """``allocate_slots(..., delay_cache_blocks=True)``: the blocks' KV arrives later and
+    enters the prefix cache through ``kv_transfer().cache_blocks``."""
+    kv_transfer: bool
+    """``kv_transfer()``: blocks held past their request and moved between instances under
+    their prefix-cache hashes (disaggregated prefill)."""
 
 
 class KVFigures(NamedTuple):
@@ -45,11 +72,50 @@ class PrefixHit(NamedTuple):
     num_tokens: int
 
 
+class KVTransfer(ABC):
+    """The KV-transfer capability of a manager (disaggregated prefill,
+    distributed/kv_transfer/): a request's full blocks travel under their prefix-cache
+    hashes, are held past the request for a remote pull, and pulled blocks enter the prefix
+    cache once their KV has arrived."""
+
+    block_size: int
+    """Tokens per block: the unit blocks are pulled and held in."""
+
+    @abstractmethod
+    def get_block_hashes(self, request: Request) -> list[bytes]:
+        """The prefix-cache hashes of the request's full blocks (stable across processes)."""
+
+    @abstractmethod
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's full blocks up to ``num_tokens`` into the prefix cache (their
+        KV arrived after ``allocate_slots(..., delay_cache_blocks=True)``)."""
+
+    @abstractmethod
+    def hold(self, hold_id: str, request: Request, num_blocks: int) -> list[int]:
+        """Keep the request's first ``num_blocks`` blocks alive under ``hold_id`` past the
+        request; returns their ids."""
+
+    @abstractmethod
+    def release_held(self, hold_id: str) -> None:
+        """Drop a ``hold`` (unknown ids are ignored: a release can race an expiry)."""
+
+    @property
+    @abstractmethod
+    def num_held(self) -> int:
+        """Holds not yet released."""
+
+    @abstractmethod
+    def get_num_blocks(self, request_id: str) -> int:
+        """Logical blocks the request holds (the same in every group)."""
+
+
 class KVManager(ABC):
     """Allocate, free, fork and look up the KV memory of requests (the scheduler's view)."""
 
     backend: ClassVar[str]
     """Registry name of the backend this manager belongs to (pagedllm/kv_backends/)."""
+    capabilities: ClassVar[KVCapabilities]
+    """What this manager can do beyond the core protocol; callers ask, never downcast."""
     bytes_per_token: int = 0
     """Bytes of one token's K and V over every layer (for the fragmentation figure)."""
 
@@ -68,9 +134,12 @@ class KVManager(ABC):
         num_new_tokens: int,
         new_computed_blocks: list[list[Any]] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVAllocation | None:
         """Room for ``num_computed_tokens`` + hits + ``num_new_tokens`` + lookahead tokens
-        (capped at max_model_len); None, with nothing changed, when memory is short."""
+        (capped at max_model_len); None, with nothing changed, when memory is short.
+        ``delay_cache_blocks``: the new blocks' KV arrives later, so they do not enter the
+        prefix cache now (ValueError unless ``capabilities.delayed_caching``)."""
 
     @abstractmethod
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
@@ -80,6 +149,22 @@ class KVManager(ABC):
     @abstractmethod
     def fork(self, parent: Request, child: Request) -> None:
         """``child`` shares ``parent``'s KV (n > 1, beams); ValueError where unsupported."""
+
+    def kv_transfer(self) -> KVTransfer:
+        """This manager's KV-transfer side; ValueError naming the backend where it has none
+        (``capabilities.kv_transfer`` is False)."""
+        raise ValueError(
+            f"kv_cache_backend={self.backend!r} cannot transfer KV between instances (blocks "
+            "travel under prefix-cache hashes, which it does not keep); use kv_cache_backend='paged'"
+        )
+
+    def check_delayed_caching(self, delay_cache_blocks: bool) -> None:
+        """ValueError naming the backend when delayed caching is asked of a manager without it."""
+        if delay_cache_blocks and not self.capabilities.delayed_caching:
+            raise ValueError(
+                f"kv_cache_backend={self.backend!r} has no prefix cache to enter blocks into "
+                "later (delay_cache_blocks=True)"
+            )
 
     @abstractmethod
     def get_block_ids(self, request_id: str) -> list[list[int]]:

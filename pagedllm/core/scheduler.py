@@ -8,24 +8,26 @@ forward) and a preemption (back to 0) are all just numbers.
 
 Invariants between steps:
 - ``running`` holds requests in admission order; each holds KV blocks for its computed tokens.
-- ``waiting`` holds requests without blocks: FCFS, preempted ones in front; under the
-  priority policy, ordered by (priority, arrival time), a preempted one before its equals.
+- ``waiting`` holds requests without blocks, in its policy's order (waiting_queue.py).
 - The sequences of a group (n > 1, one arrival time and priority) are contiguous in both.
-- Every unfinished request is in exactly one of them and in ``requests``.
+- Every unfinished request is in exactly one of them and in ``requests``, or (disaggregated
+  prefill) in ``waiting_for_remote`` while its prompt's KV is pulled (remote_prefill.py).
+
+Its parts: the waiting queue and its policy (waiting_queue.py), the admission of the waiting
+head with its group (``_admit_waiting_group``), and the remote prefill (remote_prefill.py).
 """
 
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left, bisect_right
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_manager import KVManager
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
+from pagedllm.core.remote_prefill import RemotePrefill
 from pagedllm.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -33,10 +35,10 @@ from pagedllm.core.sched_output import (
     SchedulerOutput,
 )
 from pagedllm.core.stop import check_stop
+from pagedllm.core.waiting_queue import make_waiting_queue
 from pagedllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache_manager import KVCacheManager
     from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorSchedulerBase
 
 logger = logging.getLogger(__name__)
@@ -68,24 +70,26 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
-        self.by_priority = scheduler_config.scheduling_policy == "priority"
         self.kv_cache_manager = kv_cache_manager
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         # Finished or preempted since the last schedule(): the runner must drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since start
         # Forked sequences not yet sent to the runner (they go as NewRequestData).
         self._unsent: set[str] = set()
-        # Disaggregated prefill: the connector's scheduler side; requests whose prompt KV is
-        # being pulled from a prefill instance (they hold blocks, outside waiting/running);
-        # and aborted ones whose pull is still writing into their blocks.
+        # Disaggregated prefill: the connector's scheduler side over the manager's KV
+        # transfer (a manager without that capability refuses by name here).
         self.kv_connector = kv_connector
         self.kv_load_failure_policy = kv_load_failure_policy
-        self.waiting_for_remote: dict[str, Request] = {}
-        self._aborted_loading: dict[str, Request] = {}
+        self.remote = RemotePrefill(kv_connector, kv_cache_manager) if kv_connector is not None else None
+
+    @property
+    def waiting_for_remote(self) -> dict[str, Request]:
+        """Requests whose prompt KV is being pulled (they hold blocks, outside waiting/running)."""
+        return self.remote.waiting_for_remote if self.remote is not None else {}
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -96,21 +100,7 @@ class Scheduler:
         for r in [request, *request.pending_forks]:
             r.status = RequestStatus.WAITING
             self.requests[r.request_id] = r
-        self._enqueue(request, front=False)
-
-    def _enqueue(self, request: Request, *, front: bool) -> None:
-        """Into ``waiting``. FCFS: at the back, or the front for a request going back
-        (preempted, resumed). Priority: by (priority, arrival time); one going back goes
-        before the requests of equal key, a new one after them."""
-        if not self.by_priority:
-            if front:
-                self.waiting.appendleft(request)
-            else:
-                self.waiting.append(request)
-            return
-        keys = [_priority_key(r) for r in self.waiting]
-        bisect = bisect_left if front else bisect_right
-        self.waiting.insert(bisect(keys, _priority_key(request)), request)
+        self.waiting.add(request, front=False)
 
     def check_request(self, request: Request) -> None:
         """The checks of ``add_request``, without queueing (ValueError if it would refuse)."""
@@ -147,9 +137,8 @@ class Scheduler:
             if request is None:
                 continue
             request.status = status
-            if request_id in self.waiting_for_remote:
+            if self.remote is not None and self.remote.abort(request_id):
                 # Its pull still writes into its blocks: they are freed when the pull ends.
-                self._aborted_loading[request_id] = self.waiting_for_remote.pop(request_id)
                 del self.requests[request_id]
                 self.finished_req_ids.add(request_id)
                 continue
@@ -158,7 +147,7 @@ class Scheduler:
             self._detach_from_group(request, removed)
         if removed:
             self.running = [r for r in self.running if r.request_id not in removed]
-            self.waiting = deque(r for r in self.waiting if r.request_id not in removed)
+            self.waiting.remove_ids(removed)
 
     def add_forked_request(self, parent: Request, child: Request) -> None:
         """Run ``child`` (same tokens as ``parent`` but possibly its last, uncomputed one)
@@ -178,7 +167,7 @@ class Scheduler:
         if request.pending_forks:
             pending, request.pending_forks = request.pending_forks, []
             for p in reversed([p for p in pending if p.request_id not in removed]):
-                self._enqueue(p, front=True)
+                self.waiting.add(p, front=True)
         for leader in [*self.running, *self.waiting]:
             if request in leader.pending_forks:
                 leader.pending_forks.remove(request)
@@ -195,18 +184,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_remote or self._aborted_loading)
+        remote = self.remote is not None and bool(self.remote.waiting_for_remote or self.remote.aborted_loading)
+        return bool(self.waiting or self.running or remote)
 
     def has_pending_kv_transfers(self) -> bool:
         """Blocks held for a remote pull: the engine keeps polling the connector."""
-        return self.kv_connector is not None and self._transfer_kv.num_held > 0
-
-    @property
-    def _transfer_kv(self) -> KVCacheManager:
-        """The manager, on the paths of a KV connector: disaggregated prefill moves blocks
-        under their prefix-cache hashes, so only a backend with ``supports_kv_transfer``
-        (the block pool's KVCacheManager) is built with a connector."""
-        return self.kv_cache_manager  # type: ignore[return-value]
+        return self.remote is not None and self.remote.has_pending
 
     def has_finished_requests(self) -> bool:
         """Whether finished/preempted ids wait to reach the runner (one more step flushes them)."""
@@ -231,7 +214,7 @@ class Scheduler:
                 continue
             if not self._admit_waiting_group(step):
                 break
-        self.waiting.extendleft(reversed(held))  # back at the front, in their order
+        self.waiting.push_front(held)  # back at the front, in their order
 
         # As if the step succeeds; the runner reads the pre-step values from the output.
         for request_id, num_tokens in step.num_scheduled_tokens.items():
@@ -286,14 +269,14 @@ class Scheduler:
                 if request in victims:
                     break
             if allocation is None:
-                if not self.by_priority:
+                if not self.waiting.victims_anywhere:
                     return  # FCFS: the request preempted itself, so nothing runs after it
                 # Priority: victims may have stood anywhere; go on with the first request not
                 # scheduled yet (one skipped earlier for having no tokens is skipped again).
                 req_index = next((i for i, r in enumerate(self.running)
                                   if r.request_id not in step.num_scheduled_tokens), len(self.running))
                 continue
-            if preempted_here and self.by_priority:
+            if preempted_here and self.waiting.victims_anywhere:
                 req_index = self.running.index(request)  # victims before it shifted it
             step.blocks_to_copy.extend(allocation.copied_blocks)
             if request.request_id in self._unsent:  # forked this step or earlier: new to the runner
@@ -317,12 +300,29 @@ class Scheduler:
         A fresh group enters as its leader (the others fork from it later); a preempted
         group resumes every member at once, sharing the prompt through the prefix cache.
         """
-        kv = self.kv_cache_manager
         head = self.waiting[0]
-        if self.kv_connector is not None and (head.kv_transfer_params or {}).get("do_remote_prefill"):
-            admitted_remote = self._admit_remote(head)
-            if admitted_remote is not None:
-                return admitted_remote
+        if self.remote is not None and self.remote.wants_pull(head):
+            parked = self.remote.admit(head, len(self.running), self.max_num_seqs)
+            if parked:
+                self.waiting.popleft()
+            if parked is not None:
+                return parked
+        members = self._waiting_group(head)
+        num_from_waiting = len(members)
+        num_seqs = num_from_waiting + len(head.pending_forks)
+        if len(self.running) + num_seqs > self.max_num_seqs or step.token_budget < num_seqs:
+            return False
+        admitted = self._allocate_group(members, step.token_budget)
+        if admitted is None:
+            return False
+        for _ in range(num_from_waiting):
+            self.waiting.popleft()
+        for seq in admitted:
+            self._start(seq, step)
+        return True
+
+    def _waiting_group(self, head: Request) -> list[Request]:
+        """``head`` and the members of its group right behind it in ``waiting``."""
         members = [head]
         while (
             head.group_id is not None
@@ -330,18 +330,21 @@ class Scheduler:
             and self.waiting[len(members)].group_id == head.group_id
         ):
             members.append(self.waiting[len(members)])
-        num_from_waiting = len(members)
-        num_seqs = num_from_waiting + len(head.pending_forks)
-        if len(self.running) + num_seqs > self.max_num_seqs or step.token_budget < num_seqs:
-            return False
-        admitted: list[tuple[Request, int, list[list[int]], int]] = []
+        return members
+
+    def _allocate_group(self, members: list[Request], token_budget: int) -> list[_AdmittedSeq] | None:
+        """Blocks for every member (prefix hits first) within ``token_budget``; None, with
+        every allocation rolled back, when one does not fit. ``members`` grows by a leader's
+        pending forks when the cache holds all of its prompt but the last token."""
+        kv = self.kv_cache_manager
+        admitted: list[_AdmittedSeq] = []
         i = 0
         while i < len(members):
             request = members[i]
             assert request.num_computed_tokens == 0
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             # Leave each later member at least one token of the budget.
-            budget = step.token_budget - sum(n for _, n, _, _ in admitted) - (len(members) - i - 1)
+            budget = token_budget - sum(seq.num_new_tokens for seq in admitted) - (len(members) - i - 1)
             num_new_tokens = min(self._num_tokens_to_compute(request, num_hit_tokens), budget)
             if request.pending_forks and num_new_tokens == 0:
                 # The cache holds all of the prompt but its last token: no fork needed, the
@@ -356,25 +359,26 @@ class Scheduler:
             block_ids = allocation.block_ids if allocation is not None else None
             if block_ids is None or num_new_tokens <= 0:
                 # Roll back: the group waits whole (FCFS, nothing overtakes it).
-                rollback = admitted + ([(request, 0, block_ids, num_hit_tokens)] if block_ids else [])
-                for r, _, _, num_hit in rollback:
-                    kv.free(r, num_valid_tokens=num_hit)
-                return False
-            admitted.append((request, num_new_tokens, block_ids, num_hit_tokens))
+                rollback = admitted + ([_AdmittedSeq(request, 0, block_ids, num_hit_tokens)] if block_ids else [])
+                for seq in rollback:
+                    kv.free(seq.request, num_valid_tokens=seq.num_hit_tokens)
+                return None
+            admitted.append(_AdmittedSeq(request, num_new_tokens, block_ids, num_hit_tokens))
             i += 1
-        for _ in range(num_from_waiting):
-            self.waiting.popleft()
-        for request, num_new_tokens, block_ids, num_hit_tokens in admitted:
-            self.running.append(request)
-            if request.status == RequestStatus.WAITING:  # first scheduling, not a resume
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            self._unsent.discard(request.request_id)
-            # The request held no blocks: block_ids are all of them.
-            step.new_reqs.append(self._new_request_data(request, block_ids))
-            step.schedule(request.request_id, num_new_tokens)
-        return True
+        return admitted
+
+    def _start(self, seq: _AdmittedSeq, step: _Step) -> None:
+        """An admitted sequence joins ``running`` and this step, its prefix hit computed."""
+        request = seq.request
+        self.running.append(request)
+        if request.status == RequestStatus.WAITING:  # first scheduling, not a resume
+            request.num_cached_tokens = seq.num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = seq.num_hit_tokens
+        self._unsent.discard(request.request_id)
+        # The request held no blocks: block_ids are all of them.
+        step.new_reqs.append(self._new_request_data(request, seq.block_ids))
+        step.schedule(request.request_id, seq.num_new_tokens)
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether the request's adapter is running already or a slot is free for it."""
@@ -383,78 +387,26 @@ class Scheduler:
         active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         return request.lora_request.lora_int_id in active or len(active) < self.max_loras
 
-    def _admit_remote(self, request: Request) -> bool | None:
-        """A request whose prompt KV a prefill instance holds: allocate blocks for what can be
-        pulled and park the request in ``waiting_for_remote`` while the connector pulls.
-
-        Returns None when nothing is to be pulled (the normal admission follows), else
-        whether the request left ``waiting``.
-        """
-        assert self.kv_connector is not None
-        kv = self._transfer_kv
-        if request.group_id is not None or request.pending_forks or request.num_preemptions:
-            self.kv_connector.release(request)
-            request.kv_transfer_params = None
-            return None
-        computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-        num_external, _ = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
-        if num_external == 0:
-            request.kv_transfer_params = None
-            return None
-        if len(self.running) + len(self.waiting_for_remote) >= self.max_num_seqs:
-            return False
-        if kv.allocate_slots(request, num_external, computed_blocks, delay_cache_blocks=True) is None:
-            return False
-        first = num_hit_tokens // kv.block_size
-        last = first + num_external // kv.block_size
-        block_ids = kv.get_block_ids(request.request_id)[0][first:last]
-        self.kv_connector.update_state_after_alloc(request, block_ids, kv.get_block_hashes(request)[first:last])
-        # The blocks are not computed until the pull ends; the hit blocks are.
-        request.num_computed_tokens = num_hit_tokens
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.waiting.popleft()
-        self.waiting_for_remote[request.request_id] = request
-        return True
-
     def _update_from_kv_transfers(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
-        """Free blocks whose transfer ended; requests whose pull ended wait to be scheduled.
-
-        A pulled request enters its blocks into the prefix cache, frees them and goes back to
-        the front of ``waiting``: its admission then finds the prompt as a prefix hit (as a
-        later request with the same prefix will). A failed pull frees the blocks (never
-        cached) and either recomputes the prompt or fails the request, by policy.
-        """
-        kv = self._transfer_kv
+        """Requests whose pull ended go back to the front of ``waiting`` (their admission
+        then finds the prompt as a prefix hit); a failed pull either recomputes the prompt
+        or fails the request, by ``kv_load_failure_policy``."""
+        assert self.remote is not None
         outputs: list[EngineCoreOutput] = []
-        for hold_id in kv_output.finished_sending:
-            kv.release_held(hold_id)
-        for request_id in [*kv_output.finished_recving, *kv_output.failed_recving]:
-            aborted = self._aborted_loading.pop(request_id, None)
-            if aborted is not None:
-                kv.free(aborted)
-                continue
-            request = self.waiting_for_remote.pop(request_id, None)
-            if request is None:
-                continue
-            error = kv_output.failed_recving.get(request_id)
-            if error is None:
-                kv.cache_blocks(request, kv.get_num_blocks(request_id) * kv.block_size)
-            kv.free(request)
-            request.num_computed_tokens = 0
-            request.kv_transfer_params = None
+        for request, error in self.remote.take_ended_pulls(kv_output):
             if error is not None and self.kv_load_failure_policy == "fail":
                 request.status = RequestStatus.FINISHED_ABORTED
                 self._free_finished(request)
                 outputs.append(EngineCoreOutput(
-                    request_id, [], "abort", None, 0,
+                    request.request_id, [], "abort", None, 0,
                     error=f"loading the prompt's KV from the prefill instance failed: {error}",
                     retryable=True,
                 ))
                 continue
             if error is not None:
-                logger.info("request %s recomputes its prompt: %s", request_id, error)
+                logger.info("request %s recomputes its prompt: %s", request.request_id, error)
             request.status = RequestStatus.WAITING
-            self._enqueue(request, front=True)
+            self.waiting.add(request, front=True)
         return outputs
 
     def _num_tokens_to_compute(self, request: Request, num_hit_tokens: int = 0) -> int:
@@ -479,10 +431,7 @@ class Scheduler:
         (contiguous), the last member first. FCFS: the newest request. Priority: the lowest
         priority (the largest value), the latest arrival among equals."""
         running = self.running
-        if self.by_priority:
-            index = max(range(len(running)), key=lambda i: _priority_key(running[i]))
-        else:
-            index = len(running) - 1
+        index = self.waiting.victim_index(running)
         start = end = index
         group_id = running[index].group_id
         if group_id is not None:
@@ -599,7 +548,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._unsent.discard(request.request_id)
-        self._enqueue(request, front=True)
+        self.waiting.add(request, front=True)
         self.finished_req_ids.add(request.request_id)
         logger.debug(
             "preempted request %s (%d tokens computed, preempted %d times); %d blocks free",
@@ -616,24 +565,22 @@ class Scheduler:
         returned kv_transfer_params (or None) tell the client where to pull them from.
         """
         assert request.is_finished
-        params = None
-        if self.kv_connector is not None and request.kv_transfer_params is not None:
-            kv = self._transfer_kv
-            num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // kv.block_size
-            block_ids = kv.get_block_ids(request.request_id)[0][:num_full]
-            hashes = kv.get_block_hashes(request)[:num_full]
-            hold_id, params = self.kv_connector.request_finished(request, block_ids, hashes)
-            if hold_id is not None:
-                kv.hold(hold_id, request, num_full)
+        params = self.remote.hold_for_pull(request) if self.remote is not None else None
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         return params
 
 
-def _priority_key(request: Request) -> tuple[int, float]:
-    """Smaller is scheduled first and preempted last (vLLM's rule)."""
-    return request.priority, request.arrival_time
+class _AdmittedSeq(NamedTuple):
+    """A waiting sequence whose blocks were allocated this step."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[list[int]]
+    """Every block id the request holds, per group (it held none before)."""
+    num_hit_tokens: int
+    """Prompt tokens found in the prefix cache (computed already)."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from pagedllm.core.kv_manager import KVManager
+from pagedllm.core.kv_manager import KVCapabilities, KVManager
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -48,16 +48,28 @@ class KVBuild:
 
 class KVBackend(ABC):
     name: ClassVar[str]
-    supports_prefix_caching: ClassVar[bool] = True
-    supports_forks: ClassVar[bool] = True
-    """Sequence groups sharing KV: n > 1 and beam search."""
+    capabilities: ClassVar[KVCapabilities]
+    """Its manager's capabilities (the manager class declares them; the backend names that
+    declaration, so the two cannot drift)."""
     supports_speculation: ClassVar[bool] = True
-    supports_kv_transfer: ClassVar[bool] = True
     supports_tensor_parallel: ClassVar[bool] = True
     supports_cuda: ClassVar[bool] = True
     """Its worker side can hold the KV cache in CUDA memory (docs/gpu.md)."""
     fork_refusal: ClassVar[str] = ""
     """Why forks are refused (the user-facing message), where ``supports_forks`` is False."""
+
+    @property
+    def supports_prefix_caching(self) -> bool:
+        return self.capabilities.prefix_caching
+
+    @property
+    def supports_forks(self) -> bool:
+        """Sequence groups sharing KV: n > 1 and beam search."""
+        return self.capabilities.forks
+
+    @property
+    def supports_kv_transfer(self) -> bool:
+        return self.capabilities.kv_transfer
 
     def check_args(self, args: EngineArgs, enable_prefix_caching: bool) -> None:
         """ValueError naming the first engine argument this backend cannot honour."""

@@ -29,7 +29,7 @@ from torch import nn
 from pagedllm.layers.attention import forward_context
 from pagedllm.spec_decode.early_exit import EarlyExitModel
 from pagedllm.spec_decode.proposer import PrefillChunk, Proposer, RunnerView
-from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
+from pagedllm.kv_backends.paged.worker import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
 
 if TYPE_CHECKING:
     from pagedllm.config import SpeculativeConfig

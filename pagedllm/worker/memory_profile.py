@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.config import AttentionConfig, ModelConfig
 from pagedllm.layers.attention import forward_context
-from pagedllm.worker.kv_cache import PagedKVWorker, attention_layers, kv_bytes_per_block, num_layer_slots
+from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers, kv_bytes_per_block, num_layer_slots
 from pagedllm.worker.kv_worker import StepIndex
 
 logger = logging.getLogger(__name__)

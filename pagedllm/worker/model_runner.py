@@ -31,7 +31,7 @@ from pagedllm.spec_decode.policy import DraftPolicy
 from pagedllm.spec_decode.proposer import PrefillChunk, Proposer
 from pagedllm.spec_decode.registry import build_proposer
 from pagedllm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
-from pagedllm.worker.kv_cache import PagedKVWorker, attention_layers
+from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 from pagedllm.worker.sampling_inputs import CachedRequestState

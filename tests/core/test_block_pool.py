@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from pagedllm.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from pagedllm.core.kv_cache_utils import hash_request_tokens
+from pagedllm.kv_backends.paged.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.kv_backends.paged.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 
 from .utils import make_kv_cache_manager, make_request

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.core.kv_cache_utils import (
+from pagedllm.kv_backends.paged.kv_cache_utils import (
     NONE_HASH,
     extend_block_hashes,
     first_block_extra_keys,
@@ -87,7 +87,7 @@ import pagedllm.core.scheduler
 
 def test_hashes_agree_across_processes_without_torch() -> None:
     code = _SUBPROCESS_PRELUDE + (
-        "from pagedllm.core.kv_cache_utils import first_block_extra_keys, hash_request_tokens\n"
+        "from pagedllm.kv_backends.paged.kv_cache_utils import first_block_extra_keys, hash_request_tokens\n"
         "extra = first_block_extra_keys(('m', 'float32', 4), 'salt')\n"
         f"print(','.join(h.hex() for h in hash_request_tokens({TOKENS!r}, 4, extra)))\n"
     )

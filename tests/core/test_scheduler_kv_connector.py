@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_utils import first_block_extra_keys, hash_request_tokens
+from pagedllm.kv_backends.paged.kv_cache_utils import first_block_extra_keys, hash_request_tokens
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.core.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from pagedllm.kv_backends.paged.manager import KVCacheGroupSpec, KVCacheManager
 from pagedllm.request import RequestStatus
 
 from .utils import make_request

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.kv_backends.paged.manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pagedllm.core.kv_cache_utils import hash_request_tokens
+from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
 from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, LoadSpec, SendSpec
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
 from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker
@@ -35,7 +35,7 @@ SEND_TIMEOUT_S = 6.0
 
 CONSUMER = """
 import json, sys, time, torch
-from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.kv_backends.paged.kv_cache_utils import BlockHash
 from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, LoadSpec
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
 from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pagedllm.core.kv_cache_utils import hash_request_tokens
+from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
 from pagedllm.distributed.kv_transfer.base import KVConnectorMetadata, LoadSpec, ReleaseSpec, SendSpec
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
 from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker, block_runs

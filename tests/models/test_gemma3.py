@@ -127,7 +127,7 @@ def test_long_request_holds_window_sized_kv_on_sliding_layers(tiny_gemma3: tuple
 
 def test_kv_cache_groups_are_equal_sized() -> None:
     from pagedllm.layers.attention import Attention
-    from pagedllm.worker.kv_cache import allocate_kv_caches, kv_cache_groups
+    from pagedllm.kv_backends.paged.worker import allocate_kv_caches, kv_cache_groups
 
     # Gemma 3 270M's pattern: 5 local layers, then 1 global, 3 times.
     windows = ([512] * 5 + [None]) * 3

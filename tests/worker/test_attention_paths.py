@@ -18,7 +18,7 @@ from pagedllm.config import AttentionConfig
 from pagedllm.kv_backends.vattention.worker import VAttentionKVCache
 from pagedllm.layers.attention import Attention, forward_context, write_kv
 from pagedllm.kernels import paged_attention_ops
-from pagedllm.worker.kv_cache import PagedKVWorker
+from pagedllm.kv_backends.paged.worker import PagedKVWorker
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 from tests.kernels.interpreter import import_interpreted, interpreter  # noqa: F401 (fixture)
 

@@ -13,7 +13,7 @@ import torch
 from pagedllm.config import AttentionConfig
 from pagedllm.layers.attention import forward_context
 from pagedllm.worker.cuda_graphs import DecodeBuffers, DecodeGraphs, default_capture_sizes, eager_capture, padded_size
-from pagedllm.worker.kv_cache import attention_layers
+from pagedllm.kv_backends.paged.worker import attention_layers
 from tests.kernels.interpreter import import_interpreted, interpreter  # noqa: F401 (fixture)
 from tests.models.utils import RequestState, bind_kv_caches, make_metadata
 

@@ -11,7 +11,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.worker.kv_cache import kv_bytes_per_block, num_blocks_for_budget
+from pagedllm.kv_backends.paged.worker import kv_bytes_per_block, num_blocks_for_budget
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time"]
 MAX_TOKENS = 24
@@ -82,7 +82,7 @@ def test_vattention_reads_the_same_codes(engine):
 
 
 def test_prefix_cache_keys_name_the_kv_dtype(engine):
-    from pagedllm.core.kv_cache_utils import first_block_extra_keys, hash_request_tokens
+    from pagedllm.kv_backends.paged.kv_cache_utils import first_block_extra_keys, hash_request_tokens
 
     keys = {}
     for dtype in ("auto", "int8", "fp8"):

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.kv_backends.paged.kv_cache_utils import BlockHash
 from pagedllm.request import Request
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.kv_backends.paged.kv_cache_utils import BlockHash
 from pagedllm.distributed.kv_transfer.base import (
     HoldDecision,
     KVConnectorMetadata,

@@ -1,8 +1,10 @@
 """The paged KV backend: a pool of fixed-size blocks, block tables, prefix caching, forks.
 
-Its parts: core/block_pool.py and core/kv_cache_manager.py (the control plane: blocks,
-prefix cache, copy-on-write), worker/kv_cache.py (the pool's tensors, ``PagedKVWorker``:
-block tables and slot mappings), view.py (the dashboard's block map). Registered as "paged".
+Its parts, torch-free (the control plane): block_pool.py (the ref-counted blocks and the
+LRU free queue), kv_cache_utils.py (prefix-cache hashing), manager.py (``KVCacheManager``:
+block tables, prefix cache, copy-on-write), view.py (the dashboard's block map); with torch:
+worker.py (the pool's tensors, ``PagedKVWorker``: block tables and slot mappings), imported
+only by ``build`` and the worker processes. Registered as "paged".
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from pagedllm.kv_backends.paged.manager import KVCacheGroupSpec, KVCacheManager
 from pagedllm.core.kv_manager import KVManager
 from pagedllm.kv_backends.base import KVBackend, KVBuild
 from pagedllm.kv_backends.paged.view import PagedKVView, take_paged_view
@@ -36,10 +38,11 @@ def check_kv_capacity(
 
 class PagedBackend(KVBackend):
     name = "paged"
+    capabilities = KVCacheManager.capabilities
 
     def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
         from pagedllm.config import resolve_kv_cache_dtype
-        from pagedllm.worker.kv_cache import (
+        from pagedllm.kv_backends.paged.worker import (
             PagedKVWorker,
             attention_layers,
             kv_bytes_per_block,
@@ -52,7 +55,7 @@ class PagedBackend(KVBackend):
         budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
         block_size = budget_config.block_size
         # Equal-sized KV cache groups per attention type (full, sliding window); a block
-        # spans one layer slice per layer of a group (worker/kv_cache.py).
+        # spans one layer slice per layer of a group (worker.py).
         layers = attention_layers(loaded.model)
         group_specs = [KVCacheGroupSpec(g.sliding_window) for g in kv_cache_groups(layers)]
         if args.kv_transfer_config is not None and (not budget_config.enable_prefix_caching or len(group_specs) != 1):

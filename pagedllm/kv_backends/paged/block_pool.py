@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from pagedllm.core.kv_cache_utils import BlockHash
+from pagedllm.kv_backends.paged.kv_cache_utils import BlockHash
 
 
 NO_OWNER = -1

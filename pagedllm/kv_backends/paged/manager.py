@@ -36,19 +36,23 @@ Where later features go (each is an addition, not a rewrite):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-from pagedllm.core.block_pool import BlockOwners, BlockPool, KVCacheBlock
-from pagedllm.core.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
-from pagedllm.core.kv_manager import KVAllocation, KVFigures, KVManager, PrefixHit
+from pagedllm.core.kv_manager import (
+    KVAllocation,
+    KVCapabilities,
+    KVFigures,
+    KVManager,
+    KVTransfer,
+    PrefixHit,
+    cdiv,
+)
 from pagedllm.core.outputs import PrefixCacheStats
+from pagedllm.kv_backends.paged.block_pool import BlockOwners, BlockPool, KVCacheBlock
+from pagedllm.kv_backends.paged.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
 from pagedllm.request import Request
 
 __all__ = ["KVCacheBlock", "KVCacheGroupSpec", "KVCacheManager", "KVFigures", "cdiv"]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +80,25 @@ class _RequestBlocks:
         self.owner_slot = 0
 
 
-class KVCacheManager(KVManager):
+class _AllocationPlan(NamedTuple):
+    """One ``allocate_slots`` call's need, per group alike."""
+
+    num_computed: int
+    """Computed tokens once the hit blocks are taken."""
+    num_hit_blocks: int
+    num_new_blocks: int
+    """Fresh blocks appended to every group."""
+    cow_index: int | None
+    """Logical index of a shared, partly filled block this step writes into (copied first)."""
+    skips: list[int]
+    """Per group: leading hit blocks already out of its window (nulls take their place)."""
+
+
+class KVCacheManager(KVManager, KVTransfer):
     """Allocates, shares (prefix cache) and frees the KV blocks of requests."""
 
     backend = "paged"
+    capabilities = KVCapabilities(prefix_caching=True, forks=True, delayed_caching=True, kv_transfer=True)
 
     def __init__(
         self,
@@ -178,8 +197,33 @@ class KVCacheManager(KVManager):
         if req is not None:
             # Blocks that left every window of this step are freed before counting the need.
             self._remove_skipped_blocks(req, request.num_computed_tokens)
-        num_existing = len(req.blocks[0]) if req is not None else 0
         hits = new_computed_blocks or [[] for _ in range(self.num_groups)]
+        plan = self._plan(request, req, hits, num_new_tokens, num_lookahead_tokens)
+        if not self._can_supply(plan, hits):
+            return None
+        copied: list[tuple[int, int]] = []
+        if plan.cow_index is not None:
+            assert req is not None
+            copied = self._copy_on_write(req, plan.cow_index)
+        if req is None:
+            req = self._requests[request.request_id] = _RequestBlocks(self.num_groups)
+            req.owner_slot = self.owners.add(request.request_id)
+        new_block_ids = self._append_blocks(req, hits, plan)
+        if self.enable_caching and not delay_cache_blocks:
+            num_full = min(plan.num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, req, num_full)
+        return KVAllocation(new_block_ids, copied)
+
+    def _plan(
+        self,
+        request: Request,
+        req: _RequestBlocks | None,
+        hits: list[list[KVCacheBlock]],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> _AllocationPlan:
+        """What ``allocate_slots`` needs from the pool, decided before anything changes."""
+        num_existing = len(req.blocks[0]) if req is not None else 0
         num_hit_blocks = len(hits[0])
         assert len(hits) == self.num_groups
         assert not (num_hit_blocks and num_existing), "hits only for a request without blocks"
@@ -188,48 +232,51 @@ class KVCacheManager(KVManager):
             min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len),
             self.block_size,
         )
-        num_new_blocks = max(0, num_required_blocks - num_existing - num_hit_blocks)
-        cow_index = self._cow_index(req, request.num_computed_tokens, num_new_tokens)
-        # Per group, hit blocks already out of the window are not taken (null instead).
-        skips = [
-            min(self._num_skipped_blocks(group_id, num_computed), num_hit_blocks)
-            for group_id in range(self.num_groups)
-        ]
+        return _AllocationPlan(
+            num_computed=num_computed,
+            num_hit_blocks=num_hit_blocks,
+            num_new_blocks=max(0, num_required_blocks - num_existing - num_hit_blocks),
+            cow_index=self._cow_index(req, request.num_computed_tokens, num_new_tokens),
+            # Per group, hit blocks already out of the window are not taken (null instead).
+            skips=[
+                min(self._num_skipped_blocks(group_id, num_computed), num_hit_blocks)
+                for group_id in range(self.num_groups)
+            ],
+        )
 
+    def _can_supply(self, plan: _AllocationPlan, hits: list[list[KVCacheBlock]]) -> bool:
+        """Whether the free queue holds the plan's new blocks (and a copy-on-write copy)."""
         # Hit blocks that are free right now leave the free queue when touched.
         num_free_hits = sum(
-            b.ref_cnt == 0 for group, skip in zip(hits, skips) for b in group[skip:]
+            b.ref_cnt == 0 for group, skip in zip(hits, plan.skips) for b in group[skip:]
         )
-        num_needed = (num_new_blocks + (cow_index is not None)) * self.num_groups
-        if num_needed > self.block_pool.get_num_free_blocks() - num_free_hits:
-            return None
-        copied: list[tuple[int, int]] = []
-        if cow_index is not None:
-            assert req is not None
-            copied = self._copy_on_write(req, cow_index)
+        num_needed = (plan.num_new_blocks + (plan.cow_index is not None)) * self.num_groups
+        return num_needed <= self.block_pool.get_num_free_blocks() - num_free_hits
 
-        if req is None:
-            req = self._requests[request.request_id] = _RequestBlocks(self.num_groups)
-            req.owner_slot = self.owners.add(request.request_id)
+    def _append_blocks(
+        self, req: _RequestBlocks, hits: list[list[KVCacheBlock]], plan: _AllocationPlan
+    ) -> list[list[int]]:
+        """Append the hit blocks (nulls for those out of a window) and the plan's new blocks
+        to every group; returns the appended ids per group."""
         new_block_ids: list[list[int]] = []
-        for blocks, group_hits, skip in zip(req.blocks, hits, skips):
+        for blocks, group_hits, skip in zip(req.blocks, hits, plan.skips):
             start = len(blocks)
             # Touch before popping new blocks, so a free hit block cannot be evicted here.
             self.block_pool.touch(group_hits[skip:])
             blocks.extend([self.block_pool.null_block] * skip)
             blocks.extend(group_hits[skip:])
-            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+            blocks.extend(self.block_pool.get_new_blocks(plan.num_new_blocks))
             new_block_ids.append([b.block_id for b in blocks[start:]])
             self.owners.claim(req.owner_slot, new_block_ids[-1])
         # Hit blocks are cached already.
-        req.num_cached_blocks = max(req.num_cached_blocks, num_hit_blocks)
+        req.num_cached_blocks = max(req.num_cached_blocks, plan.num_hit_blocks)
+        return new_block_ids
 
-        if self.enable_caching and not delay_cache_blocks:
-            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-            self._cache_full_blocks(request, req, num_full)
-        return KVAllocation(new_block_ids, copied)
+    # ---- disaggregated prefill (distributed/kv_transfer/): the KVTransfer capability ----
 
-    # ---- disaggregated prefill (distributed/kv_transfer/) ------------------------------
+    def kv_transfer(self) -> KVTransfer:
+        """This manager itself: its blocks travel under their prefix-cache hashes."""
+        return self
 
     def get_block_hashes(self, request: Request) -> list[BlockHash]:
         """The prefix-cache hashes of the request's full blocks (stable across processes)."""

@@ -1,7 +1,7 @@
 """The dashboard's picture of the paged block pool, taken between engine steps.
 
 The block pool mirrors each block's ref count and cached flag in numpy arrays, and the owner
-of each held block as a small integer slot (``BlockOwners``, core/block_pool.py), so a view
+of each held block as a small integer slot (``BlockOwners``, block_pool.py), so a view
 is a few array copies and vectorized comparisons: no Python work per block. Per-request work
 (O(running requests), for the fragmentation figure) is the only loop.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.core.block_pool import NO_OWNER, ORPHANED
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.kv_backends.paged.block_pool import NO_OWNER, ORPHANED
+from pagedllm.kv_backends.paged.manager import KVCacheManager
 from pagedllm.request import Request
 
 FREE, FREE_CACHED, IN_USE, IN_USE_CACHED, NULL = range(5)

@@ -2,7 +2,7 @@
 paged backend's worker side (``PagedKVWorker``: block tables and slot mappings).
 
 Layers with the same attention type (full, or one sliding window) form KV cache groups;
-each group has its own block ids per request (core/kv_cache_manager.py). Every group has
+each group has its own block ids per request (manager.py). Every group has
 the same number of layers (the gcd of the per-type layer counts: Gemma 3 270M's 3 global and
 15 local layers make 1 + 5 groups of 3), so that groups can share the block pool and the
 tensors: tensor j holds the j-th layer of every group, and a block id, owned by one group at

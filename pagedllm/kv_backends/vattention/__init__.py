@@ -24,10 +24,8 @@ if TYPE_CHECKING:
 
 class VAttentionBackend(KVBackend):
     name = "vattention"
-    supports_prefix_caching = False
-    supports_forks = False
+    capabilities = VAttentionKVManager.capabilities
     supports_speculation = False
-    supports_kv_transfer = False
     supports_tensor_parallel = False
     supports_cuda = False
     fork_refusal = FORK_UNSUPPORTED
@@ -37,7 +35,7 @@ class VAttentionBackend(KVBackend):
         budget kept by ``VAttentionKVManager``."""
         from pagedllm.kv_backends.vattention.worker import HUGE, SMALL_PAGE, VAttentionKVCache
         from pagedllm.config import resolve_kv_cache_dtype
-        from pagedllm.worker.kv_cache import attention_layers, kv_token_bytes
+        from pagedllm.kv_backends.paged.worker import attention_layers, kv_token_bytes
 
         model_config = loaded.model_config
         layers = attention_layers(loaded.model)

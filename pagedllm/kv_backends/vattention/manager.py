@@ -25,15 +25,16 @@ The ids this manager hands to the runner are not blocks: a request's ``block_ids
 ``[[slot]]`` (one group, one id), which is all the runner needs to find its KV.
 
 Not supported (no physical page can be shared between slots): prefix caching, and any fork
-(n > 1, beam search). ``check_request`` refuses those with a ValueError at submission.
+(n > 1, beam search). ``check_request`` refuses those with a ValueError at submission; its
+``KVCapabilities`` declare them (and KV transfer, delayed caching) absent, and the protocol's
+``kv_transfer()`` and ``allocate_slots(..., delay_cache_blocks=True)`` refuse by name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.core.kv_cache_manager import cdiv
-from pagedllm.core.kv_manager import KVAllocation, KVFigures, KVManager, PrefixHit
+from pagedllm.core.kv_manager import KVAllocation, KVCapabilities, KVFigures, KVManager, PrefixHit, cdiv
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.request import Request
 
@@ -48,6 +49,7 @@ class VAttentionKVManager(KVManager):
     """Slots and page accounting of the vattention backend."""
 
     backend = "vattention"
+    capabilities = KVCapabilities(prefix_caching=False, forks=False, delayed_caching=False, kv_transfer=False)
 
     def __init__(
         self,
@@ -101,12 +103,14 @@ class VAttentionKVManager(KVManager):
         num_new_tokens: int,
         new_computed_blocks: list[list[Any]] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVAllocation | None:
         """Charge the pages the request's slot needs for ``num_computed_tokens +
         num_new_tokens + num_lookahead_tokens`` tokens (capped at max_model_len), giving it
         a slot first if it has none. Returns ``[[slot]]`` for a request that just got its
         slot, ``[[]]`` otherwise, or None (nothing changed) if the budget cannot supply the
         pages even after releasing every idle slot."""
+        self.check_delayed_caching(delay_cache_blocks)
         assert not new_computed_blocks or not any(new_computed_blocks), "no prefix cache here"
         rid = request.request_id
         slot = self._slot_of.get(rid)

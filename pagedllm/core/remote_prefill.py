@@ -1,0 +1,128 @@
+"""Disaggregated prefill, the scheduler's part: requests whose prompt KV is pulled from a
+prefill instance (decode side), and finished prompts whose blocks stay held for such a pull
+(prefill side).
+
+A pulled request holds blocks outside ``waiting`` and ``running`` while the connector pulls
+(``waiting_for_remote``); blocks are entered into the prefix cache only once their KV has
+arrived (delayed caching). An aborted request whose pull is still writing into its blocks
+keeps them until the pull ends. The KV manager must declare both capabilities
+(``KVCapabilities.kv_transfer`` and ``delayed_caching``); one without them refuses by name
+when this part is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from pagedllm.core.kv_manager import KVManager
+from pagedllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.kv_transfer.base import KVConnectorOutput, KVConnectorSchedulerBase
+
+
+class EndedPull(NamedTuple):
+    """A request whose pull ended: its blocks are freed, its computed tokens reset."""
+
+    request: Request
+    error: str | None
+    """Why the pull failed; None when its blocks entered the prefix cache."""
+
+
+class RemotePrefill:
+    """The scheduler side of a KV connector over a manager's KV-transfer capability."""
+
+    def __init__(self, connector: KVConnectorSchedulerBase, kv_manager: KVManager) -> None:
+        self.connector = connector
+        self.kv_manager = kv_manager
+        self.kv = kv_manager.kv_transfer()  # ValueError naming a backend without it
+        kv_manager.check_delayed_caching(True)
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.aborted_loading: dict[str, Request] = {}
+
+    @staticmethod
+    def wants_pull(request: Request) -> bool:
+        return bool((request.kv_transfer_params or {}).get("do_remote_prefill"))
+
+    @property
+    def has_pending(self) -> bool:
+        """Blocks held for a remote pull: the engine keeps polling the connector."""
+        return self.kv.num_held > 0
+
+    def admit(self, request: Request, num_running: int, max_num_seqs: int) -> bool | None:
+        """Allocate blocks for what a prefill instance can send of ``request`` (the head of
+        ``waiting``) and park it in ``waiting_for_remote`` while the connector pulls.
+
+        Returns None when nothing is to be pulled (the normal admission follows), else
+        whether the request was parked (the caller then takes it out of ``waiting``).
+        """
+        kv_manager = self.kv_manager
+        if request.group_id is not None or request.pending_forks or request.num_preemptions:
+            self.connector.release(request)
+            request.kv_transfer_params = None
+            return None
+        computed_blocks, num_hit_tokens = kv_manager.get_computed_blocks(request)
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        if num_external == 0:
+            request.kv_transfer_params = None
+            return None
+        if num_running + len(self.waiting_for_remote) >= max_num_seqs:
+            return False
+        allocation = kv_manager.allocate_slots(request, num_external, computed_blocks, delay_cache_blocks=True)
+        if allocation is None:
+            return False
+        first = num_hit_tokens // self.kv.block_size
+        last = first + num_external // self.kv.block_size
+        block_ids = kv_manager.get_block_ids(request.request_id)[0][first:last]
+        self.connector.update_state_after_alloc(request, block_ids, self.kv.get_block_hashes(request)[first:last])
+        # The blocks are not computed until the pull ends; the hit blocks are.
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[request.request_id] = request
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Whether ``request_id`` was being pulled; its blocks are then freed when the pull
+        ends (it still writes into them)."""
+        request = self.waiting_for_remote.pop(request_id, None)
+        if request is None:
+            return False
+        self.aborted_loading[request_id] = request
+        return True
+
+    def take_ended_pulls(self, kv_output: KVConnectorOutput) -> list[EndedPull]:
+        """Free the blocks whose transfer ended. A pulled request enters its blocks into the
+        prefix cache and frees them (its admission then finds the prompt as a prefix hit); a
+        failed pull frees them uncached."""
+        for hold_id in kv_output.finished_sending:
+            self.kv.release_held(hold_id)
+        ended: list[EndedPull] = []
+        for request_id in [*kv_output.finished_recving, *kv_output.failed_recving]:
+            aborted = self.aborted_loading.pop(request_id, None)
+            if aborted is not None:
+                self.kv_manager.free(aborted)
+                continue
+            request = self.waiting_for_remote.pop(request_id, None)
+            if request is None:
+                continue
+            error = kv_output.failed_recving.get(request_id)
+            if error is None:
+                self.kv.cache_blocks(request, self.kv.get_num_blocks(request_id) * self.kv.block_size)
+            self.kv_manager.free(request)
+            request.num_computed_tokens = 0
+            request.kv_transfer_params = None
+            ended.append(EndedPull(request, error))
+        return ended
+
+    def hold_for_pull(self, request: Request) -> dict | None:
+        """A finished request's prompt blocks may stay held for a remote pull; returns the
+        kv_transfer_params that tell the client where to pull them from (or None)."""
+        if request.kv_transfer_params is None:
+            return None
+        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.kv.block_size
+        block_ids = self.kv_manager.get_block_ids(request.request_id)[0][:num_full]
+        hashes = self.kv.get_block_hashes(request)[:num_full]
+        hold_id, params = self.connector.request_finished(request, block_ids, hashes)
+        if hold_id is not None:
+            self.kv.hold(hold_id, request, num_full)
+        return params
