@@ -156,3 +156,19 @@ class _SlotRunner:
                 req_ids.append(req_id)
                 sampled.append([SAMPLED_TOKEN])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def test_capabilities_it_lacks_are_refused_by_name():
+    """No prefix cache, forks or KV transfer: declared, and asking for them is refused with
+    the backend's name (never a downcast or an AttributeError)."""
+    m = _manager()
+    caps = m.capabilities
+    assert not (caps.prefix_caching or caps.forks or caps.delayed_caching or caps.kv_transfer)
+    with pytest.raises(ValueError, match="kv_cache_backend='vattention'"):
+        m.kv_transfer()
+    r = make_request("a", num_prompt_tokens=5)
+    with pytest.raises(ValueError, match="kv_cache_backend='vattention'.*delay_cache_blocks"):
+        m.allocate_slots(r, 5, delay_cache_blocks=True)
+    assert m.get_slot("a") is None  # nothing was allocated
+    with pytest.raises(ValueError, match="kv_cache_backend='vattention'"):
+        Scheduler(SchedulerConfig(64, 4, 64), m, kv_connector=object())  # type: ignore[arg-type]
