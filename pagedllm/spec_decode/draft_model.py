@@ -1,8 +1,9 @@
 """Draft-model proposer: greedy drafts from a smaller model, or from the target's first
 layers (self-speculation, early_exit.py).
 
-A separate draft model owns a paged KV cache of the target's pool shape (as many blocks of
-the same size), so the target's block ids index it too. Invariant: the draft's KV is valid
+A separate draft model owns a KV cache of the target's pool shape (as many blocks of the
+same size), so the target's block ids index it too; the target's KV worker makes it (the
+``DraftKVHost`` capability, proposer.py). Invariant: the draft's KV is valid
 at every position where the target's is. Each step the draft first computes what the
 target computed and kept (from the step's first position to the end of the emitted
 tokens; prompt chunks that did not sample too), and the runner has it copy its blocks when
@@ -28,8 +29,7 @@ from torch import nn
 
 from pagedllm.layers.attention import forward_context
 from pagedllm.spec_decode.early_exit import EarlyExitModel
-from pagedllm.spec_decode.proposer import PrefillChunk, Proposer, RunnerView
-from pagedllm.kv_backends.paged.worker import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups
+from pagedllm.spec_decode.proposer import DraftKV, DraftKVHost, PrefillChunk, Proposer, RunnerView
 
 if TYPE_CHECKING:
     from pagedllm.config import SpeculativeConfig
@@ -37,26 +37,28 @@ if TYPE_CHECKING:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(
-        self, draft: nn.Module, runner: RunnerView, k: int, kv_caches: list[torch.Tensor] | None
-    ) -> None:
-        """``kv_caches``: the draft's own, bound to its attention layers (allocate_kv_caches);
-        None for a self-draft, which reads and writes the target's."""
+    def __init__(self, draft: nn.Module, runner: RunnerView, k: int, draft_kv: DraftKV | None) -> None:
+        """``draft_kv``: the draft's own, bound to its attention layers; None for a
+        self-draft, which reads and writes the target's."""
         self.draft = draft
         self.runner = runner
         self.num_speculative_tokens = k
-        self.kv_caches = kv_caches
+        self.draft_kv = draft_kv
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor] | None:
+        return self.draft_kv.kv_caches if self.draft_kv is not None else None
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
-        if self.kv_caches is not None:
-            copy_blocks(self.kv_caches, blocks_to_copy)
+        if self.draft_kv is not None:
+            self.draft_kv.copy_blocks(blocks_to_copy)
 
     def propose(
         self, states: list[CachedRequestState], max_model_len: int, prefills: Sequence[PrefillChunk] = ()
     ) -> list[list[int]]:
         caps = self.max_drafts(states, max_model_len)
         drafts: list[list[int]] = [[] for _ in states]
-        owns_kv = self.kv_caches is not None
+        owns_kv = self.draft_kv is not None
         # One view per request of this pass: its first position and token count, and which
         # state it drafts for (None: a prompt chunk, whose draft KV is only written).
         views: list[CachedRequestState] = []
@@ -111,8 +113,10 @@ def build_draft_proposer(config: SpeculativeConfig, runner: RunnerView) -> Draft
             f"speculative_config model={config.model!r} has vocab size {loaded.model_config.vocab_size}, "
             f"the target {model_config.vocab_size}: the draft must share the target's tokenizer"
         )
-    layers = attention_layers(loaded.model)
-    if len(kv_cache_groups(layers)) != 1 or runner.num_kv_cache_groups != 1:
-        raise ValueError("speculative_config model: draft and target must both be full-attention models")
-    kv_caches = allocate_kv_caches(layers, runner.num_blocks, runner.block_size, model_config.dtype)
-    return DraftModelProposer(loaded.model, runner, k, kv_caches)
+    host = runner.kv_worker
+    if not isinstance(host, DraftKVHost):
+        raise ValueError(
+            f"speculative_config model: the KV worker {type(host).__name__} cannot hold a draft "
+            "model's KV cache; use kv_cache_backend='paged'"
+        )
+    return DraftModelProposer(loaded.model, runner, k, host.make_draft_kv(loaded.model, model_config.dtype))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +23,27 @@ class DraftBatch(Protocol):
     logits_indices: torch.Tensor  # [num_sampling]: the last token of each request that reaches its end
 
 
+class DraftKV(Protocol):
+    """A draft model's own KV cache, laid out as the target's so the target's ids index it."""
+
+    kv_caches: list[torch.Tensor]
+
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write (src -> dst), as the target's cache is copied."""
+        ...
+
+
+@runtime_checkable
+class DraftKVHost(Protocol):
+    """A KV backend's worker side that can hold a separate draft model's KV (a capability:
+    the draft asks for it and refuses by the worker's name where it is absent)."""
+
+    def make_draft_kv(self, model: nn.Module, dtype: str) -> DraftKV:
+        """A cache for ``model``'s attention layers (bound to them); ValueError for a model
+        or pool it cannot mirror."""
+        ...
+
+
 class RunnerView(Protocol):
     """What proposers use of the model runner (which satisfies this protocol)."""
 
@@ -32,6 +53,8 @@ class RunnerView(Protocol):
     num_blocks: int
     """Blocks of the runner's KV pool (a draft model's own cache has as many, same ids)."""
     num_kv_cache_groups: int
+    kv_worker: Any
+    """The KV backend's worker side (a ``DraftKVHost`` where it can hold a draft's KV)."""
 
     def prepare_inputs(self, states: list[CachedRequestState], num_scheduled: list[int]) -> DraftBatch:
         """The flat batch of ``num_scheduled[i]`` tokens of each state from its

@@ -130,6 +130,20 @@ def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: list[tuple[int, i
         raw[:, dst] = raw[:, src]
 
 
+class PagedDraftKV:
+    """A draft model's own KV cache in the paged layout, as many blocks of the same size as
+    the target's pool, so the target's block ids (and its copy-on-write pairs) index it."""
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: str) -> None:
+        layers = attention_layers(model)
+        if len(kv_cache_groups(layers)) != 1:
+            raise ValueError("speculative_config model: the draft must be a full-attention model")
+        self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, dtype)
+
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        copy_blocks(self.kv_caches, blocks_to_copy)
+
+
 class PagedKVWorker(KVCacheWorker):
     """The paged backend's worker side: a block pool per layer slot, block tables per group."""
 
@@ -146,6 +160,13 @@ class PagedKVWorker(KVCacheWorker):
         assert not so.kv_slots_to_release, "the paged pool reuses blocks in place"
         if so.blocks_to_copy:
             copy_blocks(self.kv_caches, so.blocks_to_copy)
+
+    def make_draft_kv(self, model: nn.Module, dtype: str) -> PagedDraftKV:
+        """The draft-model KV capability (spec_decode/proposer.py's ``DraftKVHost``): a cache
+        of this pool's shape for ``model``'s layers, bound to them."""
+        if self.num_groups != 1:
+            raise ValueError("speculative_config model: the target must be a full-attention model")
+        return PagedDraftKV(model, self.kv_caches[0].shape[1], self.block_size, dtype)
 
     def attention_metadata(
         self, block_ids: Sequence[list[list[int]]], step: StepIndex
