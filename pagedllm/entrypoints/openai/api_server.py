@@ -11,17 +11,16 @@ import contextlib
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -29,17 +28,11 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.engine.core_client import StartedCore
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
-from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
-from pagedllm.entrypoints.openai.lora_routes import add_lora_routes, build_lora_registry, resolve_model
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
+from pagedllm.entrypoints.openai import dashboard
+from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
+from pagedllm.entrypoints.openai.routers import admin, completions, health, models, tokenize
+from pagedllm.entrypoints.openai.routers.state import ServerState
 from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -50,7 +43,6 @@ logger = logging.getLogger(__name__)
 # All else needs the API key. The /dashboard page is static HTML that asks the user for the
 # key and sends it with its /dashboard/state requests.
 _OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/dashboard"})
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -144,25 +136,40 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ...]) -> FastAPI:
-    """model_names: what clients may send as `model`; the first is the one reported."""
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await engine.shutdown()
-        renderer.close()
+async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    return error_response(exc)
 
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    model_name = model_names[0]
-    loras = build_lora_registry(engine.args, config.lora_modules, model_names)
-    request_logger = RequestLogger(config.max_log_len) if config.enable_log_requests else None
-    completion = OpenAIServingCompletion(engine, model_name, request_logger)
-    renderer = ChatRenderer(engine, config.chat_template, config.trust_request_chat_template,
-                            config.request_chat_template_timeout_s)
-    chat = OpenAIServingChat(engine, model_name, renderer, config.tool_calls, engine.args.reasoning_parser,
-                             request_logger)
 
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(exc)
+    return error_response(bad_request(message, param))
+
+
+async def _engine_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(engine_error(exc))  # not ready: a 503 with Retry-After
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "NotFoundError" if exc.status_code == 404 else "HTTPError"
+    return error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("internal error")
+    return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500, "InternalServerError"))
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI error body with its status."""
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(EngineNotReadyError, _engine_error)
+    app.add_exception_handler(RequestFaultError, _engine_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+def add_middleware(app: FastAPI, config: ServerConfig) -> None:
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=tuple(k.encode() for k in config.api_keys))
     # Added last, so outermost: a browser's preflight (OPTIONS, no key) is answered before
@@ -172,128 +179,43 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
         allow_headers=list(config.allowed_headers), allow_credentials=config.allow_credentials,
     )
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return error_response(bad_request(message, param))
+def build_state(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ...]) -> ServerState:
+    """The serving objects the routes share."""
+    model_name = model_names[0]
+    request_logger = RequestLogger(config.max_log_len) if config.enable_log_requests else None
+    renderer = ChatRenderer(engine, config.chat_template, config.trust_request_chat_template,
+                            config.request_chat_template_timeout_s)
+    return ServerState(
+        engine=engine,
+        model_names=model_names,
+        loras=build_lora_registry(engine.args, config.lora_modules, model_names),
+        completion=OpenAIServingCompletion(engine, model_name, request_logger),
+        chat=OpenAIServingChat(engine, model_name, renderer, config.tool_calls, engine.args.reasoning_parser,
+                               request_logger),
+    )
 
-    @app.exception_handler(EngineNotReadyError)
-    async def _not_ready(_: Request, exc: EngineNotReadyError) -> JSONResponse:
-        return error_response(engine_error(exc))  # 503 with Retry-After
 
-    @app.exception_handler(RequestFaultError)
-    async def _request_failed(_: Request, exc: RequestFaultError) -> JSONResponse:
-        return error_response(engine_error(exc))
+def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ...]) -> FastAPI:
+    """model_names: what clients may send as `model`; the first is the one reported."""
+    state = build_state(engine, config, model_names)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "NotFoundError" if exc.status_code == 404 else "HTTPError"
-        return error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+        state.chat.renderer.close()
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500, "InternalServerError"))
-
-    def check_model(name: str | None) -> None:
-        resolve_model(name, model_names, loras)  # the base's names or an adapter's, else a 404
-
-    def check_ready() -> None:
-        engine._check_ready()
-
-    async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-        """Run `work`, cancelling it (and so aborting its requests) if the client leaves."""
-        task = asyncio.ensure_future(work)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise OpenAIError("client disconnected", 499, "ClientClosedRequest")
-
-    async def respond(request: Request, result: Any) -> Response:
-        if isinstance(result, AsyncIterator):
-            return StreamingResponse(result, media_type="text/event-stream")
-        return JSONResponse(result.model_dump())
-
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        lora = resolve_model(body.model, model_names, loras)
-        check_ready()
-        return await respond(request, await until_disconnected(request, completion.create(body, lora)))
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        lora = resolve_model(body.model, model_names, loras)
-        check_ready()
-        return await respond(request, await until_disconnected(request, chat.create(body, lora)))
-
-    @app.get("/v1/models")
-    async def list_models() -> ModelList:
-        max_len = engine.model_config.max_model_len if engine.model_config is not None else None
-        cards = [ModelCard(id=name, root=engine.args.model, max_model_len=max_len) for name in model_names]
-        for adapter in loras.adapters() if loras is not None else ():
-            cards.append(ModelCard(id=adapter.lora_name, root=adapter.lora_path, max_model_len=max_len,
-                                   parent=adapter.base_model_name or model_name))
-        return ModelList(data=cards)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.ready and not engine.shutting_down:
-            return Response(status_code=200)
-        return Response(status_code=503)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        """vLLM's /ping (SageMaker's health check): /health's answer."""
-        return await health()
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": pagedllm.__version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        check_model(body.model)
-        check_ready()
-        assert engine.input_processor is not None and engine.model_config is not None
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            _, tokens = await chat.render(body.messages, None, body.add_generation_prompt)
-        elif body.add_special_tokens:
-            tokens = await engine.encode(body.prompt or "")
-        else:
-            tokens = await engine.run_tokenizer(engine.tokenizer.encode, body.prompt, add_special_tokens=False)
-        return {"count": len(tokens), "max_model_len": engine.model_config.max_model_len, "tokens": tokens}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        check_model(body.model)
-        check_ready()
-        assert engine.model_config is not None
-        vocab = engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict:
-        return {"reset": await engine.reset_prefix_cache()}
-
-    add_dashboard_routes(app, engine)
-    add_lora_routes(app, loras, config.allow_runtime_lora_updating)
-
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    app.state.server = state
+    add_middleware(app, config)
+    add_exception_handlers(app)
+    for router in (completions.router, models.router, tokenize.router, admin.router, health.router,
+                   dashboard.router):
+        app.include_router(router)
+    if state.loras is not None and config.allow_runtime_lora_updating:
+        app.include_router(admin.lora_router)
     return app
 
 

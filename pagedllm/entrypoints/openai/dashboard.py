@@ -14,13 +14,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.routers.state import ServerState, server_state
 
 STATE_PATH = "/dashboard/state"
 _PAGE = Path(__file__).with_name("dashboard.html")
+router = APIRouter()
 
 
 @lru_cache(maxsize=1)
@@ -50,11 +52,11 @@ async def dashboard_state(engine: AsyncLLM) -> dict[str, Any]:
     }
 
 
-def add_dashboard_routes(app: FastAPI, engine: AsyncLLM) -> None:
-    @app.get("/dashboard", include_in_schema=False)
-    async def dashboard_page() -> HTMLResponse:
-        return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-store"})
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard_page() -> HTMLResponse:
+    return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-store"})
 
-    @app.get(STATE_PATH)
-    async def dashboard_state_json() -> JSONResponse:
-        return JSONResponse(await dashboard_state(engine), headers={"Cache-Control": "no-store"})
+
+@router.get(STATE_PATH)
+async def dashboard_state_json(state: ServerState = Depends(server_state)) -> JSONResponse:
+    return JSONResponse(await dashboard_state(state.engine), headers={"Cache-Control": "no-store"})

@@ -1,0 +1,13 @@
+"""The server's routes, one ``APIRouter`` per concern, over one ``ServerState`` (state.py).
+
+- completions.py: ``/v1/completions``, ``/v1/chat/completions``
+- models.py: ``/v1/models``
+- tokenize.py: ``/tokenize``, ``/detokenize``
+- admin.py: ``/reset_prefix_cache``; the runtime LoRA routes (only with --enable-lora and
+  runtime updating allowed)
+- health.py: ``/health``, ``/ping``, ``/version``, ``/metrics``
+- the dashboard's routes live with it (../dashboard.py)
+
+Handlers are module-level functions; each reads the state through the ``server_state``
+dependency, so a router holds no per-app closure and ``api_server.build_app`` only wires.
+"""

@@ -1,0 +1,41 @@
+"""``/tokenize`` (a prompt or chat messages) and ``/detokenize``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagedllm.entrypoints.openai.routers.state import ServerState, server_state
+from pagedllm.entrypoints.openai.serving_base import bad_request
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)) -> dict:
+    engine = state.engine
+    state.resolve_model(body.model)
+    state.check_ready()
+    assert engine.input_processor is not None and engine.model_config is not None
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        _, tokens = await state.chat.render(body.messages, None, body.add_generation_prompt)
+    elif body.add_special_tokens:
+        tokens = await engine.encode(body.prompt or "")
+    else:
+        tokens = await engine.run_tokenizer(engine.tokenizer.encode, body.prompt, add_special_tokens=False)
+    return {"count": len(tokens), "max_model_len": engine.model_config.max_model_len, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)) -> dict:
+    engine = state.engine
+    state.resolve_model(body.model)
+    state.check_ready()
+    assert engine.model_config is not None
+    vocab = engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens)}
