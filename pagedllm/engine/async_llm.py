@@ -496,24 +496,54 @@ class AsyncLLM:
         self.abort(request_id)
 
     def _process(self, core_outputs: CoreOutputs) -> None:
+        """One batch of the core's outputs: failures, then per-request timing, then the
+        output processor's results to the streams, then the engine-wide stats."""
         assert self.output_processor is not None and self._client is not None
         now = time.monotonic()
+        core_outputs.outputs = self._take_failed(core_outputs.outputs)
+        self._observe_outputs(core_outputs.outputs, now)
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
         states = self.output_processor.states
-        failed = [eo for eo in core_outputs.outputs if eo.error is not None and eo.request_id in states]
-        if failed:  # the core failed these requests (beam searches carry their own errors below)
-            for eo in failed:
-                user_id = self.output_processor.user_request_id(eo.request_id)
-                if eo.retryable or eo.invalid:
-                    # A KV pull that failed under policy "fail": a 503; the request's own fault: a 400.
-                    stream = self._streams.get(user_id)
-                    if stream is not None:
-                        stream.put(KVTransferFailedError(eo.error) if eo.retryable else RequestRejectedError(eo.error))
-                    self.abort(user_id)
-                else:  # a step that raised: a 500
-                    self._fail(user_id, RuntimeError(eo.error))
-            failed_ids = {eo.request_id for eo in failed}
-            core_outputs.outputs = [eo for eo in core_outputs.outputs if eo.request_id not in failed_ids]
-        for eo in core_outputs.outputs:
+        for eo in core_outputs.outputs:  # finished sequences (n > 1 included) leave the ITL map
+            if eo.request_id not in states:
+                self._last_token_time.pop(eo.request_id, None)
+        if processed.reqs_to_abort:  # stop strings matched here: the core stops them too
+            self._client.abort_requests(processed.reqs_to_abort, stopped=True)
+        for request_id, error in processed.failed.items():
+            self._fail(request_id, error)
+        self._deliver(processed.request_outputs, now)
+        if core_outputs.stats is not None:
+            self.metrics.record_stats(core_outputs.stats)
+        if not self.args.disable_log_stats:
+            self.metrics.maybe_log(now)
+
+    def _take_failed(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Fail the requests the core failed and return the other outputs (beam searches
+        carry their own errors, handled with their results)."""
+        assert self.output_processor is not None
+        states = self.output_processor.states
+        failed = [eo for eo in outputs if eo.error is not None and eo.request_id in states]
+        if not failed:
+            return outputs
+        for eo in failed:
+            user_id = self.output_processor.user_request_id(eo.request_id)
+            if eo.retryable or eo.invalid:
+                # A KV pull that failed under policy "fail": a 503; the request's own fault: a 400.
+                stream = self._streams.get(user_id)
+                if stream is not None:
+                    stream.put(KVTransferFailedError(eo.error) if eo.retryable else RequestRejectedError(eo.error))
+                self.abort(user_id)
+            else:  # a step that raised: a 500
+                self._fail(user_id, RuntimeError(eo.error))
+        failed_ids = {eo.request_id for eo in failed}
+        return [eo for eo in outputs if eo.request_id not in failed_ids]
+
+    def _observe_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None:
+        """Finished beam searches to their streams; per request, its scheduling time and its
+        tokens' timing (TTFT, inter-token latency) into the metrics and request stats."""
+        assert self.output_processor is not None
+        states = self.output_processor.states
+        for eo in outputs:
             if eo.request_id in self._beam_searches and eo.finished:
                 stream = self._streams.pop(eo.request_id, None)
                 result = self._beam_search_output(eo, now)
@@ -533,15 +563,10 @@ class AsyncLLM:
             self.metrics.observe_tokens(len(eo.new_token_ids), None if last is None else now - last)
             self._last_token_time[eo.request_id] = now
             self._request_stats.tokens(user_id, now)
-        processed = self.output_processor.process_outputs(core_outputs.outputs)
-        for eo in core_outputs.outputs:  # finished sequences (n > 1 included) leave the ITL map
-            if eo.request_id not in states:
-                self._last_token_time.pop(eo.request_id, None)
-        if processed.reqs_to_abort:  # stop strings matched here: the core stops them too
-            self._client.abort_requests(processed.reqs_to_abort, stopped=True)
-        for request_id, error in processed.failed.items():
-            self._fail(request_id, error)
-        for out in processed.request_outputs:
+
+    def _deliver(self, request_outputs: list[RequestOutput], now: float) -> None:
+        """Each RequestOutput to its stream; a finished one closes its records."""
+        for out in request_outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
@@ -551,10 +576,6 @@ class AsyncLLM:
                 self.metrics.observe_finished(reason, stats.e2e_latency, stats)
             if stream is not None:
                 stream.put(out)
-        if core_outputs.stats is not None:
-            self.metrics.record_stats(core_outputs.stats)
-        if not self.args.disable_log_stats:
-            self.metrics.maybe_log(now)
 
 
 def _cache_info(info: Any) -> dict[str, Any]:
