@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
-from pagedllm.core.kv_manager import KVManager
+from pagedllm.core.kv_manager import KVAllocation, KVManager
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from pagedllm.core.remote_prefill import RemotePrefill
 from pagedllm.core.sched_output import (
@@ -238,7 +238,6 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         """Running requests, in admission order; the newest yield memory to older ones."""
-        kv = self.kv_cache_manager
         req_index = 0
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
@@ -256,18 +255,7 @@ class Scheduler:
             # Drafts that did not fit the budget or max_model_len are dropped.
             num_drafts = max(0, num_new_tokens - self._num_tokens_to_compute(request))
             del request.spec_token_ids[num_drafts:]
-            lookahead = self.num_lookahead_tokens
-            preempted_here = False
-            while (allocation := kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
-                # Any members of the victim group scheduled earlier in this step are
-                # unscheduled with it (the current request may be among them).
-                victims = self._pop_victim_group()
-                for victim in victims:
-                    step.unschedule(victim.request_id)
-                    self._preempt(victim)
-                step.preempted = preempted_here = True
-                if request in victims:
-                    break
+            allocation, preempted_here = self._allocate_preempting(request, num_new_tokens, step)
             if allocation is None:
                 if not self.waiting.victims_anywhere:
                     return  # FCFS: the request preempted itself, so nothing runs after it
@@ -278,21 +266,49 @@ class Scheduler:
                 continue
             if preempted_here and self.waiting.victims_anywhere:
                 req_index = self.running.index(request)  # victims before it shifted it
-            step.blocks_to_copy.extend(allocation.copied_blocks)
-            if request.request_id in self._unsent:  # forked this step or earlier: new to the runner
-                self._unsent.discard(request.request_id)
-                step.new_reqs.append(self._new_request_data(request))
-            else:
-                step.cached_reqs.append(
-                    CachedRequestData(
-                        request.request_id, allocation.block_ids, request.num_computed_tokens,
-                        allocation.copied_blocks,
-                    )
-                )
-            step.schedule(request.request_id, num_new_tokens)
-            if request.spec_token_ids:
-                step.spec_tokens[request.request_id] = list(request.spec_token_ids)
+            self._schedule_allocated(request, num_new_tokens, allocation, step)
             req_index += 1
+
+    def _allocate_preempting(
+        self, request: Request, num_new_tokens: int, step: _Step
+    ) -> tuple[KVAllocation | None, bool]:
+        """Slots for a running request, preempting victim groups until they fit or the
+        request itself was preempted (then None). Also whether anything was preempted."""
+        preempted = False
+        lookahead = self.num_lookahead_tokens
+        while (allocation := self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens=lookahead
+        )) is None:
+            # Any members of the victim group scheduled earlier in this step are
+            # unscheduled with it (the current request may be among them).
+            victims = self._pop_victim_group()
+            for victim in victims:
+                step.unschedule(victim.request_id)
+                self._preempt(victim)
+            step.preempted = preempted = True
+            if request in victims:
+                break
+        return allocation, preempted
+
+    def _schedule_allocated(
+        self, request: Request, num_new_tokens: int, allocation: KVAllocation, step: _Step
+    ) -> None:
+        """A running request that got its slots joins this step (new to the runner if it
+        was forked since it last ran)."""
+        step.blocks_to_copy.extend(allocation.copied_blocks)
+        if request.request_id in self._unsent:  # forked this step or earlier: new to the runner
+            self._unsent.discard(request.request_id)
+            step.new_reqs.append(self._new_request_data(request))
+        else:
+            step.cached_reqs.append(
+                CachedRequestData(
+                    request.request_id, allocation.block_ids, request.num_computed_tokens,
+                    allocation.copied_blocks,
+                )
+            )
+        step.schedule(request.request_id, num_new_tokens)
+        if request.spec_token_ids:
+            step.spec_tokens[request.request_id] = list(request.spec_token_ids)
 
     def _admit_waiting_group(self, step: _Step) -> bool:
         """Admit the head of ``waiting`` with the rest of its group, all or nothing.
@@ -477,20 +493,9 @@ class Scheduler:
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
-                # Accepted drafts plus one token came back: the rejected drafts' KV slots are
-                # no longer computed (the next step overwrites them).
-                num_accepted = len(token_ids) - 1
-                assert 0 <= num_accepted <= len(drafts), (request_id, drafts, token_ids)
-                request.num_computed_tokens -= len(drafts) - num_accepted
-                assert self._spec_stats is not None
-                self._spec_stats.observe(len(drafts), num_accepted)
+                self._roll_back_rejected(request, drafts, token_ids)
             request.spec_token_ids = []
-            new_token_ids: list[int] = []
-            for token_id in token_ids:
-                request.append_output_token_ids([token_id])
-                new_token_ids.append(token_id)
-                if check_stop(request, self.max_model_len):
-                    break  # tokens after a stop are dropped
+            new_token_ids = self._append_until_stop(request, token_ids)
             kv_transfer_params = None
             if request.is_finished:
                 kv_transfer_params = self._free_finished(request)
@@ -512,6 +517,25 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs
+
+    def _roll_back_rejected(self, request: Request, drafts: list[int], token_ids: list[int]) -> None:
+        """Accepted drafts plus one token came back: the rejected drafts' KV slots are no
+        longer computed (the next step overwrites them)."""
+        num_accepted = len(token_ids) - 1
+        assert 0 <= num_accepted <= len(drafts), (request.request_id, drafts, token_ids)
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        assert self._spec_stats is not None
+        self._spec_stats.observe(len(drafts), num_accepted)
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append the sampled tokens up to and including a stop; returns those appended."""
+        new_token_ids: list[int] = []
+        for token_id in token_ids:
+            request.append_output_token_ids([token_id])
+            new_token_ids.append(token_id)
+            if check_stop(request, self.max_model_len):
+                break  # tokens after a stop are dropped
+        return new_token_ids
 
     # ---- stats -------------------------------------------------------------------------
 
