@@ -170,7 +170,7 @@ def test_scheduler_side_imports_without_torch():
     import subprocess
     import sys
 
-    from tests.core.test_kv_cache_utils import _SUBPROCESS_PRELUDE, REPO_ROOT
+    from tests.kv_backends.paged.test_kv_cache_utils import _SUBPROCESS_PRELUDE, REPO_ROOT
 
     code = _SUBPROCESS_PRELUDE + (
         "import pagedllm.distributed.kv_transfer.zmq_connector, pagedllm.distributed.kv_transfer.config\n"

@@ -1,6 +1,6 @@
 """The KV block pool: preallocated blocks, an O(1) free queue, and the prefix-cache map.
 
-Invariants (checked by tests/core/test_block_pool.py):
+Invariants (checked by tests/kv_backends/paged/test_block_pool.py):
 - A block is in the free queue iff its ``ref_cnt`` is 0. Block 0 (the null block) never is.
 - A free block may still hold a cached hash: it is reusable by a prefix hit until it reaches
   the head of the free queue and is handed out again, which evicts it. So eviction is LRU:

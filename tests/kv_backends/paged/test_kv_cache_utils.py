@@ -16,7 +16,7 @@ from pagedllm.kv_backends.paged.kv_cache_utils import (
     hash_request_tokens,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TOKENS = list(range(1000, 1010))  # two full blocks of 4 and a partial one
 EXTRA = first_block_extra_keys(("m", "float32", 4), "salt")
 

@@ -7,7 +7,7 @@ import pytest
 from pagedllm.kv_backends.paged.manager import KVCacheGroupSpec, KVCacheManager
 from pagedllm.request import RequestStatus
 
-from .utils import make_request
+from tests.core.utils import make_request
 
 WINDOW = 8  # tokens; block_size 4
 PROMPT = list(range(100, 140))  # 40 tokens = 10 blocks

@@ -7,7 +7,7 @@ import pytest
 from pagedllm.kv_backends.paged.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 
-from .utils import make_kv_cache_manager, make_request
+from tests.core.utils import make_kv_cache_manager, make_request
 
 PROMPT = list(range(100, 116))  # 16 tokens = 4 blocks of 4
 
