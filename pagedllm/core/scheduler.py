@@ -13,8 +13,8 @@ Invariants between steps:
 - Every unfinished request is in exactly one of them and in ``requests``, or (disaggregated
   prefill) in ``waiting_for_remote`` while its prompt's KV is pulled (remote_prefill.py).
 
-Its parts: the waiting queue and its policy (waiting_queue.py), the admission of the waiting
-head with its group (``_admit_waiting_group``), and the remote prefill (remote_prefill.py).
+Its parts: the waiting queue and its policy (waiting_queue.py), the allocation of a waiting
+group, all or nothing (group_admission.py), and the remote prefill (remote_prefill.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
+from pagedllm.core.group_admission import AdmittedSeq, GroupAdmission, num_tokens_to_compute, waiting_group
 from pagedllm.core.kv_manager import KVAllocation, KVManager
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from pagedllm.core.remote_prefill import RemotePrefill
@@ -71,6 +72,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = kv_cache_manager
+        self.admission = GroupAdmission(kv_cache_manager, self.num_lookahead_tokens)
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting = make_waiting_queue(scheduler_config.scheduling_policy)
@@ -244,7 +246,7 @@ class Scheduler:
             if request.pending_forks and request.num_computed_tokens == request.num_prompt_tokens - 1:
                 self._fork_group(request, req_index)
             num_new_tokens = min(
-                self._num_tokens_to_compute(request) + len(request.spec_token_ids),
+                num_tokens_to_compute(request) + len(request.spec_token_ids),
                 step.token_budget,
                 # Position max_model_len - 1 is never computed: the request stops first.
                 self.max_model_len - 1 - request.num_computed_tokens,
@@ -253,7 +255,7 @@ class Scheduler:
                 req_index += 1
                 continue
             # Drafts that did not fit the budget or max_model_len are dropped.
-            num_drafts = max(0, num_new_tokens - self._num_tokens_to_compute(request))
+            num_drafts = max(0, num_new_tokens - num_tokens_to_compute(request))
             del request.spec_token_ids[num_drafts:]
             allocation, preempted_here = self._allocate_preempting(request, num_new_tokens, step)
             if allocation is None:
@@ -323,12 +325,12 @@ class Scheduler:
                 self.waiting.popleft()
             if parked is not None:
                 return parked
-        members = self._waiting_group(head)
+        members = waiting_group(self.waiting, head)
         num_from_waiting = len(members)
         num_seqs = num_from_waiting + len(head.pending_forks)
         if len(self.running) + num_seqs > self.max_num_seqs or step.token_budget < num_seqs:
             return False
-        admitted = self._allocate_group(members, step.token_budget)
+        admitted = self.admission.allocate(members, step.token_budget)
         if admitted is None:
             return False
         for _ in range(num_from_waiting):
@@ -337,53 +339,7 @@ class Scheduler:
             self._start(seq, step)
         return True
 
-    def _waiting_group(self, head: Request) -> list[Request]:
-        """``head`` and the members of its group right behind it in ``waiting``."""
-        members = [head]
-        while (
-            head.group_id is not None
-            and len(members) < len(self.waiting)
-            and self.waiting[len(members)].group_id == head.group_id
-        ):
-            members.append(self.waiting[len(members)])
-        return members
-
-    def _allocate_group(self, members: list[Request], token_budget: int) -> list[_AdmittedSeq] | None:
-        """Blocks for every member (prefix hits first) within ``token_budget``; None, with
-        every allocation rolled back, when one does not fit. ``members`` grows by a leader's
-        pending forks when the cache holds all of its prompt but the last token."""
-        kv = self.kv_cache_manager
-        admitted: list[_AdmittedSeq] = []
-        i = 0
-        while i < len(members):
-            request = members[i]
-            assert request.num_computed_tokens == 0
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            # Leave each later member at least one token of the budget.
-            budget = token_budget - sum(seq.num_new_tokens for seq in admitted) - (len(members) - i - 1)
-            num_new_tokens = min(self._num_tokens_to_compute(request, num_hit_tokens), budget)
-            if request.pending_forks and num_new_tokens == 0:
-                # The cache holds all of the prompt but its last token: no fork needed, the
-                # members share those blocks as prefix hits and each computes the last token.
-                members.extend(request.pending_forks)
-                request.pending_forks = []
-                continue
-            allocation = kv.allocate_slots(
-                request, num_new_tokens, computed_blocks, num_lookahead_tokens=self.num_lookahead_tokens
-            )
-            # A request without blocks has nothing shared to copy on write.
-            block_ids = allocation.block_ids if allocation is not None else None
-            if block_ids is None or num_new_tokens <= 0:
-                # Roll back: the group waits whole (FCFS, nothing overtakes it).
-                rollback = admitted + ([_AdmittedSeq(request, 0, block_ids, num_hit_tokens)] if block_ids else [])
-                for seq in rollback:
-                    kv.free(seq.request, num_valid_tokens=seq.num_hit_tokens)
-                return None
-            admitted.append(_AdmittedSeq(request, num_new_tokens, block_ids, num_hit_tokens))
-            i += 1
-        return admitted
-
-    def _start(self, seq: _AdmittedSeq, step: _Step) -> None:
+    def _start(self, seq: AdmittedSeq, step: _Step) -> None:
         """An admitted sequence joins ``running`` and this step, its prefix hit computed."""
         request = seq.request
         self.running.append(request)
@@ -424,12 +380,6 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.add(request, front=True)
         return outputs
-
-    def _num_tokens_to_compute(self, request: Request, num_hit_tokens: int = 0) -> int:
-        """Tokens still to compute; a leader stops before the prompt's last token until its
-        group has forked."""
-        end = request.num_tokens - 1 if request.pending_forks else request.num_tokens
-        return end - max(request.num_computed_tokens, num_hit_tokens)
 
     def _fork_group(self, leader: Request, index: int) -> None:
         """The leader computed all of the prompt but its last token: its pending sequences
@@ -594,17 +544,6 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         return params
-
-
-class _AdmittedSeq(NamedTuple):
-    """A waiting sequence whose blocks were allocated this step."""
-
-    request: Request
-    num_new_tokens: int
-    block_ids: list[list[int]]
-    """Every block id the request holds, per group (it held none before)."""
-    num_hit_tokens: int
-    """Prompt tokens found in the prefix cache (computed already)."""
 
 
 @dataclass
