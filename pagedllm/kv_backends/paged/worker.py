@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.config import ModelConfig, resolve_kv_cache_dtype
+from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.kv_backends.model_kv import attention_layers, kv_token_bytes
 from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.kv_quant import cache_torch_dtype, row_bytes, row_width
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
@@ -36,10 +37,6 @@ class KVCacheGroup(NamedTuple):
     """The group's window, None for full attention."""
     layer_indices: list[int]
     """Positions of its layers in the model's list of Attention layers."""
-
-
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
 
 
 def kv_cache_groups(layers: list[Attention]) -> list[KVCacheGroup]:
@@ -58,13 +55,6 @@ def kv_cache_groups(layers: list[Attention]) -> list[KVCacheGroup]:
 def num_layer_slots(layers: list[Attention]) -> int:
     """Layer-sized slices one block spans: the (common) size of the groups."""
     return len(kv_cache_groups(layers)[0].layer_indices)
-
-
-def kv_token_bytes(model_config: ModelConfig, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one token's K (or V) in one layer: num_kv_heads rows of the storage's width
-    (8-bit codes plus a float32 scale per row for a quantized cache, layers/kv_quant.py)."""
-    storage = resolve_kv_cache_dtype(kv_cache_dtype, model_config.dtype)
-    return model_config.num_kv_heads * row_bytes(storage, model_config.head_dim)
 
 
 def kv_bytes_per_block(

@@ -35,7 +35,7 @@ class VAttentionBackend(KVBackend):
         budget kept by ``VAttentionKVManager``."""
         from pagedllm.kv_backends.vattention.worker import HUGE, SMALL_PAGE, VAttentionKVCache
         from pagedllm.config import resolve_kv_cache_dtype
-        from pagedllm.kv_backends.paged.worker import attention_layers, kv_token_bytes
+        from pagedllm.kv_backends.model_kv import attention_layers, kv_token_bytes
 
         model_config = loaded.model_config
         layers = attention_layers(loaded.model)
