@@ -39,7 +39,7 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args).create_engine_config())
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers, if any (they also stop with this process)."""
