@@ -175,7 +175,8 @@ class EngineArgs:
                 vattention_hugepages=self.vattention_hugepages,
                 vattention_deferred_reclaim=self.vattention_deferred_reclaim,
             ),
-            scheduler_config=SchedulerConfig(tokens, seqs, scheduling_policy=self.scheduling_policy),  # type: ignore[arg-type]
+            scheduler_config=SchedulerConfig(
+                tokens, seqs, scheduling_policy=self.scheduling_policy),  # type: ignore[arg-type]
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             device_config=DeviceConfig(device, self.gpu_memory_utilization,  # type: ignore[arg-type]
                                        tuple(sorted(set(self.cuda_graph_sizes or ()))), self.cpu_isa),
@@ -185,7 +186,7 @@ class EngineArgs:
                 fused_decode=self.fused_decode and environ.get(ENV_FUSED_DECODE, "1") != "0",
             ),
             quantization_config=QuantizationConfig(self.prefill_activations),  # type: ignore[arg-type]
-            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
+            lora_config=self._lora_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
             structured_output_config=StructuredOutputConfig(self.reasoning_parser),
             kv_transfer_config=self._kv_transfer_config(),
@@ -199,7 +200,13 @@ class EngineArgs:
     def _prefix_caching(self) -> bool:
         if self.enable_prefix_caching is not None:
             return self.enable_prefix_caching
-        return self.kv_cache_backend in KV_BACKEND_NAMES and get_kv_backend(self.kv_cache_backend).supports_prefix_caching
+        backend = self.kv_cache_backend
+        return backend in KV_BACKEND_NAMES and get_kv_backend(backend).supports_prefix_caching
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _kv_transfer_config(self):
         if self.kv_transfer_config is None:

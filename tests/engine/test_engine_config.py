@@ -107,7 +107,8 @@ def test_one_default_per_field() -> None:
         sched = cli_args.create_engine_config(environ={}).scheduler_config
         assert (sched.max_num_seqs, sched.max_num_batched_tokens) == SCHEDULER_DEFAULTS[usage], command
     # A given max_num_seqs above the default token budget raises the budget to it.
-    assert EngineArgs(max_num_seqs=5000).create_engine_config(environ={}).scheduler_config.max_num_batched_tokens == 5000
+    big = EngineArgs(max_num_seqs=5000).create_engine_config(environ={}).scheduler_config
+    assert big.max_num_batched_tokens == 5000
 
 
 def test_the_config_is_frozen_and_whole() -> None:
