@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from pagedllm.entrypoints.vllm_flags import (
     add_vllm_compat_args,
@@ -53,6 +54,16 @@ def _engine_args(args: argparse.Namespace, command: str) -> EngineArgs:
         raise SystemExit(f"pagedllm {command}: {e}") from None
 
 
+def _engine_config(args: argparse.Namespace, command: str) -> tuple[EngineArgs, EngineConfig]:
+    """The arguments and their one validated configuration (created here, once); a bad
+    value or combination stops the command before anything loads."""
+    engine_args = _engine_args(args, command)
+    try:
+        return engine_args, engine_args.create_engine_config()
+    except ValueError as e:
+        raise SystemExit(f"pagedllm {command}: {e}") from None
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -78,12 +89,9 @@ def _sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.llm import LLM
 
-    engine_args = _engine_args(args, "generate")
+    _, engine_config = _engine_config(args, "generate")
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    try:  # the configuration is checked first, before anything loads
-        llm = LLM(**vars(engine_args))
-    except ValueError as e:
-        raise SystemExit(f"pagedllm {args.command}: {e}") from None
+    llm = LLM.from_engine_config(engine_config)
     params = _sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -105,11 +113,10 @@ def cmd_chat_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
-    engine_args = _engine_args(args, "serve")
+    engine_args, engine_config = _engine_config(args, "serve")
     from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
     try:
-        engine_config = engine_args.create_engine_config()  # every check, before loading anything
         tool_calls = ToolCallConfig(args.enable_auto_tool_choice, args.tool_call_parser)
         allow_runtime_lora_updating = runtime_lora_updating_from_env(os.environ)
         if allow_runtime_lora_updating and not engine_args.enable_lora:
