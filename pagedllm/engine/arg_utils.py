@@ -51,6 +51,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float", "half", "float16")
 ENV_FAULTS = "PAGEDLLM_INJECT_FAULT"
 ENV_FUSED_DECODE = "PAGEDLLM_FUSED_DECODE"
 ENV_CPU_KERNELS = "PAGEDLLM_CPU_KERNELS"
+ENV_CPU_ISA = "PAGEDLLM_CPU_ISA"
 
 
 @dataclass
@@ -156,7 +157,8 @@ class EngineArgs:
     def create_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
         """The one validated configuration of these arguments (ValueError naming the first
         bad value or combination). ``environ``: the environment variables that default a
-        field (PAGEDLLM_INJECT_FAULT, PAGEDLLM_FUSED_DECODE=0, PAGEDLLM_CPU_KERNELS=0)."""
+        field (PAGEDLLM_INJECT_FAULT, PAGEDLLM_FUSED_DECODE=0, PAGEDLLM_CPU_KERNELS=0,
+        PAGEDLLM_CPU_ISA)."""
         from pagedllm.engine.config_checks import check_engine_config
 
         device = resolve_device(self.device)
@@ -179,7 +181,8 @@ class EngineArgs:
                 tokens, seqs, scheduling_policy=self.scheduling_policy),  # type: ignore[arg-type]
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             device_config=DeviceConfig(device, self.gpu_memory_utilization,  # type: ignore[arg-type]
-                                       tuple(sorted(set(self.cuda_graph_sizes or ()))), self.cpu_isa),
+                                       tuple(sorted(set(self.cuda_graph_sizes or ()))),
+                                       self.cpu_isa or environ.get(ENV_CPU_ISA) or None),
             attention_config=AttentionConfig(
                 backend=self.attention_backend or platform.default_attention_backend,  # type: ignore[arg-type]
                 compiled_kernels=self.compiled_kernels and environ.get(ENV_CPU_KERNELS, "1") != "0",

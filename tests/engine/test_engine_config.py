@@ -146,8 +146,10 @@ def test_checks_run_in_create_engine_config(kwargs: dict, match: str) -> None:
 
 
 def test_former_environment_switches_are_configuration() -> None:
-    config = EngineArgs().create_engine_config(
-        environ={"PAGEDLLM_FUSED_DECODE": "0", "PAGEDLLM_CPU_KERNELS": "0", "PAGEDLLM_INJECT_FAULT": "sample:x"})
+    config = EngineArgs().create_engine_config(environ={
+        "PAGEDLLM_FUSED_DECODE": "0", "PAGEDLLM_CPU_KERNELS": "0", "PAGEDLLM_INJECT_FAULT": "sample:x",
+        "PAGEDLLM_CPU_ISA": "generic"})
+    assert config.device_config.cpu_isa == "generic"
     assert not config.attention_config.fused_decode and not config.attention_config.compiled_kernels
     assert config.observability_config.inject_fault == "sample:x"
     config = EngineArgs(fused_decode=False, inject_fault="add:y").create_engine_config(environ={})
