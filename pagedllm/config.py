@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedllm.kv_backends import KV_BACKEND_NAMES
+from pagedllm import faults
+from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+from pagedllm.lora.config import LoRAConfig
+from pagedllm.sampling_params import MAX_LOGPROBS
+from pagedllm.speculative_config import SpecMethod, SpeculativeConfig  # noqa: F401  (re-exported)
 
 GiB = 1 << 30
 
@@ -81,16 +86,22 @@ class CacheConfig:
 
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory_bytes: int = 4 * GiB
-    """Byte budget of the KV pool (as vLLM's CPU backend's default of 4 GiB)."""
+    kv_cache_memory_bytes: int | None = None
+    """Byte budget of the KV pool; None until the platform's rule sets it at build
+    (platforms/: 4 GiB on the CPU, as vLLM's CPU backend; on CUDA what gpu_memory_utilization
+    leaves after the weights and a profiled peak)."""
     enable_prefix_caching: bool = True
     """Reuse cached KV blocks of shared prompt prefixes."""
     kv_cache_backend: str = "paged"
     """A name in the KV backend registry (pagedllm/kv_backends/); each backend checks the
-    engine arguments it cannot honour (``KVBackend.check_args``)."""
+    settings it cannot honour (``KVBackend.check_config``)."""
     kv_cache_dtype: KVCacheDType = "auto"
     """What the KV cache stores (KV_CACHE_DTYPES): the model's dtype, or 8-bit codes with a
     scale per (token, KV head) row."""
+    vattention_hugepages: bool = False
+    """vattention: back the slots with transparent huge pages (2 MiB accounting pages)."""
+    vattention_deferred_reclaim: bool = True
+    """vattention: keep a finished request's pages for the next request in its slot."""
 
     def __post_init__(self) -> None:
         resolve_kv_cache_dtype(self.kv_cache_dtype, "float32")
@@ -100,7 +111,7 @@ class CacheConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
 
 
@@ -132,6 +143,9 @@ class AttentionConfig:
     contiguous_decode: ContiguousDecode = "kernel"
     """Decodes over the contiguous-slot layout: the compiled contiguous kernel ("kernel") or
     one SDPA call per request over views of its slot ("torch")."""
+    fused_decode: bool = True
+    """Decode steps through one compiled call over every decoder layer where it applies
+    (models/fused_decode.py); False: module by module (e.g. to profile the modules)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ATTENTION_BACKENDS:
@@ -152,7 +166,8 @@ class DeviceConfig:
     """Where the weights, the KV cache and the step's tensors live (docs/gpu.md)."""
 
     device: Device = "cpu"
-    """"cpu", or "cuda" (the current CUDA device); EngineArgs resolves "auto"."""
+    """"cpu", or "cuda" (the current CUDA device): the platform (platforms/); "auto" is
+    resolved before this is built (platforms.resolve_device)."""
     gpu_memory_utilization: float | None = None
     """CUDA only, vLLM's meaning: the fraction of the device's total memory this process may
     use; the KV cache gets what remains of it after the weights and the profiled peak of a
@@ -162,22 +177,19 @@ class DeviceConfig:
     decode step of n rows replays the smallest size >= n. Empty: every step runs eagerly
     (the default until the GPU check measures graphs faster, docs/gpu.md)."""
 
+    cpu_isa: str | None = None
+    """CPU: the compiled kernels' instruction-set level (platforms/isa.py: generic, avx2,
+    avx512, amx); None: the CPU's highest. A level above the CPU's falls to the CPU's (the
+    CPU platform checks the name and sets the level in effect)."""
+
     def __post_init__(self) -> None:
+        # What each device refuses is its platform's (platforms/*.py check_and_update_config).
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of 'cpu', 'cuda' (or 'auto' in EngineArgs)")
-        if self.cuda_graph_sizes and self.device != "cuda":
-            raise ValueError(f"cuda_graph_sizes={list(self.cuda_graph_sizes)} needs device='cuda'")
         if any(not isinstance(s, int) or s < 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes={list(self.cuda_graph_sizes)} must be integers >= 1")
         util = self.gpu_memory_utilization
-        if util is None:
-            return
-        if self.device == "cpu":
-            raise ValueError(
-                f"gpu_memory_utilization={util} (--gpu-memory-utilization) sizes the KV cache on "
-                "device='cuda'; on the CPU size it with kv_cache_memory_bytes (--kv-cache-memory-bytes)"
-            )
-        if not 0.0 < util <= 1.0:
+        if util is not None and not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization={util} must be in (0, 1]")
 
     @property
@@ -214,93 +226,6 @@ class SchedulerConfig:
             )
 
 
-SpecMethod = Literal["ngram", "draft_model"]
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "model", "draft_layers", "disable_by_batch_size", "min_acceptance_rate")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding: a proposer drafts tokens, the target verifies them in one pass."""
-
-    method: SpecMethod
-    """"ngram" (prompt lookup) or "draft_model" (a smaller model, or the target's first layers)."""
-    num_speculative_tokens: int
-    """Drafts proposed per request and step (k): a step verifies up to k + 1 tokens."""
-    prompt_lookup_min: int = 2
-    """ngram: shortest suffix n-gram that may match."""
-    prompt_lookup_max: int = 5
-    """ngram: longest suffix n-gram tried first."""
-    model: str | None = None
-    """draft_model: the draft checkpoint (same tokenizer as the target)."""
-    draft_layers: int | None = None
-    """draft_model without ``model``: self-speculation with the target's first L layers, its
-    final norm and LM head (no second checkpoint)."""
-    disable_by_batch_size: int | None = None
-    """A step that runs at least this many requests proposes no drafts for the next (vLLM's
-    key); None: never (spec_decode/policy.py)."""
-    min_acceptance_rate: float | None = None
-    """A request whose recent drafts were accepted at a lower rate gets none for a while (a
-    doubling backoff); None: every request is drafted for (spec_decode/policy.py)."""
-
-    def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
-            raise ValueError(
-                f"speculative_config method={self.method!r} is not one of 'ngram', 'draft_model'"
-            )
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"speculative_config num_speculative_tokens={self.num_speculative_tokens!r} "
-                "must be an integer >= 1"
-            )
-        if self.disable_by_batch_size is not None and (
-            not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
-        ):
-            raise ValueError(
-                f"speculative_config disable_by_batch_size={self.disable_by_batch_size!r} must be an integer >= 1"
-            )
-        if self.min_acceptance_rate is not None and not 0 <= self.min_acceptance_rate <= 1:
-            raise ValueError(
-                f"speculative_config min_acceptance_rate={self.min_acceptance_rate!r} must be in [0, 1]"
-            )
-        if self.method == "ngram":
-            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-                raise ValueError(
-                    f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                    f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
-                )
-            if self.model is not None or self.draft_layers is not None:
-                raise ValueError("speculative_config: 'model' and 'draft_layers' need method='draft_model'")
-        else:
-            if (self.model is None) == (self.draft_layers is None):
-                raise ValueError(
-                    "speculative_config method='draft_model' needs exactly one of 'model' (a draft "
-                    "checkpoint) or 'draft_layers' (self-speculation with the target's first layers)"
-                )
-            if self.draft_layers is not None and self.draft_layers < 1:
-                raise ValueError(f"speculative_config draft_layers={self.draft_layers} must be >= 1")
-
-    @classmethod
-    def from_dict(cls, config: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """The vLLM-style dict (``--speculative-config`` JSON, ``LLM(speculative_config=...)``)."""
-        if config is None or isinstance(config, SpeculativeConfig):
-            return config
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(_SPEC_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {list(_SPEC_KEYS)}")
-        for key in ("method", "num_speculative_tokens"):
-            if key not in config:
-                raise ValueError(f"speculative_config needs {key!r}")
-        return cls(**config)
-
-    @property
-    def num_lookahead_tokens(self) -> int:
-        """KV slots past the verified tokens a draft model writes while proposing."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
-
-
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -329,18 +254,134 @@ class ParallelConfig:
             )
 
 
+UsageContext = Literal["offline", "serve"]
+SCHEDULER_DEFAULTS: dict[str, tuple[int, int]] = {"offline": (256, 4096), "serve": (128, 2048)}
+"""(max_num_seqs, max_num_batched_tokens) where the user gives neither, per usage context, as
+vLLM's on CPUs: throughput for ``LLM``, latency for the API server. The one place they live."""
+
+
+def scheduler_defaults(usage_context: UsageContext, max_num_seqs: int | None,
+                       max_num_batched_tokens: int | None) -> tuple[int, int]:
+    """The step budgets: the given values, else the usage context's (the batched tokens at
+    least max_num_seqs, so every running request can decode each step)."""
+    default_seqs, default_tokens = SCHEDULER_DEFAULTS[usage_context]
+    seqs = default_seqs if max_num_seqs is None else max_num_seqs
+    return seqs, max_num_batched_tokens if max_num_batched_tokens is not None else max(default_tokens, seqs)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which weights and tokenizer to load, and how (models/loader.py)."""
+
+    model: str = "SmolLM2-135M-Instruct"
+    """A local path (.gguf file or HF directory), else a packaged model name, else a hub id."""
+    revision: str | None = None
+    """A hub id's branch, tag or commit (default: main)."""
+    download_dir: str | None = None
+    """The hub cache a hub id downloads into and resolves in."""
+    tokenizer: str | None = None
+    """A tokenizer directory (or .gguf file) other than the model's own."""
+    dtype: str = "auto"
+    """float32, bfloat16, or auto (the platform's rule at load, platforms/)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None: the checkpoint's context length."""
+    quantization: str | None = None
+    """gguf, int8, int4, none; None: the loader's default for the file."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} is not one of 'auto', 'float32', 'bfloat16'")
+        if self.quantization not in (None, "gguf", "int8", "int4", "none"):
+            raise ValueError(f"quantization={self.quantization!r} is not one of gguf, int8, int4, none")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """How quantized weights meet many activation rows (kernels/, layers/linear.py)."""
+
+    prefill_activations: PrefillActivations = "float"
+    """PREFILL_ACTIVATIONS: float, int8 or bf16 (docs/quantization.md)."""
+
+    def __post_init__(self) -> None:
+        if self.prefill_activations not in PREFILL_ACTIVATIONS:
+            raise ValueError(
+                f"prefill_activations={self.prefill_activations!r} is not one of {', '.join(PREFILL_ACTIVATIONS)}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Structured outputs and the reasoning that precedes them (structured_output/)."""
+
+    reasoning_parser: str | None = None
+    """A name in pagedllm/reasoning/parsers/; grammars start after the reasoning's end marker."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling limits and defaults (engine/generation_config.py)."""
+
+    max_logprobs: int = MAX_LOGPROBS
+    """Most logprobs (and prompt_logprobs) a request may ask for per position."""
+    generation_config: str = "auto"
+    """auto (the checkpoint's), vllm (none) or a directory holding a generation_config.json."""
+    override_generation_config: dict | None = None
+    """Sampling defaults laid over those of generation_config."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Logs, stats and test hooks."""
+
+    disable_log_stats: bool = False
+    """No periodic stats log line (the metrics are still served)."""
+    inject_fault: str | None = None
+    """Fault injection for tests, "<site>:<marker>[@<n>],..." (faults.py)."""
+
+    def __post_init__(self) -> None:
+        faults.check(self.inject_fault)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    scheduler_config: SchedulerConfig
-    num_blocks: int
-    """Blocks in the KV pool, including the reserved null block 0."""
-    seed: int = 0
-    """Seed of the engine's global generator (requests without their own seed)."""
+    """Every setting of one engine, validated once (EngineArgs.create_engine_config); each
+    component gets its part. ``model_config`` and ``num_blocks`` are filled in at build, when
+    the model is loaded and the KV backend sized (engine/core_builder.py)."""
+
+    load_config: LoadConfig = LoadConfig()
+    """The weights and tokenizer to load."""
+    cache_config: CacheConfig = CacheConfig()
+    """The KV cache pool."""
+    scheduler_config: SchedulerConfig = SchedulerConfig()
+    """Step budgets (max_model_len filled from the model at build)."""
+    parallel_config: ParallelConfig = ParallelConfig()
+    """Tensor parallelism."""
+    device_config: DeviceConfig = DeviceConfig()
+    """Where the model, the KV cache and the step run: the platform."""
+    attention_config: AttentionConfig = AttentionConfig()
+    """The attention implementation of every layer, and the compiled kernels' use."""
+    quantization_config: QuantizationConfig = QuantizationConfig()
+    """Activation precision of many-row matmuls over quantized weights."""
+    lora_config: LoRAConfig | None = None
+    """LoRA adapters, None when off."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding, None when off."""
-    attention_config: AttentionConfig = AttentionConfig()
-    """The attention implementation of every layer."""
-    device_config: DeviceConfig = DeviceConfig()
-    """Where the model, the KV cache and the step run."""
+    structured_output_config: StructuredOutputConfig = StructuredOutputConfig()
+    """The reasoning parser before grammars."""
+    kv_transfer_config: KVTransferConfig | None = None
+    """Disaggregated prefill, None when off."""
+    sampling_config: SamplingConfig = SamplingConfig()
+    """Sampling limits and defaults."""
+    observability_config: ObservabilityConfig = ObservabilityConfig()
+    """Logs, stats and test hooks."""
+    seed: int = 0
+    """Seed of the engine's global generator (requests without their own seed)."""
+    model_config: ModelConfig | None = None
+    """The loaded model's description; None until the build loads it."""
+    num_blocks: int = 0
+    """Blocks in the KV pool, including the reserved null block 0; 0 until the build sizes it."""

@@ -1,6 +1,9 @@
 """Fault injection, so tests can drive the failure paths of a real server.
 
-``PAGEDLLM_INJECT_FAULT="<site>:<marker>[@<n>][,...]"`` makes ``site`` raise
+The engine's ``ObservabilityConfig.inject_fault`` (``--inject-fault``, defaulted from
+``PAGEDLLM_INJECT_FAULT`` when the configuration is created), installed in each process by
+``configure`` (the engine's builder, and the server's front end):
+``"<site>:<marker>[@<n>][,...]"`` makes ``site`` raise
 ``InjectedFault`` for every request whose id contains ``marker`` (clients choose ids with the
 ``request_id`` field; the sequences of n > 1 and the beams of a beam search carry it too);
 with ``@<n>``, from the n-th time that request passes the site on (a fault mid-way).
@@ -16,12 +19,11 @@ Sites, each a per-request processing point but ``core_step`` and ``utility``:
 - ``utility``: engine core, handling a utility message; the marker matches the utility's name
   (``reset_prefix_cache``, ``kv_snapshot``) instead of a request id.
 
-Unset, every check is one dict lookup. Lives at the package top so every layer may call it.
+Unconfigured, every check is one dict lookup. Lives at the package top so every layer may call it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 SITES = ("detokenize", "grammar", "sample", "propose", "beam", "core_step", "add", "utility")
@@ -31,8 +33,10 @@ class InjectedFault(RuntimeError):
     """Raised where a test asked for a fault."""
 
 
-def _parse(spec: str | None) -> dict[str, str]:
+def _parse(spec: str | None) -> tuple[dict[str, str], dict[str, int]]:
+    """(site -> marker, site -> the pass from which a marked request fails)."""
     faults: dict[str, str] = {}
+    from_nth: dict[str, int] = {}
     for item in (spec or "").split(","):
         if not item:
             continue
@@ -40,17 +44,29 @@ def _parse(spec: str | None) -> dict[str, str]:
         marker, at, nth = marker.partition("@")
         if not sep or site not in SITES or not marker or (at and not nth.isdigit()):
             raise ValueError(
-                f"PAGEDLLM_INJECT_FAULT={spec!r}: expected '<site>:<marker>[@<n>]' items, site in {SITES}"
+                f"inject_fault={spec!r}: expected '<site>:<marker>[@<n>]' items, site in {SITES}"
             )
         faults[site] = marker
         if at:
-            _FROM_NTH[site] = int(nth)
-    return faults
+            from_nth[site] = int(nth)
+    return faults, from_nth
+
+
+def check(spec: str | None) -> None:
+    """ValueError for a malformed spec (the configuration's check)."""
+    _parse(spec)
+
+
+def configure(spec: str | None) -> None:
+    """Install ``spec`` in this process (None: no faults), forgetting the passes counted."""
+    global _FAULTS, _FROM_NTH
+    _FAULTS, _FROM_NTH = _parse(spec)
+    _passes.clear()
 
 
 _FROM_NTH: dict[str, int] = {}  # site -> the pass from which a marked request fails
 _passes: dict[tuple[str, str], int] = {}  # (site, marked request id) -> passes so far
-_FAULTS = _parse(os.environ.get("PAGEDLLM_INJECT_FAULT"))
+_FAULTS: dict[str, str] = {}  # site -> request id marker; set by configure
 
 
 def _fires(site: str, marker: str, request_id: str) -> bool:

@@ -31,13 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm.core.kv_snapshot import take_kv_snapshot
-    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.core_builder import build_engine_core
     from pagedllm.engine.llm_engine import child_params
+    from pagedllm.entrypoints.engine_flags import engine_config
     from pagedllm.request import Request
     from pagedllm.sampling_params import SamplingParams
 
-    built = build_engine_core(EngineArgs(
+    built = build_engine_core(engine_config(
         model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs, max_model_len=2048,
     ))

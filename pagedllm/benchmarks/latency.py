@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.engine_flags import DEFAULT_MODEL, add_engine_flags, engine_kwargs
 from pagedllm.benchmarks.step_profile import StepProfile, profiling
 
 
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> None:
 
     from pagedllm.entrypoints.llm import LLM
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    llm = LLM(**engine_kwargs(args))
     # A short warm-up request pays one-time costs (kernel builds, weight packing).
     llm.generate([{"prompt_token_ids": [100] * 16}], use_tqdm=False)
     dtype = llm.llm_engine.model_config.dtype
@@ -186,8 +186,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_arguments(lat: argparse.ArgumentParser) -> None:
-    lat.add_argument("model", nargs="?", default=EngineArgs.model)
-    EngineArgs.add_cli_args(lat)
+    lat.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    add_engine_flags(lat)
     lat.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated, e.g. 1,32")
     lat.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     lat.add_argument("--num-steps", type=int, default=16, help="timed decode steps per batch size")

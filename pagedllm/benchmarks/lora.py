@@ -75,11 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pagedllm.engine.arg_utils import DEFAULT_MODEL
+    from pagedllm.config import LoadConfig
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.lora.request import LoRARequest
 
-    model = args.model or DEFAULT_MODEL
+    model = args.model or LoadConfig.model
     common: dict[str, Any] = dict(dtype=args.dtype, kv_cache_memory_bytes="512MiB", enable_prefix_caching=False)
     merged = LLM(model, **common)
     served = LLM(model, enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)

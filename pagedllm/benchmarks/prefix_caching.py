@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.engine_flags import DEFAULT_MODEL, add_engine_flags, engine_kwargs
 
 
 def shared_prefix_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace, enable: bool) -> dict:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
-    engine_args = vars(EngineArgs.from_cli_args(args)) | {"enable_prefix_caching": enable}
+    engine_args = engine_kwargs(args) | {"enable_prefix_caching": enable}
     llm = LLM(**engine_args)
     prompts = shared_prefix_prompts(args, llm.llm_engine.model_config.vocab_size)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -71,8 +71,8 @@ _WORKLOAD_KEYS = ("num_prompts", "num_prefixes", "prefix_len", "question_len", "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=EngineArgs.model)
-    EngineArgs.add_cli_args(p)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    add_engine_flags(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=512)

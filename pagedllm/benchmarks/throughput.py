@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from pagedllm.benchmarks.workloads import random_prompts
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.engine_flags import DEFAULT_MODEL, add_engine_flags, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def bench_hf(args: argparse.Namespace, model_dir: str, prompts: list[list[int]],
 def run(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.llm import LLM
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    llm = LLM(**engine_kwargs(args))
     vocab_size = llm.llm_engine.model_config.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len_min, args.input_len_max, vocab_size, args.seed)
     results = [bench_pagedllm(args, llm, prompts)]
@@ -118,8 +118,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=EngineArgs.model)
-    EngineArgs.add_cli_args(parser)
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    add_engine_flags(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len-min", type=int, default=32)
     parser.add_argument("--input-len-max", type=int, default=480)

@@ -43,25 +43,6 @@ class WorkerDiedError(ExecutorFailedError):
     """A tensor-parallel worker died."""
 
 
-def check_parallel_support(config: ParallelConfig, *, speculative: bool, kv_transfer: bool) -> None:
-    """Features that do not run across ranks yet fail before anything loads (the engine's
-    builder calls this with the engine's settings before creating an executor; a KV backend
-    refuses tensor parallelism itself, `KVBackend.check_args`)."""
-    size = config.tensor_parallel_size
-    if size == 1:
-        return
-    refusals = {
-        "speculative_config": speculative,
-        "kv_transfer_config": kv_transfer,
-    }
-    for what, refused in refusals.items():
-        if refused:
-            raise ValueError(
-                f"tensor_parallel_size={size} does not support {what} yet; use "
-                "--tensor-parallel-size 1 for it"
-            )
-
-
 class DistributedExecutor(abc.ABC):
     """Rank 0 in this process, ranks 1..N-1 in workers (the subclass hosts them)."""
 

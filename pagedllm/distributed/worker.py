@@ -26,19 +26,19 @@ class ModelLoadSpec:
     """What every rank loads and runs: the same checkpoint, as rank 0 resolved it."""
 
     model: str
-    """Model name, GGUF file or HF directory (EngineArgs.model)."""
+    """Model name, GGUF file or HF directory (LoadConfig.model)."""
     dtype: DType
     """Resolved by rank 0 (never "auto": every rank must load the same)."""
     max_model_len: int | None
     """None: the checkpoint's context length."""
     quantization: str | None
-    """As EngineArgs.quantization (None: the loader's default for the file)."""
+    """As LoadConfig.quantization (None: the loader's default for the file)."""
     seed: int
     """Seed of each rank's sampler (ranks sample the same tokens from the same logits)."""
     revision: str | None = None
-    """A hub id's revision (EngineArgs.revision)."""
+    """A hub id's revision (LoadConfig.revision)."""
     download_dir: str | None = None
-    """A hub id's cache (EngineArgs.download_dir); the workers start once rank 0 has built
+    """A hub id's cache (LoadConfig.download_dir); the workers start once rank 0 has built
     its model, so a download is done by then and they read the cache."""
 
 

@@ -1,22 +1,24 @@
-"""Build an EngineCore from EngineArgs: the one construction path shared by the in-process
-LLMEngine and the engine-core process behind the server."""
+"""Build an EngineCore from an EngineConfig: the one construction path shared by the
+in-process LLMEngine and the engine-core process behind the server. Each step is a small
+function that takes the part of the configuration it needs."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedllm import faults
+from pagedllm.config import EngineConfig, LoadConfig, ModelConfig
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.generation_config import resolve_generation_defaults
 from pagedllm.kv_backends import get_kv_backend
-from pagedllm.malloc_policy import keep_freed_memory
+from pagedllm.kv_backends.base import KVBuild
+from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.registry import get_platform
 from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -30,150 +32,167 @@ class BuiltEngine:
     tokenizer: Any
     model_config: ModelConfig
     config: EngineConfig
+    """The engine's configuration with the model, the KV budget and num_blocks filled in."""
     model_dir: str
     """HF-format directory of the weights (GGUF: the converted cache)."""
     generation_defaults: dict[str, Any]
     """Sampling defaults from --generation-config (engine/generation_config.py)."""
 
 
-def build_engine_core(args: EngineArgs) -> BuiltEngine:
-    """Load the model, size the KV backend from the byte budget, and wire scheduler + runner."""
-    from pagedllm.models.loader import load_model
-    from pagedllm.worker.model_runner import ModelRunner
-
+def build_engine_core(config: EngineConfig) -> BuiltEngine:
+    """Load the model, size the KV backend from the byte budget, and wire scheduler + runner.
+    ``config`` comes from ``EngineArgs.create_engine_config`` (validated there)."""
     t0 = time.monotonic()
-    # "auto" resolved once, so every later reader of the arguments sees the same device.
-    args = dataclasses.replace(args, device=args.resolve_device())
-    if args.device == "cpu" and keep_freed_memory():  # before the model and KV cache allocate
-        logger.debug("glibc keeps freed memory for reuse (malloc_policy.py)")
-    # Settings that cannot work together fail before the model loads.
-    args.device_config()
-    args.check_device_support()
-    CacheConfig(enable_prefix_caching=args.resolve_prefix_caching(), kv_cache_backend=args.kv_cache_backend,
-                kv_cache_dtype=args.kv_cache_dtype)  # type: ignore[arg-type]
-    kv_backend = get_kv_backend(args.kv_cache_backend)
-    kv_backend.check_args(args, args.resolve_prefix_caching())
-    if args.prefill_activations != "float" and args.tensor_parallel_size > 1:
-        raise ValueError(
-            f"--prefill-activations {args.prefill_activations} runs in one process only (--tensor-parallel-size 1)")
-    executor = None
-    if args.tensor_parallel_size > 1:  # rank 0 here, ranks 1..N-1 in workers (distributed/)
-        executor = _create_executor(args)
-    loaded = executor.load_model() if executor is not None else load_model(
-        args.model,
-        dtype=args.resolve_dtype(),
-        max_model_len=args.max_model_len,
-        quantization=args.quantization,
-        revision=args.revision,
-        download_dir=args.download_dir,
-        device=args.device,
+    platform = get_platform(config.device_config.device)
+    configure_process(config, platform)
+    executor = _create_executor(config) if config.parallel_config.tensor_parallel_size > 1 else None
+    loaded = _load_model(config, platform, executor)
+    config = _with_model(config, loaded, platform)
+    kv = get_kv_backend(config.cache_config.kv_cache_backend).build(config, loaded)
+    config = kv.config
+    scheduler = _build_scheduler(config, kv)
+    runner = _build_runner(config, loaded, kv)
+    if executor is not None:  # rank 0 here, ranks 1..N-1 in workers (distributed/)
+        runner = executor.start(runner, kv.block_size, kv.num_blocks)
+    engine_core = EngineCore(
+        scheduler, runner, _structured_output_manager(loaded, config.structured_output_config.reasoning_parser),
+        kv_connector=_worker_connector(config, runner),
     )
-    if args.prefill_activations != "float":
+    _log_ready(config, loaded, kv, platform, time.monotonic() - t0)
+    return BuiltEngine(
+        engine_core=engine_core,
+        scheduler=scheduler,
+        tokenizer=loaded.tokenizer,
+        model_config=loaded.model_config,
+        config=config,
+        model_dir=loaded.model_dir,
+        generation_defaults=resolve_generation_defaults(
+            config.sampling_config.generation_config, config.sampling_config.override_generation_config,
+            loaded.model_dir, loaded.gguf_path),
+    )
+
+
+def configure_process(config: EngineConfig, platform: Platform) -> None:
+    """Process-wide settings from the configuration, before anything allocates: the
+    platform's (malloc policy), the kernels' ISA level and switch, fault injection."""
+    from pagedllm import kernels
+
+    platform.prepare_process()
+    kernels.set_compiled_kernels(config.attention_config.compiled_kernels)
+    if config.device_config.cpu_isa is not None:
+        kernels.set_cpu_isa(config.device_config.cpu_isa)
+    faults.configure(config.observability_config.inject_fault)
+
+
+def _load_model(config: EngineConfig, platform: Platform, executor: Any) -> Any:
+    """The model (through the executor's rank 0 under tensor parallelism), with the
+    activation precision, the decode path and the tokenizer the configuration names."""
+    from pagedllm.models.loader import load_model, with_tokenizer
+
+    load = config.load_config
+    loaded = executor.load_model() if executor is not None else load_model(
+        load.model, dtype=resolve_dtype(load, platform), max_model_len=load.max_model_len,
+        quantization=load.quantization, revision=load.revision, download_dir=load.download_dir,
+        device=config.device_config.device,
+    )
+    activations = config.quantization_config.prefill_activations
+    if activations != "float":
         from pagedllm.layers.linear import set_prefill_activations
 
-        layers = set_prefill_activations(loaded.model, args.prefill_activations)
-        logger.info("prefill activations %s on %d layers", args.prefill_activations, layers)
-    if args.tokenizer is not None:
-        from pagedllm.models.loader import with_tokenizer
+        layers = set_prefill_activations(loaded.model, activations)
+        logger.info("prefill activations %s on %d layers", activations, layers)
+    _set_fused_decode(loaded.model, config.attention_config.fused_decode)
+    if load.tokenizer is not None:
+        loaded = with_tokenizer(loaded, load.tokenizer)
+    return loaded
 
-        loaded = with_tokenizer(loaded, args.tokenizer)
-    generation_defaults = resolve_generation_defaults(
-        args.generation_config, args.override_generation_config, loaded.model_dir, loaded.gguf_path)
+
+def resolve_dtype(load: LoadConfig, platform: Platform) -> str:
+    """The compute dtype: the one asked for, else the platform's for these weights."""
+    from pagedllm.models.loader import keeps_quantized_weights
+
+    if load.dtype != "auto":
+        return load.dtype
+    return platform.resolve_dtype("auto", keeps_quantized_weights(load.model, load.quantization))
+
+
+def _set_fused_decode(model: Any, enabled: bool) -> None:
+    from pagedllm.models.fused_decode import FusedDecoderLayers
+
+    for module in model.modules():
+        if isinstance(module, FusedDecoderLayers):
+            module.enabled = enabled
+
+
+def _with_model(config: EngineConfig, loaded: Any, platform: Platform) -> EngineConfig:
+    """``config`` with the loaded model's description and the platform's KV budget."""
     model_config = loaded.model_config
-    if args.device == "cuda" and args.kv_cache_memory_bytes is None:
-        args = dataclasses.replace(args, kv_cache_memory_bytes=_cuda_kv_budget(args, loaded))
-    kv = kv_backend.build(args, loaded)
-    config = kv.config
-    transfer_config = args.parse_kv_transfer_config()
-    lora_config = args.lora_config()
-    scheduler_connector = None
-    if transfer_config is not None:
+    config = dataclasses.replace(
+        config, model_config=model_config,
+        scheduler_config=dataclasses.replace(config.scheduler_config, max_model_len=model_config.max_model_len),
+    )
+    budget = platform.kv_cache_budget(config, loaded)
+    return dataclasses.replace(
+        config, cache_config=dataclasses.replace(config.cache_config, kv_cache_memory_bytes=budget))
+
+
+def _build_scheduler(config: EngineConfig, kv: KVBuild) -> Scheduler:
+    transfer = config.kv_transfer_config
+    connector = None
+    if transfer is not None:
         from pagedllm.distributed.kv_transfer.zmq_connector import ZmqConnectorScheduler
 
-        scheduler_connector = ZmqConnectorScheduler(transfer_config, kv.block_size)
-    scheduler = Scheduler(
-        config.scheduler_config, kv.manager, kv_connector=scheduler_connector,
-        kv_load_failure_policy=transfer_config.kv_load_failure_policy if transfer_config is not None else "recompute",
+        connector = ZmqConnectorScheduler(transfer, kv.block_size)
+    return Scheduler(
+        config.scheduler_config, kv.manager, kv_connector=connector,
+        kv_load_failure_policy=transfer.kv_load_failure_policy if transfer is not None else "recompute",
         speculative_config=config.speculative_config,
-        max_loras=lora_config.max_loras if lora_config is not None else None,
+        max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
     )
-    runner = ModelRunner(
-        loaded.model, model_config, kv.block_size, kv.num_blocks, seed=args.seed,
+
+
+def _build_runner(config: EngineConfig, loaded: Any, kv: KVBuild) -> Any:
+    from pagedllm.worker.model_runner import ModelRunner
+
+    return ModelRunner(
+        loaded.model, loaded.model_config, kv.block_size, kv.num_blocks, seed=config.seed,
         make_kv_worker=kv.make_worker, speculative_config=config.speculative_config,
         attention_config=config.attention_config,
         decode_graph_sizes=config.device_config.cuda_graph_sizes,
-        lora_config=lora_config,
+        lora_config=config.lora_config,
     )
-    if executor is not None:
-        runner = executor.start(runner, kv.block_size, kv.num_blocks)
-    worker_connector = None
-    if transfer_config is not None:
-        from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker
 
-        worker_connector = ZmqConnectorWorker(transfer_config, runner.kv_caches)
-    free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if args.device == "cuda":
-        import torch
 
-        free_bytes = torch.cuda.mem_get_info()[0]
+def _worker_connector(config: EngineConfig, runner: Any) -> Any:
+    if config.kv_transfer_config is None:
+        return None
+    from pagedllm.distributed.kv_transfer.zmq_worker import ZmqConnectorWorker
+
+    return ZmqConnectorWorker(config.kv_transfer_config, runner.kv_caches)
+
+
+def _log_ready(config: EngineConfig, loaded: Any, kv: KVBuild, platform: Platform, seconds: float) -> None:
     logger.info(
         "weights: %.1f MiB resident (quantization=%s); KV cache budget %.1f MiB of the "
-        "%.1f MiB of memory free after loading",
+        "%.1f MiB of memory free after loading; platform %s",
         loaded.weight_bytes / 2**20, loaded.quantization,
-        config.cache_config.kv_cache_memory_bytes / 2**20, free_bytes / 2**20,
+        (config.cache_config.kv_cache_memory_bytes or 0) / 2**20, platform.free_memory_bytes() / 2**20,
+        platform.describe(),
     )
-    logger.info("%s Ready in %.1f s.", kv.summary, time.monotonic() - t0)
-    return BuiltEngine(
-        engine_core=EngineCore(
-            scheduler, runner, _structured_output_manager(loaded, args.reasoning_parser),
-            kv_connector=worker_connector,
-        ),
-        scheduler=scheduler,
-        tokenizer=loaded.tokenizer,
-        model_config=model_config,
-        config=config,
-        model_dir=loaded.model_dir,
-        generation_defaults=generation_defaults,
-    )
+    logger.info("%s Ready in %.1f s.", kv.summary, seconds)
 
 
-def _cuda_kv_budget(args: EngineArgs, loaded: Any) -> int:
-    """The KV budget from gpu_memory_utilization: a profiled forward at the step's largest
-    shape, then what it leaves of the allowance (worker/memory_profile.py)."""
-    import torch
-
-    from pagedllm.worker.memory_profile import kv_budget_from_utilization, profile_cuda_memory
-
-    config = args.create_engine_config(loaded.model_config, num_blocks=0)
-    sched = config.scheduler_config
-    profile = profile_cuda_memory(
-        loaded.model, loaded.model_config, sched.max_num_batched_tokens, sched.max_num_seqs,
-        config.cache_config.block_size, config.attention_config, torch.device("cuda"),
-    )
-    utilization = config.device_config.memory_utilization
-    budget = kv_budget_from_utilization(profile, utilization)
-    logger.info(
-        "KV cache budget %.0f MiB: gpu_memory_utilization=%s of %.0f MiB, less a %.0f MiB peak",
-        budget / 2**20, utilization, profile.total_bytes / 2**20, profile.peak_bytes / 2**20,
-    )
-    return budget
-
-
-def _create_executor(args: EngineArgs) -> Any:
-    """The tensor-parallel executor for ``args`` (refusing what does not run across ranks)."""
-    from pagedllm.distributed.executor import check_parallel_support
+def _create_executor(config: EngineConfig) -> Any:
+    """The tensor-parallel executor (the configuration was checked for what runs across
+    ranks, engine/config_checks.py)."""
     from pagedllm.distributed.executors import create_executor
     from pagedllm.distributed.worker import ModelLoadSpec
 
-    parallel = ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend)
-    check_parallel_support(
-        parallel, speculative=args.speculative_config is not None, kv_transfer=args.kv_transfer_config is not None
-    )
-    load = ModelLoadSpec(
-        args.model, args.resolve_dtype(), args.max_model_len, args.quantization, args.seed,
-        args.revision, args.download_dir,
-    )
-    return create_executor(parallel, load)
+    load = config.load_config
+    dtype = resolve_dtype(load, get_platform(config.device_config.device))
+    spec = ModelLoadSpec(load.model, dtype, load.max_model_len, load.quantization,  # type: ignore[arg-type]
+                         config.seed, load.revision, load.download_dir)
+    return create_executor(config.parallel_config, spec)
 
 
 def _structured_output_manager(loaded: Any, reasoning_parser: str | None) -> StructuredOutputManager:

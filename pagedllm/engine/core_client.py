@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import EngineConfig
 from pagedllm.engine.core_messages import CoreOutputs, ReadyInfo, dumps, loads
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.request import Request
@@ -49,7 +49,7 @@ class StartedCore:
     output_addr: str
 
 
-def start_engine_core(args: EngineArgs) -> StartedCore:
+def start_engine_core(config: EngineConfig) -> StartedCore:
     """Spawn the engine-core process. `pagedllm serve` calls this first thing, so the core
     loads the model while the front end imports its own modules (the core connects to
     addresses the front end binds later: ZMQ queues its messages until then)."""
@@ -59,7 +59,7 @@ def start_engine_core(args: EngineArgs) -> StartedCore:
     mp = multiprocessing.get_context("spawn")
     proc = mp.Process(
         target=run_engine_core,
-        args=(args, input_addr, output_addr, os.getpid(), logging.getLogger().getEffectiveLevel()),
+        args=(config, input_addr, output_addr, os.getpid(), logging.getLogger().getEffectiveLevel()),
         name="pagedllm-engine-core",
         daemon=True,
     )
@@ -71,9 +71,13 @@ def start_engine_core(args: EngineArgs) -> StartedCore:
 class CoreClient:
     """Owns the engine-core process and the two sockets to it."""
 
-    def __init__(self, args: EngineArgs, started: StartedCore | None = None) -> None:
+    def __init__(self, config: EngineConfig | Any, started: StartedCore | None = None) -> None:
         if started is None:
-            started = start_engine_core(args)
+            # The front end's AsyncLLM still hands over its EngineArgs (entrypoints/ builds
+            # both): anything but a finished EngineConfig is turned into one here, once.
+            if not isinstance(config, EngineConfig):
+                config = config.create_engine_config()
+            started = start_engine_core(config)
         self._tmpdir = started.tmpdir
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()

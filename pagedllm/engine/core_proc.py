@@ -26,7 +26,7 @@ from typing import Any
 
 from pagedllm import faults
 from pagedllm.core.outputs import EngineCoreOutput
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import EngineConfig
 from pagedllm.engine.core_messages import CoreOutputs, CoreStats, ReadyInfo, dumps, loads
 from pagedllm.engine.kv_snapshot import take_kv_snapshot
 from pagedllm.process_utils import die_with_parent
@@ -41,7 +41,7 @@ KV_POLL_INTERVAL_S = 0.02
 
 
 def run_engine_core(
-    args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: int
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: int
 ) -> None:
     """Entry point of the core process (spawned by the front end)."""
     die_with_parent(parent_pid)
@@ -56,7 +56,7 @@ def run_engine_core(
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.connect(output_addr)
     try:
-        proc = EngineCoreProc(args, in_sock, out_sock, parent_pid)
+        proc = EngineCoreProc(config, in_sock, out_sock, parent_pid)
     except Exception as e:  # start-up failed: say why, then exit
         logger.exception("engine core failed to start")
         out_sock.send(dumps("failed", f"{type(e).__name__}: {e}"))
@@ -88,13 +88,13 @@ def run_engine_core(
 
 
 class EngineCoreProc:
-    def __init__(self, args: EngineArgs, in_sock: Any, out_sock: Any, parent_pid: int) -> None:
+    def __init__(self, config: EngineConfig, in_sock: Any, out_sock: Any, parent_pid: int) -> None:
         import zmq
 
         from pagedllm.engine.core_builder import build_engine_core
 
         self._zmq = zmq
-        built = build_engine_core(args)
+        built = build_engine_core(config)
         self.core = built.engine_core
         self.scheduler = built.scheduler
         self.kv = built.scheduler.kv_cache_manager

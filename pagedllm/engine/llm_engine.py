@@ -8,8 +8,7 @@ import logging
 import time
 from typing import Any
 
-from pagedllm.config import ModelConfig
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.engine.core_builder import build_engine_core
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
@@ -22,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        built = build_engine_core(args)
+    def __init__(self, config: EngineConfig) -> None:
+        built = build_engine_core(config)
         self.config = built.config
         self.scheduler = built.scheduler
         self.engine_core = built.engine_core
@@ -31,7 +30,8 @@ class LLMEngine:
         self.model_config = built.model_config
         self.model_dir = built.model_dir  # HF-format directory of the weights (GGUF: converted cache)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.model_config, self.config.speculative_config, args.max_logprobs)
+            self.tokenizer, self.model_config, self.config.speculative_config,
+            self.config.sampling_config.max_logprobs)
         self.generation_defaults = built.generation_defaults  # generation_config.py
         self.output_processor = OutputProcessor(self.tokenizer)
         # The engine's reasoning parser (--reasoning-parser), or None: LLM.chat reads it.

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from pagedllm.entrypoints.vllm_flags import (
     add_vllm_compat_args,
@@ -46,7 +47,19 @@ def _engine_args(args: argparse.Namespace, command: str) -> EngineArgs:
         args.kv_cache_memory_bytes = kv_cache_bytes_from_env(os.environ, args.kv_cache_memory_bytes)
         if getattr(args, "lora_modules", None) and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
-        return EngineArgs.from_cli_args(args)
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.usage_context = "serve" if command == "serve" else "offline"
+        return engine_args
+    except ValueError as e:
+        raise SystemExit(f"pagedllm {command}: {e}") from None
+
+
+def _engine_config(args: argparse.Namespace, command: str) -> tuple[EngineArgs, EngineConfig]:
+    """The arguments and their one validated configuration (created here, once); a bad
+    value or combination stops the command before anything loads."""
+    engine_args = _engine_args(args, command)
+    try:
+        return engine_args, engine_args.create_engine_config()
     except ValueError as e:
         raise SystemExit(f"pagedllm {command}: {e}") from None
 
@@ -76,9 +89,9 @@ def _sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.llm import LLM
 
-    engine_args = _engine_args(args, "generate")
+    _, engine_config = _engine_config(args, "generate")
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    llm = LLM(**vars(engine_args))
+    llm = LLM.from_engine_config(engine_config)
     params = _sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -100,11 +113,10 @@ def cmd_chat_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
-    engine_args = _engine_args(args, "serve")
+    engine_args, engine_config = _engine_config(args, "serve")
     from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
     try:
-        engine_args.parse_kv_transfer_config()  # fail before loading anything
         tool_calls = ToolCallConfig(args.enable_auto_tool_choice, args.tool_call_parser)
         allow_runtime_lora_updating = runtime_lora_updating_from_env(os.environ)
         if allow_runtime_lora_updating and not engine_args.enable_lora:
@@ -118,9 +130,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"pagedllm serve: {e}") from None
     # Start-up: the core loads the model on one CPU while this process imports the server
     # and the tokenizer classes (which unpickling the core's tokenizer needs) on the other.
+    from pagedllm import faults
     from pagedllm.engine.core_client import start_engine_core
 
-    started_core = start_engine_core(engine_args)
+    started_core = start_engine_core(engine_config)
+    faults.configure(engine_config.observability_config.inject_fault)  # the front end's sites
     from transformers import PreTrainedTokenizerFast  # noqa: F401
 
     from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template, run_server
@@ -157,8 +171,6 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     _add_engine_args(serve)
-    # Online defaults, as vLLM's for its API server on CPUs.
-    serve.set_defaults(max_num_seqs=128, max_num_batched_tokens=2048)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None,

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.input_processor import PromptType
@@ -39,7 +40,14 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args).create_engine_config())
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an already validated configuration (``EngineArgs.create_engine_config``)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        return llm
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers, if any (they also stop with this process)."""

@@ -11,15 +11,17 @@ from pagedllm.kernels.build import (
     bf16_linear_ops,
     decode_layers_ops,
     extension,
+    compiled_kernels_enabled,
     kernel_cache_root,
     layer_ops,
     paged_attention_ops,
     quant_linear_ops,
+    set_compiled_kernels,
     use_layer_ops,
 )
 from pagedllm.kernels.elementwise import add_rms_norm, argmax_rows, rms_norm, rotary_embedding, silu_and_mul
 from pagedllm.kernels.gemm import chunked_gemm
-from pagedllm.kernels.isa import ISAS, Isa, cpu_isa, detect_cpu_isa, set_cpu_isa
+from pagedllm.kernels.isa import ISAS, Isa, cpu_isa, detect_cpu_isa, isa_at_least, set_cpu_isa
 from pagedllm.kernels.linear import clear_weight_caches, linear_op
 from pagedllm.kernels.quantization import (
     GROUP_SIZE,
@@ -58,12 +60,14 @@ __all__ = [
     "bf16_linear_ops",
     "chunked_gemm",
     "clear_weight_caches",
+    "compiled_kernels_enabled",
     "cpu_isa",
     "decode_layers_ops",
     "detect_cpu_isa",
     "embedding_lookup",
     "extension",
     "int8_activation_linear",
+    "isa_at_least",
     "kernel_cache_root",
     "layer_ops",
     "linear_op",
@@ -79,6 +83,7 @@ __all__ = [
     "quantized_linear",
     "rms_norm",
     "rotary_embedding",
+    "set_compiled_kernels",
     "set_cpu_isa",
     "silu_and_mul",
     "use_bf16_kernels",

@@ -50,7 +50,7 @@ _use_kernels: dict[Isa, bool] = {}  # per ISA (cpu_isa() may be switched): the a
 
 def use_bf16_kernels() -> bool:
     """bf16 x bf16 linears go through `bf16_linear`: the CPU lacks native bf16 and the kernel
-    builds (not on other architectures, under the generic ISA, nor with PAGEDLLM_CPU_KERNELS=0)."""
+    builds (not on other architectures, under the generic ISA, nor with compiled kernels off)."""
     isa = cpu_isa()
     use = _use_kernels.get(isa)
     if use is None:

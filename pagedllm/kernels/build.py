@@ -6,10 +6,13 @@ rotary, silu-and-mul), the decode forward of Llama-shaped decoder layers
 without native bf16 (csrc/bf16_linear.cpp, AVX2), each its own extension in its own build
 directory.
 
-Instruction sets (`isa.py`): under "avx2" every extension builds with -march=native; under
-"generic" (no AVX2+FMA, or PAGEDLLM_CPU_ISA=generic) paged attention and the layer ops build
-their scalar code for baseline x86-64, and the three AVX2-only extensions (quantized linears,
-bf16 linears, the fused decode) are not built: their callers' torch paths run.
+Instruction-set levels (`isa.py`, platforms/isa.py: generic, avx2, avx512, amx): each level
+builds with its own explicit -m flags into its own directory. An extension declares the
+lowest level it has code for (`min_isa`): paged attention and the layer ops build their
+scalar code under "generic"; the AVX2-only extensions (quantized linears, bf16 linears, the
+fused decode) are not built below "avx2" and their callers' torch paths run. Headers select
+their wider paths with the level's macros (__AVX512VNNI__ ...), so an avx512 build runs the
+512-bit code and an avx2 build of the same source does not.
 
 The build is cached under `kernel_cache_root()`/<isa>-<key> ($PAGEDLLM_KERNEL_CACHE_DIR, else
 $PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions). The key
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from pagedllm.kernels.isa import Isa, compiler_info, cpu_isa, isa_cflags
+from pagedllm.kernels.isa import Isa, compiler_info, cpu_isa, isa_at_least, isa_cflags
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,8 @@ class Extension:
     sources: tuple[str, ...]
     fallback: str
     """what runs where the extension is unavailable (for the log)"""
-    needs_avx2: bool
-    """no scalar code path: not built under the generic ISA"""
+    min_isa: Isa
+    """the lowest level it has code for: not built below it (its caller's torch path runs)"""
 
 
 # Short name -> extension; the accessors below are the only readers.
@@ -56,17 +59,17 @@ EXTENSIONS: dict[str, Extension] = {
     e.name: e
     for e in (
         Extension("paged_attention", ("paged_attention.cpp", "paged_attention.h", "kv_codes.h", "vec_avx2.h"),
-                  "using torch ops", needs_avx2=False),
-        Extension("layer_ops", ("layer_ops.cpp", "layer_ops.h", "vec_avx2.h"), "using torch ops", needs_avx2=False),
+                  "using torch ops", min_isa="generic"),
+        Extension("layer_ops", ("layer_ops.cpp", "layer_ops.h", "vec_avx2.h"), "using torch ops", min_isa="generic"),
         Extension("quant_linear", ("quant_linear.cpp", "quant_linear.h", "quant_q16_avx512.h", "quant_q8.h",
                                    "quant_scales.h", "gemm_tiles.h", "vec_avx2.h"),
-                  "dequantizing per layer", needs_avx2=True),
+                  "dequantizing per layer", min_isa="avx2"),
         Extension("bf16_linear", ("bf16_linear.cpp", "gemm_tiles.h", "vec_avx2.h"),
-                  "using torch's bf16 matmul", needs_avx2=True),
+                  "using torch's bf16 matmul", min_isa="avx2"),
         Extension("decode_layers", ("decode_layers.cpp", "layer_ops.h", "paged_attention.h", "kv_codes.h", "quant_linear.h",
                                     "quant_q16_avx512.h", "quant_scales.h", "gemm_tiles.h", "vec_avx2.h",
                                     "lora_delta.h"),
-                  "running the layers one module at a time", needs_avx2=True),
+                  "running the layers one module at a time", min_isa="avx2"),
     )
 }
 
@@ -159,20 +162,36 @@ def _load_locked(path: str, ext: Extension, isa: Isa) -> ModuleType:
         )
 
 
+_enabled = True  # set_compiled_kernels: the engine's AttentionConfig.compiled_kernels
+
+
+def set_compiled_kernels(enabled: bool) -> None:
+    """Whether later lookups build and load extensions (False: every caller's torch path;
+    the engine's builder sets it from ``AttentionConfig.compiled_kernels``); read on every
+    lookup, though a caller may keep what a lookup gave it."""
+    global _enabled
+    _enabled = enabled
+
+
+def compiled_kernels_enabled() -> bool:
+    return _enabled
+
+
 def extension(name: str, isa: Isa | None = None) -> ModuleType | None:
-    """Build or load an extension once per process and ISA (default: `cpu_isa()`); None
-    where it cannot be built, is AVX2-only under the generic ISA, or PAGEDLLM_CPU_KERNELS=0,
-    saying once in the log what runs instead."""
+    """Build or load an extension once per process and ISA level (default: `cpu_isa()`);
+    None where it cannot be built, has no code for the level (`min_isa`), or compiled
+    kernels are off (`set_compiled_kernels`), saying once in the log what runs instead."""
     isa = isa or cpu_isa()
+    if not _enabled:
+        return None
     key = (name, isa)
     if key in _loaded:
         return _loaded[key]
     ext = EXTENSIONS[name]
     module = None
-    enabled = os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0"
-    if enabled and ext.needs_avx2 and isa != "avx2":
-        logger.info("%s has no %s build (AVX2 only), %s", name, isa, ext.fallback)
-    elif enabled:
+    if not isa_at_least(isa, ext.min_isa):
+        logger.info("%s has no %s build (%s and up), %s", name, isa, ext.min_isa, ext.fallback)
+    else:
         try:
             module = _load_locked(build_dir(ext, isa), ext, isa)
         except Exception as e:  # no compiler, headers (the sources missing from an install), or ninja

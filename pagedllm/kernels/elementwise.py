@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.build import layer_ops, use_layer_ops
-from pagedllm.kernels.isa import cpu_isa
+from pagedllm.kernels.isa import cpu_isa, isa_at_least
 from pagedllm.kernels.triton import triton_available, triton_ops
 
 
@@ -92,7 +92,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; x: [num_tokens, 2 * intermediate] = [gate | up] -> [num_tokens, intermediate]."""
     if (ops := _device_ops(x)) is not None:
         return ops.silu_and_mul(x)
-    vector_exp = x.dtype == torch.float32 and cpu_isa() == "avx2"
+    vector_exp = x.dtype == torch.float32 and isa_at_least(cpu_isa(), "avx2")
     if (vector_exp or x.shape[0] <= _SCALAR_SILU_MAX_ROWS) and use_layer_ops(x):
         return layer_ops().silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)

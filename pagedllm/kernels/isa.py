@@ -1,11 +1,11 @@
-"""Which instruction set the compiled kernels target, and how to compile for it.
+"""Which instruction-set level the compiled kernels target, and how to compile for it.
 
-- "avx2": x86-64 with AVX2 and FMA; builds with -march=native (every extension).
-- "generic": anything else; builds for baseline x86-64 (or the compiler's default target
-  elsewhere) without AVX2 intrinsics: the extensions with scalar code only (build.py).
-
-Detected from the CPU (/proc/cpuinfo flags avx2 and fma); `PAGEDLLM_CPU_ISA` (read at first
-use) or `set_cpu_isa()` selects one, never above what the CPU runs.
+The ladder (generic, avx2, avx512, amx) and its detection from the CPU's flags are the CPU
+platform's (platforms/isa.py). Each level compiles with explicit -m flags (`LEVEL_FLAGS`),
+never -march=native, so a build is exactly what its level names and runs on any CPU that
+has that level; -mtune=native only schedules. The level in use is the engine's
+``DeviceConfig.cpu_isa`` (`set_cpu_isa`, called by the engine's builder), else
+`PAGEDLLM_CPU_ISA` (read at first use), else the CPU's highest; never above what the CPU runs.
 """
 
 from __future__ import annotations
@@ -13,17 +13,25 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import platform
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Literal, cast
+
+from pagedllm.platforms.isa import ISAS, Isa, is_x86_64, detect_cpu_isa, isa_at_least, resolve_isa
 
 logger = logging.getLogger(__name__)
 
-Isa = Literal["generic", "avx2"]
-ISAS: tuple[Isa, ...] = ("generic", "avx2")
+__all__ = ["ISAS", "Isa", "LEVEL_FLAGS", "cpu_isa", "detect_cpu_isa", "isa_at_least", "isa_cflags",
+           "resolve_isa", "set_cpu_isa", "compiler_info", "CompilerInfo"]
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c", "-mbmi2")
+_AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16",
+                   "-mavx512vbmi")
+_AMX = _AVX512 + ("-mamx-tile", "-mamx-int8", "-mamx-bf16")
+LEVEL_FLAGS: dict[Isa, tuple[str, ...]] = {"generic": (), "avx2": _AVX2, "avx512": _AVX512, "amx": _AMX}
+"""The instruction-set flags of each level on top of baseline x86-64 (each contains the one
+below, as platforms/isa.py's REQUIRED_FLAGS do)."""
 
 # Predefined macros that name an instruction-set extension the compiler may emit.
 _ISA_MACRO = re.compile(
@@ -35,40 +43,10 @@ _ISA_MACRO = re.compile(
 _selected: Isa | None = None
 
 
-def _x86_64() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-@functools.cache
-def detect_cpu_isa() -> Isa:
-    """The best ISA this CPU runs: "avx2" where /proc/cpuinfo lists avx2 and fma."""
-    if not _x86_64():
-        return "generic"
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return "generic"
-    flags = set(line.partition(":")[2].split())
-    return "avx2" if {"avx2", "fma"} <= flags else "generic"
-
-
-def resolve_isa(requested: str | None) -> Isa:
-    """`requested` ("generic", "avx2", or None/"" for the CPU's) as this CPU can run it."""
-    detected = detect_cpu_isa()
-    if not requested:
-        return detected
-    if requested not in ISAS:
-        raise ValueError(f"PAGEDLLM_CPU_ISA={requested!r} is not one of {', '.join(ISAS)}")
-    if requested == "avx2" and detected != "avx2":
-        logger.warning("PAGEDLLM_CPU_ISA=avx2 but this CPU lacks AVX2/FMA: using the generic kernels")
-        return "generic"
-    return cast(Isa, requested)
-
-
 def cpu_isa() -> Isa:
-    """The ISA kernels are built and dispatched for (PAGEDLLM_CPU_ISA, else the CPU's).
-    Called on every kernel lookup: one global read once resolved."""
+    """The level kernels are built and dispatched for (`set_cpu_isa`'s, else
+    PAGEDLLM_CPU_ISA, else the CPU's). Called on every kernel lookup: one global read once
+    resolved."""
     global _selected
     if _selected is None:
         _selected = resolve_isa(os.environ.get("PAGEDLLM_CPU_ISA"))
@@ -76,8 +54,9 @@ def cpu_isa() -> Isa:
 
 
 def set_cpu_isa(isa: str | None) -> Isa:
-    """Select the ISA of later kernel lookups (None: PAGEDLLM_CPU_ISA, else the CPU's);
-    returns the one in effect. Extensions already loaded for another ISA stay loaded."""
+    """Select the level of later kernel lookups (None: PAGEDLLM_CPU_ISA, else the CPU's);
+    returns the one in effect (a level the CPU lacks falls to its highest, with a warning).
+    Extensions already loaded for another level stay loaded."""
     global _selected
     _selected = resolve_isa(isa) if isa is not None else None
     return cpu_isa()
@@ -85,9 +64,11 @@ def set_cpu_isa(isa: str | None) -> Isa:
 
 def isa_cflags(isa: Isa) -> list[str]:
     """The compile flags of a build for `isa`."""
-    if isa == "avx2":
-        return ["-O3", "-march=native", "-fopenmp"]
-    return ["-O3", "-fopenmp"] + (["-march=x86-64", "-mtune=generic"] if _x86_64() else [])
+    if not is_x86_64():
+        return ["-O3", "-fopenmp"]
+    if isa == "generic":
+        return ["-O3", "-fopenmp", "-march=x86-64", "-mtune=generic"]
+    return ["-O3", "-fopenmp", "-march=x86-64", *LEVEL_FLAGS[isa], "-mtune=native"]
 
 
 @dataclass(frozen=True)

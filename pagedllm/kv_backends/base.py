@@ -1,7 +1,7 @@
 """``KVBackend``: what the engine builder, the front end and the dashboard ask of a backend.
 
-A backend declares what it supports (checked against the engine arguments before the model
-loads), builds its control-plane manager and the factory of its worker side from the loaded
+A backend declares what it supports (checked against the engine configuration before the
+model loads), builds its control-plane manager and the factory of its worker side from the loaded
 model, and turns its manager's state into the dashboard's view (plain data, picklable, with
 ``to_json``). No torch at import.
 """
@@ -17,7 +17,6 @@ from pagedllm.core.kv_manager import KVCapabilities, KVManager
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
-    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.request import Request
     from pagedllm.worker.kv_worker import KVCacheWorker
 
@@ -36,7 +35,7 @@ class KVBuild:
 
     manager: KVManager
     config: EngineConfig
-    """The engine configuration with the backend's sizes filled in."""
+    """The engine configuration with the backend's sizes (num_blocks) filled in."""
     make_worker: Callable[[list[Any]], KVCacheWorker]
     """Builds the worker side over the model's Attention layers (binding their caches)."""
     block_size: int
@@ -53,8 +52,9 @@ class KVBackend(ABC):
     declaration, so the two cannot drift)."""
     supports_speculation: ClassVar[bool] = True
     supports_tensor_parallel: ClassVar[bool] = True
-    supports_cuda: ClassVar[bool] = True
-    """Its worker side can hold the KV cache in CUDA memory (docs/gpu.md)."""
+    needs_host_memory: ClassVar[bool] = False
+    """Its worker side maps host memory itself (mmap), so it runs only on a platform whose
+    tensors live there (``Platform.uses_host_memory``; docs/gpu.md)."""
     fork_refusal: ClassVar[str] = ""
     """Why forks are refused (the user-facing message), where ``supports_forks`` is False."""
 
@@ -71,32 +71,35 @@ class KVBackend(ABC):
     def supports_kv_transfer(self) -> bool:
         return self.capabilities.kv_transfer
 
-    def check_args(self, args: EngineArgs, enable_prefix_caching: bool) -> None:
-        """ValueError naming the first engine argument this backend cannot honour."""
+    def check_config(self, config: EngineConfig) -> None:
+        """ValueError naming the first setting of ``config`` this backend cannot honour."""
+        from pagedllm.platforms.registry import get_platform
+
         name = f"kv_cache_backend={self.name!r}"
-        if enable_prefix_caching and not self.supports_prefix_caching:
+        if config.cache_config.enable_prefix_caching and not self.supports_prefix_caching:
             raise ValueError(
                 f"prefix caching shares KV blocks between requests, which {name} cannot (each "
                 "request owns its memory); drop enable_prefix_caching=True "
                 "(--no-enable-prefix-caching) or use kv_cache_backend='paged'"
             )
-        if args.tensor_parallel_size > 1 and not self.supports_tensor_parallel:
+        size = config.parallel_config.tensor_parallel_size
+        if size > 1 and not self.supports_tensor_parallel:
             raise ValueError(
-                f"tensor_parallel_size={args.tensor_parallel_size} does not support {name} yet; "
-                "use --tensor-parallel-size 1 for it"
+                f"tensor_parallel_size={size} does not support {name} yet; use --tensor-parallel-size 1 for it"
             )
         flag = f"--kv-cache-backend {self.name}"
-        if not self.supports_cuda and args.resolve_device() == "cuda":
+        device = config.device_config.device
+        if self.needs_host_memory and not get_platform(device).uses_host_memory:
             raise ValueError(
-                f"{flag} is not supported on device='cuda' yet (its KV regions are host memory "
+                f"{flag} is not supported on device={device!r} yet (its KV regions are host memory "
                 "mapped with mmap); use the paged backend there, or --device cpu (docs/gpu.md)"
             )
-        if args.speculative_config is not None and not self.supports_speculation:
+        if config.speculative_config is not None and not self.supports_speculation:
             raise ValueError(
                 f"--speculative-config is not supported with {flag} yet (drafts need lookahead "
                 "slots and rollback); use the paged backend"
             )
-        if args.kv_transfer_config is not None and not self.supports_kv_transfer:
+        if config.kv_transfer_config is not None and not self.supports_kv_transfer:
             raise ValueError(
                 f"--kv-transfer-config is not supported with {flag} (blocks travel under "
                 "prefix-cache hashes, which this backend does not keep); use the paged backend"
@@ -108,9 +111,10 @@ class KVBackend(ABC):
             raise ValueError(f"n={n}: {self.fork_refusal}")
 
     @abstractmethod
-    def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
+    def build(self, config: EngineConfig, loaded: Any) -> KVBuild:
         """Size the manager and the worker's cache for ``loaded`` (a LoadedModel) under
-        ``args``'s byte budget; ValueError if one request of max_model_len cannot fit."""
+        ``config``'s byte budget (``cache_config.kv_cache_memory_bytes``, set by the
+        platform); ValueError if one request of max_model_len cannot fit."""
 
     @abstractmethod
     def view(self, manager: KVManager, running: Sequence[Request]) -> KVView:

@@ -24,13 +24,13 @@ kernel does not run (`kernel_refusal`) is not run. Either way the model goes mod
 
 Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16, tensor
 parallelism, the reference attention backend, several KV cache groups, or
-`PAGEDLLM_FUSED_DECODE=0` (e.g. to see the per-module breakdown in `bench latency --profile`).
+`AttentionConfig.fused_decode=False` (`--no-fused-decode`, e.g. to see the per-module breakdown in
+`bench latency --profile`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,7 +55,7 @@ FUSED_MAX_ROWS = PANEL_MAX_ROWS
 # is a flash kernel.
 KERNEL_MAX_QUERY_RUN = MAX_SHORT_RUN
 
-_ENABLED = os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
+_ENABLED = True  # each instance is set from AttentionConfig.fused_decode by the engine's builder
 _EMPTY = torch.empty(0)
 _EMPTY_ROWS = torch.empty(0, dtype=torch.int64)
 
@@ -151,7 +151,7 @@ class FusedDecoderLayers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.enabled = _ENABLED
-        """False runs every step module by module (PAGEDLLM_FUSED_DECODE=0 at start-up)."""
+        """False runs every step module by module (AttentionConfig.fused_decode)."""
         self._decoder: Any = None
         self._bound_cache: torch.Tensor | None = None  # layer 0's KV cache when built
         self._bound_bf16: torch.Tensor | None = None  # layer 0's qkv bf16 copy when built

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from pagedllm.entrypoints.cli import _engine_args, build_parser
+from pagedllm.entrypoints.cli import _engine_args, _engine_config, build_parser
 from pagedllm.entrypoints.vllm_flags import api_keys_from, kv_cache_bytes_from_env
 from tests.entrypoints.utils import RemoteServer
 
@@ -214,7 +214,7 @@ def parse(*argv: str):
 ], ids=["lora", "sleep", "pp", "no-chunked-prefill", "load-format", "gpu-memory", "generation-config"])
 def test_flags_for_what_is_missing_stop_the_start(argv, message):
     with pytest.raises(SystemExit) as exc:
-        _engine_args(parse(*argv), "serve")
+        _engine_config(parse(*argv), "serve")
     assert message in str(exc.value)
 
 
@@ -230,11 +230,15 @@ def test_harmless_values_of_missing_feature_flags_pass_silently(caplog):
 
 
 def test_vllm_dtypes_map_to_what_the_cpu_does(caplog):
-    args = _engine_args(parse("--dtype", "half"), "serve")
+    from pagedllm.engine.core_builder import resolve_dtype
+    from pagedllm.platforms.cpu import CpuPlatform
+
     with caplog.at_level(logging.WARNING):
-        assert args.resolve_dtype() in ("bfloat16", "float32")
-    assert "dtype=half: no float16 compute on CPUs" in caplog.text
-    assert _engine_args(parse("--dtype", "float"), "serve").resolve_dtype() == "float32"
+        _, config = _engine_config(parse("--dtype", "half"), "serve")
+    assert config.load_config.dtype == "auto"
+    assert resolve_dtype(config.load_config, CpuPlatform()) in ("bfloat16", "float32")
+    assert "dtype=half: no float16 compute here" in caplog.text
+    assert _engine_config(parse("--dtype", "float"), "serve")[1].load_config.dtype == "float32"
 
 
 def test_vllm_cpu_kvcache_space():

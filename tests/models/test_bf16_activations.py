@@ -148,7 +148,9 @@ def test_bf16_engine_arg(tiny_llama_dir: Any) -> None:
 def test_cuda_refuses_cpu_activation_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from pagedllm.platforms.cuda import CudaPlatform
+
+    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(lambda cls: True))
     args = EngineArgs(model="m", device="cuda", prefill_activations="bf16", attention_backend="triton")
     with pytest.raises(ValueError, match="device='cuda' does not support prefill_activations='bf16'"):
-        args.check_device_support()
+        args.create_engine_config()

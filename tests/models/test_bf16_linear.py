@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pagedllm.kernels import (
-    KERNEL_MAX_ROWS, bf16_linear, bf16_linear_ops, cpu_isa, linear_op, native_bf16, use_bf16_kernels,
+    KERNEL_MAX_ROWS, bf16_linear, bf16_linear_ops, cpu_isa, isa_at_least, linear_op, native_bf16, use_bf16_kernels,
 )
 from tests.models.utils import bind_kv_caches, prompt_logprobs
 
 # The AVX2 kernel itself; tests/kernels/test_ops.py covers bf16 linears under every ISA.
-pytestmark = pytest.mark.skipif(cpu_isa() != "avx2", reason="the bf16 kernel is built for the avx2 ISA only")
+pytestmark = pytest.mark.skipif(not isa_at_least(cpu_isa(), "avx2"), reason="the bf16 kernel is built for the avx2 ISA only")
 
 # (N, K): the default model's K (576, 1536), a tiny model's, and tails of every tile (N not a
 # multiple of 4, K not a multiple of 8).

@@ -18,7 +18,9 @@ import torch
 
 import tests.models
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import LoadConfig
+from pagedllm.engine.core_builder import resolve_dtype
+from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.layers.moe import SparseMoE
 from pagedllm.models import registry
 from pagedllm.models.fused_decode import FusedDecoderLayers
@@ -186,8 +188,8 @@ def test_bfloat16_logits_within_tolerance_of_hf_bfloat16(
 def test_dtype_auto_says_what_it_picked(caplog: pytest.LogCaptureFixture) -> None:
     with open("/proc/cpuinfo") as f:
         native_bf16 = "avx512_bf16" in f.read() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    with caplog.at_level(logging.INFO, logger="pagedllm.engine.arg_utils"):
-        chosen = EngineArgs(dtype="auto", quantization="none").resolve_dtype()
+    with caplog.at_level(logging.INFO, logger="pagedllm.platforms.cpu"):
+        chosen = resolve_dtype(LoadConfig(dtype="auto", quantization="none"), CpuPlatform())
     assert chosen == ("bfloat16" if native_bf16 else "float32")
     assert f"dtype=auto chose {chosen}" in caplog.text
 
@@ -195,6 +197,7 @@ def test_dtype_auto_says_what_it_picked(caplog: pytest.LogCaptureFixture) -> Non
 def test_dtype_auto_picks_float32_for_quantized_weights() -> None:
     # The 4/8-bit kernels and the fused decode take float32 activations, native bf16 or not:
     # asked for (int8) or by default (the default model's Q4_1 file keeps its blocks).
-    assert EngineArgs(dtype="auto", quantization="int8").resolve_dtype() == "float32"
-    assert EngineArgs(dtype="auto").resolve_dtype() == "float32"
-    assert EngineArgs(dtype="bfloat16").resolve_dtype() == "bfloat16"
+    cpu = CpuPlatform()
+    assert resolve_dtype(LoadConfig(dtype="auto", quantization="int8"), cpu) == "float32"
+    assert resolve_dtype(LoadConfig(dtype="auto"), cpu) == "float32"
+    assert resolve_dtype(LoadConfig(dtype="bfloat16"), cpu) == "bfloat16"

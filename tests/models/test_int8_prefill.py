@@ -13,7 +13,7 @@ from pagedllm.kernels import INT8_ACTIVATION_MIN_ROWS
 from pagedllm.layers.linear import set_prefill_activations
 
 pytestmark = pytest.mark.skipif(
-    kernels.cpu_isa() != "avx2" or kernels.quant_linear_ops() is None, reason="the int8-activation kernel is AVX2 code"
+    not kernels.isa_at_least(kernels.cpu_isa(), "avx2") or kernels.quant_linear_ops() is None, reason="the int8-activation kernel is AVX2 code"
 )
 
 TEXT = (

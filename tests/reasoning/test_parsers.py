@@ -65,7 +65,7 @@ def test_registry_names_both_parsers():
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("nope")
     with pytest.raises(ValueError, match="qwen3"):
-        EngineArgs(reasoning_parser="nope")
+        EngineArgs(reasoning_parser="nope").create_engine_config()
 
 
 @pytest.mark.parametrize("name,prompt,kwargs,text,reasoning,content", CASES)

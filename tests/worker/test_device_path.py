@@ -39,18 +39,24 @@ def test_triton_backend_greedy_matches_hf(tiny_llama_dir, hf_tiny_llama):
 
 def test_gpu_memory_utilization_is_an_error_on_cpu():
     with pytest.raises(ValueError, match="kv-cache-memory-bytes"):
-        EngineArgs(device="cpu", gpu_memory_utilization=0.5)
+        EngineArgs(device="cpu", gpu_memory_utilization=0.5).create_engine_config()
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         DeviceConfig("cuda", 1.5)
     assert DeviceConfig("cuda").memory_utilization == 0.9
 
 
+def _fake_cuda(monkeypatch, available: bool = True) -> None:
+    from pagedllm.platforms.cuda import CudaPlatform
+
+    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(lambda cls: available))
+
+
 def test_cuda_without_a_device_is_refused(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _fake_cuda(monkeypatch, available=False)
     with pytest.raises(ValueError, match="sees no CUDA device"):
-        EngineArgs(device="cuda").resolve_device()
-    assert EngineArgs().resolve_device() == "cpu"
-    assert EngineArgs().resolve_attention_backend() == "torch"
+        EngineArgs(device="cuda").create_engine_config()
+    config = EngineArgs().create_engine_config()
+    assert config.device_config.device == "cpu" and config.attention_config.backend == "torch"
 
 
 @pytest.mark.parametrize(
@@ -64,22 +70,23 @@ def test_cuda_without_a_device_is_refused(monkeypatch):
     ],
 )
 def test_cuda_refusals(monkeypatch, kwargs, match):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # checked before any CUDA call
-    args = EngineArgs(device="cuda", **kwargs)
-    assert args.resolve_attention_backend() == kwargs.get("attention_backend", "triton")
+    _fake_cuda(monkeypatch)  # checked before any CUDA call
+    assert EngineArgs(device="cuda").create_engine_config().attention_config.backend == "triton"
     with pytest.raises(ValueError, match=match):
-        args.check_device_support()
+        EngineArgs(device="cuda", **kwargs).create_engine_config()
 
 
 def test_vattention_refused_on_cuda_and_with_triton(monkeypatch):
     from pagedllm.kv_backends import get_kv_backend
 
+    from pagedllm.config import CacheConfig, EngineConfig
+
     with pytest.raises(ValueError, match="block-table layout"):
-        EngineArgs(kv_cache_backend="vattention", attention_backend="triton").check_device_support()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = EngineArgs(device="cuda", kv_cache_backend="vattention", enable_prefix_caching=False)
+        EngineArgs(kv_cache_backend="vattention", attention_backend="triton").create_engine_config()
+    config = EngineConfig(cache_config=CacheConfig(kv_cache_backend="vattention", enable_prefix_caching=False),
+                          device_config=DeviceConfig("cuda"))
     with pytest.raises(ValueError, match="not supported on device='cuda'"):
-        get_kv_backend("vattention").check_args(args, False)
+        get_kv_backend("vattention").check_config(config)
 
 
 def test_kv_budget_from_utilization():

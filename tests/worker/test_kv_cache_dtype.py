@@ -132,18 +132,20 @@ def test_engine_pool_and_log_line(engine, caplog):
 
 def test_refusals():
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'.*attention_backend='triton'"):
-        EngineArgs(model="m", kv_cache_dtype="int8", attention_backend="triton").check_device_support()
+        EngineArgs(model="m", kv_cache_dtype="int8", attention_backend="triton").create_engine_config()
     with pytest.raises(ValueError, match="kv_cache_dtype='bf8' is not one of"):
         CacheConfig(kv_cache_dtype="bf8")  # type: ignore[arg-type]
 
 
 def test_cuda_refuses(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from pagedllm.platforms.cuda import CudaPlatform
+
+    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(lambda cls: True))
     args = EngineArgs(model="m", device="cuda", kv_cache_dtype="fp8", attention_backend="torch")
     with pytest.raises(ValueError, match="device='cuda' does not support kv_cache_dtype='fp8'"):
-        args.check_device_support()
+        args.create_engine_config()
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*read by the CPU kernels only"):
-        EngineArgs(model="m", device="cuda", kv_cache_dtype="fp8").check_device_support()
+        EngineArgs(model="m", device="cuda", kv_cache_dtype="fp8").create_engine_config()
 
 
 def test_fused_and_module_decodes_agree_on_codes(engine):

@@ -9,6 +9,7 @@ only by ``build`` and the worker processes. Registered as "paged".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from pagedllm.kv_backends.base import KVBackend, KVBuild
 from pagedllm.kv_backends.paged.view import PagedKVView, take_paged_view
 
 if TYPE_CHECKING:
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.config import EngineConfig
     from pagedllm.request import Request
 
 
@@ -40,7 +41,7 @@ class PagedBackend(KVBackend):
     name = "paged"
     capabilities = KVCacheManager.capabilities
 
-    def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
+    def build(self, config: EngineConfig, loaded: Any) -> KVBuild:
         from pagedllm.config import resolve_kv_cache_dtype
         from pagedllm.kv_backends.paged.worker import (
             PagedKVWorker,
@@ -52,23 +53,24 @@ class PagedBackend(KVBackend):
         )
 
         model_config = loaded.model_config
-        budget_config = args.create_engine_config(model_config, num_blocks=0).cache_config
+        budget_config = config.cache_config
         block_size = budget_config.block_size
         # Equal-sized KV cache groups per attention type (full, sliding window); a block
         # spans one layer slice per layer of a group (worker.py).
         layers = attention_layers(loaded.model)
         group_specs = [KVCacheGroupSpec(g.sliding_window) for g in kv_cache_groups(layers)]
-        if args.kv_transfer_config is not None and (not budget_config.enable_prefix_caching or len(group_specs) != 1):
+        if config.kv_transfer_config is not None and (not budget_config.enable_prefix_caching or len(group_specs) != 1):
             raise ValueError(
                 "--kv-transfer-config needs prefix caching (blocks travel under their prefix-cache "
                 "hashes) and a model with one KV cache group (no sliding-window layers)"
             )
         layer_slots = num_layer_slots(layers)
         budget = budget_config.kv_cache_memory_bytes
+        assert budget is not None, "the platform sets the budget before the build"
         kv_dtype = budget_config.kv_cache_dtype
         storage = resolve_kv_cache_dtype(kv_dtype, model_config.dtype)
         num_blocks = num_blocks_for_budget(model_config, block_size, budget, layer_slots, kv_dtype)
-        config = args.create_engine_config(model_config, num_blocks)
+        config = dataclasses.replace(config, num_blocks=num_blocks)
         manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=block_size,

@@ -9,6 +9,7 @@ caching and no fork (n > 1, beam search). Registered as "vattention".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from pagedllm.kv_backends.vattention.manager import FORK_UNSUPPORTED, VAttention
 from pagedllm.kv_backends.vattention.view import SlotKVView, take_slot_view
 
 if TYPE_CHECKING:
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.config import EngineConfig
     from pagedllm.request import Request
 
 
@@ -27,10 +28,10 @@ class VAttentionBackend(KVBackend):
     capabilities = VAttentionKVManager.capabilities
     supports_speculation = False
     supports_tensor_parallel = False
-    supports_cuda = False
+    needs_host_memory = True
     fork_refusal = FORK_UNSUPPORTED
 
-    def build(self, args: EngineArgs, loaded: Any) -> KVBuild:
+    def build(self, config: EngineConfig, loaded: Any) -> KVBuild:
         """Per layer, K and V regions of max_num_seqs slots reserved (worker.py); the page
         budget kept by ``VAttentionKVManager``."""
         from pagedllm.kv_backends.vattention.worker import HUGE, SMALL_PAGE, VAttentionKVCache
@@ -41,15 +42,17 @@ class VAttentionBackend(KVBackend):
         layers = attention_layers(loaded.model)
         # A quantized cache keeps a scale per (token, head) row, as the paged one
         # (layers/kv_quant.py): the contiguous slots need no block-sized spans for it.
-        storage = resolve_kv_cache_dtype(args.kv_cache_dtype, model_config.dtype)
-        token_bytes = kv_token_bytes(model_config, args.kv_cache_dtype)
+        cache = config.cache_config
+        storage = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_config.dtype)
+        token_bytes = kv_token_bytes(model_config, cache.kv_cache_dtype)
         max_len = model_config.max_model_len
         capacity = vattention_layout(token_bytes, max_len, HUGE)
-        hugepages = args.vattention_hugepages
+        hugepages = cache.vattention_hugepages
         page_bytes = HUGE if hugepages else SMALL_PAGE
-        budget = args.kv_cache_budget()
+        budget = cache.kv_cache_memory_bytes
+        assert budget is not None, "the platform sets the budget before the build"
         num_pages = budget // page_bytes
-        config = args.create_engine_config(model_config, num_blocks=num_pages + 1)
+        config = dataclasses.replace(config, num_blocks=num_pages + 1)
         num_slots = config.scheduler_config.max_num_seqs
         manager = VAttentionKVManager(
             num_pages=num_pages,
@@ -59,7 +62,7 @@ class VAttentionBackend(KVBackend):
             num_slots=num_slots,
             slot_capacity=capacity,
             max_model_len=max_len,
-            deferred_reclaim=args.vattention_deferred_reclaim,
+            deferred_reclaim=cache.vattention_deferred_reclaim,
         )
         needed = manager.max_blocks_per_request(max_len)
         if num_pages < needed:
