@@ -20,8 +20,9 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     if config.structured_output_config.reasoning_parser is not None:
         get_reasoning_parser(config.structured_output_config.reasoning_parser)  # ValueError naming the choices
     _check_attention(config)
-    config = get_platform(config.device_config.device).check_and_update_config(config)
-    get_kv_backend(config.cache_config.kv_cache_backend).check_config(config)
+    platform = get_platform(config.device_config.device)
+    config = platform.check_and_update_config(config)
+    get_kv_backend(config.cache_config.kv_cache_backend).check_config(config, platform)
     check_parallel_support(config)
     check_lora_support(config)
     return config

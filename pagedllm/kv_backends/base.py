@@ -17,6 +17,7 @@ from pagedllm.core.kv_manager import KVCapabilities, KVManager
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
+    from pagedllm.platforms.interface import Platform
     from pagedllm.request import Request
     from pagedllm.worker.kv_worker import KVCacheWorker
 
@@ -71,10 +72,9 @@ class KVBackend(ABC):
     def supports_kv_transfer(self) -> bool:
         return self.capabilities.kv_transfer
 
-    def check_config(self, config: EngineConfig) -> None:
-        """ValueError naming the first setting of ``config`` this backend cannot honour."""
-        from pagedllm.platforms.registry import get_platform
-
+    def check_config(self, config: EngineConfig, platform: Platform) -> None:
+        """ValueError naming the first setting of ``config`` this backend cannot honour on
+        ``platform`` (the device's)."""
         name = f"kv_cache_backend={self.name!r}"
         if config.cache_config.enable_prefix_caching and not self.supports_prefix_caching:
             raise ValueError(
@@ -89,7 +89,7 @@ class KVBackend(ABC):
             )
         flag = f"--kv-cache-backend {self.name}"
         device = config.device_config.device
-        if self.needs_host_memory and not get_platform(device).uses_host_memory:
+        if self.needs_host_memory and not platform.uses_host_memory:
             raise ValueError(
                 f"{flag} is not supported on device={device!r} yet (its KV regions are host memory "
                 "mapped with mmap); use the paged backend there, or --device cpu (docs/gpu.md)"

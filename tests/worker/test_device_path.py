@@ -78,6 +78,7 @@ def test_cuda_refusals(monkeypatch, kwargs, match):
 
 def test_vattention_refused_on_cuda_and_with_triton(monkeypatch):
     from pagedllm.kv_backends import get_kv_backend
+    from pagedllm.platforms.registry import get_platform
 
     from pagedllm.config import CacheConfig, EngineConfig
 
@@ -86,7 +87,7 @@ def test_vattention_refused_on_cuda_and_with_triton(monkeypatch):
     config = EngineConfig(cache_config=CacheConfig(kv_cache_backend="vattention", enable_prefix_caching=False),
                           device_config=DeviceConfig("cuda"))
     with pytest.raises(ValueError, match="not supported on device='cuda'"):
-        get_kv_backend("vattention").check_config(config)
+        get_kv_backend("vattention").check_config(config, get_platform("cuda"))
 
 
 def test_kv_budget_from_utilization():
