@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import forward_context
+from pagedllm.attention.metadata import forward_context
 from pagedllm.spec_decode.early_exit import EarlyExitModel
 from pagedllm.spec_decode.proposer import PrefillChunk, Proposer, RunnerView
 from pagedllm.worker.kv_cache import allocate_kv_caches, attention_layers, copy_blocks, kv_cache_groups

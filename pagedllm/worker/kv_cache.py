@@ -23,12 +23,14 @@ from torch import nn
 
 from pagedllm.config import ModelConfig, resolve_kv_cache_dtype
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.layers.attention import Attention, AttentionMetadata
+from pagedllm.attention.layouts import BLOCK_TABLES
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.registry import bind_default_backend
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.kv_quant import cache_torch_dtype, row_bytes, row_width
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
 logger = logging.getLogger(__name__)
-
 
 
 class KVCacheGroup(NamedTuple):
@@ -117,6 +119,7 @@ def allocate_kv_caches(
             assert (layer.num_kv_heads, row_width(dtype, layer.head_dim)) == shape[3:], "layers differ in KV shape"
             layer.kv_cache = caches[slot]
             layer.kv_cache_group = group_id
+    bind_default_backend(layers, BLOCK_TABLES, device)
     return caches
 
 
@@ -132,6 +135,8 @@ def copy_blocks(kv_caches: list[torch.Tensor], blocks_to_copy: list[tuple[int, i
 
 class PagedKVWorker(KVCacheWorker):
     """The paged backend's worker side: a block pool per layer slot, block tables per group."""
+
+    layout = BLOCK_TABLES
 
     def __init__(
         self, layers: list[Attention], num_blocks: int, block_size: int, dtype: str,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,7 +21,9 @@ from torch import nn
 from pagedllm.config import AttentionConfig, ModelConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
 from pagedllm.kernels import paged_attention_ops
-from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
+from pagedllm.attention.metadata import AttentionMetadata, forward_context
+from pagedllm.attention.registry import bind_backend
+from pagedllm.layers.attention import Attention
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import lora_context
 from pagedllm.lora.request import LoRARequest
@@ -67,13 +70,16 @@ class ModelRunner:
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         layers = attention_layers(model)
-        for layer in layers:
-            layer.config = attention_config or AttentionConfig()
         if make_kv_worker is None:
             self.kv_worker: KVCacheWorker = PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
         else:
             self.kv_worker = make_kv_worker(layers)
         self.device = self.kv_worker.device
+        # One backend for every layer, chosen from the configuration, the device, the KV
+        # layout and the layers' features (ValueError naming a feature it does not run).
+        self.attn_backend = bind_backend(
+            layers, attention_config or AttentionConfig(), self.kv_worker.layout, self.device
+        )
         self.sampler = Sampler(seed, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graph_sizes:
@@ -148,13 +154,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: input preparation, forward, logits processing, then sampling or
+        speculation (verify, then propose)."""
         self._update_states(so)
         self.kv_worker.prepare(so)
         if so.blocks_to_copy and self.proposer is not None:  # a draft model's own KV blocks too
             self.proposer.copy_blocks(so.blocks_to_copy)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        # Decodes (one query token) first: the attention backend batches them.
+        step = self._prepare_step(so)
+        hidden = self._forward(step)
+        self._prompt_logprobs(hidden, step.states, step.batch)
+        prefills = self._draft_prefills(step)
+        sample_rows = step.batch.sample_rows
+        if not sample_rows:
+            if prefills:
+                assert self.proposer is not None
+                self.proposer.propose([], self.model_config.max_model_len, prefills)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        sampling_states = [step.states[i] for i in sample_rows]
+        logits = self._logits(hidden, step.batch, sampling_states, so)
+        if self.speculative_config is not None:
+            drafts = [step.drafts[i] for i in sample_rows]
+            return self._verify_and_propose(logits, sampling_states, drafts, prefills, len(step.states))
+        return self._sample(logits, sampling_states)
+
+    def _prepare_step(self, so: SchedulerOutput) -> _Step:
+        """The flat batch of the scheduled requests, decodes (one query token) first: the
+        attention backends batch them; and the step's LoRA mapping."""
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in req_ids]
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
@@ -162,34 +189,41 @@ class ModelRunner:
         lora = None
         if self.lora_manager is not None:
             lora = self.lora_manager.prepare([s.lora_request for s in states], np.asarray(batch.num_scheduled))
-        hidden = None
-        if self.decode_graphs is not None and lora is None:
+        return _Step(states, drafts, batch, lora)
+
+    def _forward(self, step: _Step) -> torch.Tensor:
+        """Hidden states [T, hidden]: a captured decode graph where one takes the step, else
+        the model under the step's attention metadata (and LoRA mapping)."""
+        batch = step.batch
+        if self.decode_graphs is not None and step.lora is None:
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
-        if hidden is None:
-            with forward_context(batch.attn_metadata), lora_context(lora):
-                hidden = self.model(batch.input_ids, batch.positions)
-        self._prompt_logprobs(hidden, states, batch)
-        sample_rows = batch.sample_rows
-        # Prompt chunks that do not sample: a draft model computes their KV this step too.
-        prefills: list[PrefillChunk] = []
-        if self.proposer is not None and len(sample_rows) < len(states):
-            sampling = set(sample_rows)
-            prefills = [PrefillChunk(s, batch.num_scheduled[i]) for i, s in enumerate(states) if i not in sampling]
-        if not sample_rows:
-            if prefills:
-                self.proposer.propose([], self.model_config.max_model_len, prefills)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            if hidden is not None:
+                return hidden
+        with forward_context(batch.attn_metadata), lora_context(step.lora):
+            return self.model(batch.input_ids, batch.positions)
+
+    def _draft_prefills(self, step: _Step) -> list[PrefillChunk]:
+        """Prompt chunks that do not sample: a draft model computes their KV this step too."""
+        sample_rows = step.batch.sample_rows
+        if self.proposer is None or len(sample_rows) >= len(step.states):
+            return []
+        sampling = set(sample_rows)
+        return [PrefillChunk(s, step.batch.num_scheduled[i]) for i, s in enumerate(step.states) if i not in sampling]
+
+    def _logits(
+        self, hidden: torch.Tensor, batch: Batch, sampling_states: list[CachedRequestState], so: SchedulerOutput
+    ) -> torch.Tensor:
+        """Logits at the sampled positions [num_logits, V], grammar-masked where asked."""
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampling_states = [states[i] for i in sample_rows]
         if so.grammar_bitmask is not None:
             from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 
             apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
-        if self.speculative_config is not None:
-            return self._verify_and_propose(
-                logits, sampling_states, [drafts[i] for i in sample_rows], prefills, len(states)
-            )
-        # A request whose sampling raises fails alone (fault_isolation.py).
+        return logits
+
+    def _sample(self, logits: torch.Tensor, sampling_states: list[CachedRequestState]) -> ModelRunnerOutput:
+        """One token per request (a request whose sampling raises fails alone:
+        fault_isolation.py), appended to its state."""
         out, sampling_states, failed = sample_isolated(self.sampler, logits, sampling_states, self.eos_token_ids)
         if out is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
@@ -309,6 +343,8 @@ class ModelRunner:
             num_decodes=num_decodes,
         )
         md = self.kv_worker.attention_metadata([s.block_ids for s in states], step)
+        prepare = self.attn_backend.prepare_metadata
+        md = [prepare(m) for m in md] if isinstance(md, list) else prepare(md)
         batch = self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
         return batch if self.device.type == "cpu" else batch.to(self.device)
 
@@ -354,6 +390,15 @@ def _append_sampled(
             state.prompt_logprobs = None
         state.token_ids.extend(tokens)
     return prompt_logprobs
+
+
+class _Step(NamedTuple):
+    """One step's prepared inputs (rows: requests, decodes first)."""
+
+    states: list[CachedRequestState]
+    drafts: list[list[int]]  # [R] each request's draft tokens (scored this step)
+    batch: Batch
+    lora: Any  # the step's LoRA mapping (lora/manager.py), None without adapters
 
 
 @dataclass
