@@ -27,6 +27,9 @@ class AttentionParams:
     causal: bool = True
     """False: every query sees every key of its prompt (embedding models); only prompt-only
     steps (each request's first and only chunk) have that meaning."""
+    head_bias: tuple[float, ...] | None = None
+    """[H] a constant added to every score of head h (a toy feature: it cancels in the
+    softmax, except against a sink's logit)."""
 
     def __post_init__(self) -> None:
         if self.logit_soft_cap is not None and self.logit_soft_cap <= 0:

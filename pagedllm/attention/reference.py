@@ -14,7 +14,7 @@ from pagedllm.layers.kv_quant import dequantize_rows
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
-    runs = frozenset({"sliding_window", "logit_soft_cap", "sinks", "causal"})
+    runs = frozenset({"sliding_window", "logit_soft_cap", "sinks", "causal", "head_bias"})
 
     def attend(self, layer, q, k, v, md):
         # softmax(q.k * scale) @ v per (request, head), scores soft-capped to c * tanh(s / c),
@@ -41,6 +41,8 @@ class ReferenceBackend(AttentionBackend):
                 scores = (q[start:end, h].double() @ kh.T) * p.scale  # [Q, S]
                 if p.logit_soft_cap is not None:
                     scores = p.logit_soft_cap * torch.tanh(scores / p.logit_soft_cap)
+                if p.head_bias is not None:
+                    scores = scores + p.head_bias[h]
                 if mask is not None:
                     scores = scores.masked_fill(~mask, float("-inf"))
                 if layer.sinks is not None:

@@ -107,3 +107,29 @@ def test_bidirectional_prompts_match_reference(backend: str) -> None:
     # A continuation chunk has no bidirectional meaning: refused at the step.
     with pytest.raises(ValueError, match="causal=False runs prompt-only steps"):
         _run(layer, backend, {"torch": AttentionConfig()}, *PATHS["continuation"])
+
+
+def test_head_bias_is_a_sink_shift_in_the_reference() -> None:
+    # A constant b_h on every score of head h against a sink s_h: softmax([scores + b, s])
+    # equals softmax([scores, s - b]), so the biased reference must equal the unbiased one
+    # with shifted sinks; without sinks the bias cancels. Torch-family backends refuse it.
+    from dataclasses import replace
+
+    bias = (1.5, -2.0, 0.0, 3.0, 0.5, -1.0)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, 1.0])
+    reference = {"reference": AttentionConfig(backend="reference")}
+    path = PATHS["spec_verify"]
+    layer = Attention(HKV * GROUP, D, HKV, SCALE, sinks=True)
+    layer.sinks.copy_(sinks - torch.tensor(bias))
+    torch.manual_seed(0)
+    shifted = _run(layer, "paged", reference, *path)["reference"]
+    layer.params = replace(layer.params, head_bias=bias)
+    layer.sinks.copy_(sinks)
+    torch.manual_seed(0)
+    biased = _run(layer, "paged", reference, *path)["reference"]
+    torch.testing.assert_close(biased, shifted, atol=1e-5, rtol=1e-5)
+    torch.manual_seed(0)
+    layer.params = replace(layer.params, head_bias=None)
+    assert (_run(layer, "paged", reference, *path)["reference"] - biased).abs().max() > 1e-2
+    with pytest.raises(ValueError, match=r"'torch'.*head_bias"):
+        select_backend(AttentionConfig(compiled_kernels=False), BLOCK_TABLES, "cpu", [AttentionParams(SCALE, head_bias=bias)])
