@@ -18,12 +18,16 @@ run; the module path's attention does the same for such steps, with the same ker
 
 The compiled forward runs what a layer declares and nothing else. A decoder layer class
 declares what its forward computes by defining `decode_layout(self) -> DecodeLayout | None`
-in its own class body; a subclass that does not define it again (it may have changed what the
+in its own class body (the layout is the `ArchConfig` the layer was built from: one description
+of the architecture); a subclass that does not define it again (it may have changed what the
 layer computes) is not taken to compute its parent's layout, and a layout with a field the
-kernel does not run (`kernel_refusal`) is not run. Either way the model goes module by module.
+kernel does not run (`kernel_refusal`), or an attention layer with a feature its attention
+does not run (`attention_refusal`: sinks, bidirectional), is not run. Either way the model goes
+module by module.
 
 Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16, tensor
-parallelism, the reference attention backend, several KV cache groups, or
+parallelism, an attention backend that does not `runs_fused_decode` (reference, Triton),
+several KV cache groups, or
 `PAGEDLLM_FUSED_DECODE=0` (e.g. to see the per-module breakdown in `bench latency --profile`).
 """
 

@@ -70,24 +70,16 @@ class ModelRunner:
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         layers = attention_layers(model)
-        if make_kv_worker is None:
-            self.kv_worker: KVCacheWorker = PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
-        else:
-            self.kv_worker = make_kv_worker(layers)
+        self.kv_worker: KVCacheWorker = (
+            make_kv_worker(layers) if make_kv_worker else PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
+        )
         self.device = self.kv_worker.device
-        # One backend for every layer, chosen from the configuration, the device, the KV
-        # layout and the layers' features (ValueError naming a feature it does not run).
+        # One backend for every layer (attention/registry.py; ValueError naming what it refuses).
         self.attn_backend = bind_backend(
             layers, attention_config or AttentionConfig(), self.kv_worker.layout, self.device
         )
         self.sampler = Sampler(seed, self.device)
-        self.decode_graphs: DecodeGraphs | None = None
-        if decode_graph_sizes:
-            capture = cuda_graph_capture() if self.device.type == "cuda" else eager_capture
-            max_blocks = -(-model_config.max_model_len // block_size)
-            self.decode_graphs = DecodeGraphs(
-                model, sorted(set(decode_graph_sizes)), max_blocks, block_size, self.device, capture
-            )
+        self.decode_graphs = self._decode_graphs(decode_graph_sizes) if decode_graph_sizes else None
         self.num_kv_cache_groups = self.kv_worker.num_groups
         self.kv_caches = self.kv_worker.kv_caches
         # Speculative decoding: every sampling request goes through the rejection sampler (a
@@ -95,20 +87,33 @@ class ModelRunner:
         # do not depend on whether others in the batch had drafts.
         self.speculative_config = speculative_config
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
-        self.proposer: Proposer | None = None
-        self.draft_policy: DraftPolicy | None = None
-        if speculative_config is not None:
-            self.proposer = build_proposer(speculative_config, self)
-            self.draft_policy = DraftPolicy(speculative_config)
-        self.lora_manager = None
-        if lora_config is not None:
-            from pagedllm.lora.manager import LoRAManager
-            from pagedllm.models.registry import family_of
-
-            packed = family_of(model_config.architecture).packed_modules
-            self.lora_manager = LoRAManager(model, lora_config, packed, getattr(torch, model_config.dtype), self.device)
+        spec = speculative_config
+        self.proposer: Proposer | None = build_proposer(spec, self) if spec is not None else None
+        self.draft_policy: DraftPolicy | None = DraftPolicy(spec) if spec is not None else None
+        self.lora_manager = self._lora_manager(lora_config) if lora_config is not None else None
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
+
+    def _decode_graphs(self, sizes: Sequence[int]) -> DecodeGraphs:
+        """Decode forwards captured at these batch sizes: CUDA graphs, which only a backend
+        whose decode reads device tensors alone may take; elsewhere a re-run."""
+        if self.device.type == "cuda" and not self.attn_backend.graph_capturable:
+            raise ValueError(
+                f"attention backend {self.attn_backend.name!r} cannot be captured in CUDA graphs "
+                "(its decode reads host values of the step); use attention_backend='triton' or no cuda_graph_sizes"
+            )
+        capture = cuda_graph_capture() if self.device.type == "cuda" else eager_capture
+        max_blocks = -(-self.model_config.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, sorted(set(sizes)), max_blocks, self.block_size, self.device, capture)
+
+    def _lora_manager(self, lora_config: LoRAConfig) -> Any:
+        """The LoRA adapters' manager over the model's Linear layers (lora/manager.py)."""
+        from pagedllm.lora.manager import LoRAManager
+        from pagedllm.models.registry import family_of
+
+        packed = family_of(self.model_config.architecture).packed_modules
+        dtype = getattr(torch, self.model_config.dtype)
+        return LoRAManager(self.model, lora_config, packed, dtype, self.device)
 
     # ---- state -------------------------------------------------------------------------
 

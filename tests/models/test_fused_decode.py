@@ -305,7 +305,11 @@ def test_the_default_model_decodes_fused(default_llm: Any) -> None:
     # SmolLM2 (Llama): every decode step through the compiled forward (the performance path).
     from pagedllm import SamplingParams
 
-    fused = default_llm.llm_engine.engine_core.runner.model.model.fused_layers
+    from pagedllm.attention.torch_backend import CompiledBackend
+
+    runner = default_llm.llm_engine.engine_core.runner
+    assert type(runner.attn_backend) is CompiledBackend  # the module path's decodes: the kernel too
+    fused = runner.model.model.fused_layers
     calls = []
     handle = fused.register_forward_hook(lambda *_: calls.append(1))
     try:
