@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,7 +20,7 @@ from torch import nn
 from pagedllm.config import AttentionConfig, ModelConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
 from pagedllm.kernels import paged_attention_ops
-from pagedllm.attention.metadata import AttentionMetadata, forward_context
+from pagedllm.attention.metadata import forward_context
 from pagedllm.attention.registry import bind_backend
 from pagedllm.layers.attention import Attention
 from pagedllm.lora.config import LoRAConfig
@@ -37,6 +36,7 @@ from pagedllm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_
 from pagedllm.worker.kv_cache import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
+from pagedllm.worker.batch import Batch, build_batch
 from pagedllm.worker.sampling_inputs import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -350,37 +350,8 @@ class ModelRunner:
         md = self.kv_worker.attention_metadata([s.block_ids for s in states], step)
         prepare = self.attn_backend.prepare_metadata
         md = [prepare(m) for m in md] if isinstance(md, list) else prepare(md)
-        batch = self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
+        batch = build_batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
         return batch if self.device.type == "cpu" else batch.to(self.device)
-
-    @staticmethod
-    def _batch(
-        states: list[CachedRequestState],
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        attn_metadata: AttentionMetadata | list[AttentionMetadata],
-        query_start: np.ndarray,
-        seq_lens: np.ndarray,
-        counts: np.ndarray,
-        num_drafts: np.ndarray,
-    ) -> Batch:
-        # A request samples when this step reaches the end of its known tokens (and drafts);
-        # with k drafts it needs logits at its last k + 1 positions.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
-        rows = np.asarray(sample_rows, dtype=np.int64)
-        num_logits = num_drafts[rows] + 1
-        ends = np.repeat(query_start[1:][rows], num_logits)
-        offsets = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
-        logits_indices = torch.from_numpy(ends - np.repeat(num_logits, num_logits) + offsets)
-        return Batch(
-            input_ids=torch.from_numpy(input_ids),
-            positions=torch.from_numpy(positions),
-            attn_metadata=attn_metadata,
-            logits_indices=logits_indices,
-            sample_rows=sample_rows,
-            query_start=query_start[:-1].tolist(),
-            num_scheduled=counts.tolist(),
-        )
 
 
 def _append_sampled(
@@ -404,26 +375,3 @@ class _Step(NamedTuple):
     drafts: list[list[int]]  # [R] each request's draft tokens (scored this step)
     batch: Batch
     lora: Any  # the step's LoRA mapping (lora/manager.py), None without adapters
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata | list[AttentionMetadata]  # one, or one per KV group
-    logits_indices: torch.Tensor  # [num_sampling] index into the flat batch
-    sample_rows: list[int]  # which requests (rows of this step) sample
-    query_start: list[int]  # [R] offset of each request's first token in the flat batch
-    num_scheduled: list[int]  # [R] tokens of each request this step
-
-    def to(self, device: torch.device) -> Batch:
-        """The batch with its index tensors on ``device`` (the metadata is there already)."""
-        return Batch(
-            input_ids=self.input_ids.to(device, non_blocking=True),
-            positions=self.positions.to(device, non_blocking=True),
-            attn_metadata=self.attn_metadata,
-            logits_indices=self.logits_indices.to(device, non_blocking=True),
-            sample_rows=self.sample_rows,
-            query_start=self.query_start,
-            num_scheduled=self.num_scheduled,
-        )
