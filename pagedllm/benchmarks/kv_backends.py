@@ -94,8 +94,18 @@ def bench_attention(args: argparse.Namespace) -> list[str]:
     """Decode attention of one layer, SmolLM2-135M's shape (9 heads, 3 KV heads, 64 dims)."""
     import torch
 
+    from pagedllm.attention.layouts import BLOCK_TABLES, CONTIGUOUS_SLOTS, KVLayout
+    from pagedllm.attention.metadata import AttentionMetadata
+    from pagedllm.attention.registry import bind_backend
     from pagedllm.config import AttentionConfig
-    from pagedllm.layers.attention import AttentionMetadata, _decode_attention
+    from pagedllm.layers.attention import Attention
+
+    def decode(cache: torch.Tensor, layout: KVLayout, config: AttentionConfig):
+        # One layer over `cache`, its backend's decode path alone (no KV write).
+        layer = Attention(H, D, HKV, 0.125)
+        layer.kv_cache = cache
+        backend = bind_backend([layer], config, layout, "cpu")
+        return lambda md: backend.decode(layer, q, md)  # type: ignore[attr-defined]
 
     torch.manual_seed(0)
     H, HKV, D, B = 9, 3, 64, args.decode_batch
@@ -109,15 +119,15 @@ def bench_attention(args: argparse.Namespace) -> list[str]:
             cache = torch.randn(2, B * nb + 1, bs, HKV, D)
             perm = torch.randperm(B * nb) + 1
             md = AttentionMetadata(torch.zeros(0, dtype=torch.int64), perm.view(B, nb), seq, [], [ctx] * B, B, bs)
-            rows.append((f"paged kernel bs={bs}", lambda md=md, cache=cache: _decode_attention(q, cache, md, 0.125, None)))
+            fn = decode(cache, BLOCK_TABLES, AttentionConfig())
+            rows.append((f"paged kernel bs={bs}", lambda md=md, fn=fn: fn(md)))
         cache = torch.randn(2, B, ctx, HKV, D)
         slots = torch.arange(B)
         md = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 0, dtype=torch.int64), seq, [],
                                [ctx] * B, B, 1, slots, slots.tolist())
         for mode in ("kernel", "torch"):
-            config = AttentionConfig(contiguous_decode=mode)
-            rows.append((f"contiguous {mode}",
-                         lambda md=md, cache=cache, config=config: _decode_attention(q, cache, md, 0.125, None, config)))
+            fn = decode(cache, CONTIGUOUS_SLOTS, AttentionConfig(contiguous_decode=mode))
+            rows.append((f"contiguous {mode}", lambda md=md, fn=fn: fn(md)))
         for label, fn in rows:
             fn()
             t = []

@@ -65,7 +65,7 @@ def _decode(args: argparse.Namespace, dtypes: list[str]) -> None:
 
     from pagedllm.config import parse_bytes, resolve_kv_cache_dtype
     from pagedllm.kernels import paged_attention_ops
-    from pagedllm.layers.attention import AttentionMetadata, forward_context
+    from pagedllm.attention.metadata import AttentionMetadata, forward_context
     from pagedllm.models.loader import load_model
     from pagedllm.kv_backends.paged.worker import allocate_kv_caches, attention_layers, kv_bytes_per_block
 

@@ -1,6 +1,6 @@
 """The 8-bit KV cache formats (``--kv-cache-dtype int8 | fp8 | fp8_e4m3 | fp8_e5m2``).
 
-A quantized cache keeps the layouts of layers/attention.py with one change: each (token, KV
+A quantized cache keeps the layouts of attention/layouts.py with one change: each (token, KV
 head) row of ``head_dim`` values becomes ``head_dim`` 8-bit codes followed by that row's
 float32 scale in 4 more bytes, so the last dimension is ``head_dim + 4`` and the tensor's
 dtype (int8, float8_e4m3fn, float8_e5m2) names the format. value = code * scale, with scale =

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import get_attention_metadata
+from pagedllm.attention.metadata import get_attention_metadata
 from pagedllm.layers.rotary_apply import apply_rotary, rotary_dim_of
 
 

@@ -18,30 +18,37 @@ run; the module path's attention does the same for such steps, with the same ker
 
 The compiled forward runs what a layer declares and nothing else. A decoder layer class
 declares what its forward computes by defining `decode_layout(self) -> DecodeLayout | None`
-in its own class body; a subclass that does not define it again (it may have changed what the
+in its own class body (the layout is the `ArchConfig` the layer was built from: one description
+of the architecture); a subclass that does not define it again (it may have changed what the
 layer computes) is not taken to compute its parent's layout, and a layout with a field the
-kernel does not run (`kernel_refusal`) is not run. Either way the model goes module by module.
+kernel does not run (`kernel_refusal`), or an attention layer with a feature its attention
+does not run (`attention_refusal`: sinks, bidirectional), is not run. Either way the model goes
+module by module.
 
 Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16, tensor
-parallelism, the reference attention backend, several KV cache groups, or
-`AttentionConfig.fused_decode=False` (`--no-fused-decode`, e.g. to see the per-module breakdown in
-`bench latency --profile`).
+parallelism, an attention backend that does not `runs_fused_decode` (reference, Triton),
+several KV cache groups, or `AttentionConfig.fused_decode=False` (`--no-fused-decode`, e.g. to
+see the per-module breakdown in `bench latency --profile`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import MAX_SHORT_RUN, AttentionMetadata, get_attention_metadata
+from pagedllm.attention.layouts import BLOCK_TABLES, KVLayout
+from pagedllm.attention.metadata import AttentionMetadata, get_attention_metadata
+from pagedllm.attention.params import AttentionParams
+from pagedllm.attention.torch_backend import MAX_SHORT_RUN, CompiledBackend
 from pagedllm.kernels import decode_layers_ops
 from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import Linear
 from pagedllm.lora.layers import active_mapping
+from pagedllm.models.family import ArchConfig
 from pagedllm.kernels import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -62,52 +69,49 @@ _EMPTY_ROWS = torch.empty(0, dtype=torch.int64)
 
 @dataclass(frozen=True)
 class DecodeLayout:
-    """What one decoder layer computes, as declared by its class (see the module docstring).
+    """What one decoder layer computes, as declared by its class (see the module docstring):
+    the architecture it was built from (one description: norms, activation, positions,
+    biases, q/k norm), plus what the layer itself adds. Each attention layer's own features
+    (window, soft-cap, ...) are its AttentionParams, read from the layer."""
 
-    The defaults are the Llama layer: x += attn(rms_norm(x)); x += mlp(rms_norm(x)), with a
-    rotary embedding over the whole head and a silu-gated MLP.
-    """
-
-    norm: Literal["rms", "layer"] = "rms"
-    norm_offset: float = 0.0
-    """Norms scale by (norm_offset + weight)."""
-    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
-    qk_norm: bool = False
-    """RMSNorm (norm_offset + weight) over each query and key head, before the rotary."""
-    activation: str = "silu"
-    gated_mlp: bool = True
-    positional: Literal["rope", "learned"] = "rope"
-    partial_rotary_factor: float = 1.0
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    attn_logit_softcap: float | None = None
-    """Attention scores soft-capped to c * tanh(s / c) (the layers' Attention.logit_soft_cap)."""
+    arch: ArchConfig
     row_deltas: bool = False
     """A layer whose own forward adds per-row deltas to its projections' outputs (refused).
     LoRA adapters are not declared here: they live on the Linear layers (lora_slots) and the
     compiled forward adds them itself (_bind_lora, kernels/csrc/lora_delta.h)."""
 
 
-# The layout fields the kernel runs as they are (biases, q/k norm, soft-cap: any; the rest:
-# these values).
+# The architecture fields the kernel runs only with these values (biases and q/k norm: any).
 _KERNEL_RUNS: dict[str, object] = {
     "norm": "rms",
     "norm_offset": 0.0,
     "norm_placement": "pre",
     "activation": "silu",
     "gated_mlp": True,
-    "positional": "rope",
     "partial_rotary_factor": 1.0,
-    "row_deltas": False,
 }
+# The attention features (AttentionParams.features) the kernel's attention runs: the
+# compiled decode kernel's.
+_KERNEL_ATTENTION = CompiledBackend.runs
 
 
 def kernel_refusal(layout: DecodeLayout) -> str | None:
     """Why decode_layers.cpp cannot run this layout, None when it can."""
     for name, value in _KERNEL_RUNS.items():
-        if getattr(layout, name) != value:
-            return f"the layout's {name}={getattr(layout, name)!r} (the kernel runs {value!r})"
+        if getattr(layout.arch, name) != value:
+            return f"the layout's {name}={getattr(layout.arch, name)!r} (the kernel runs {value!r})"
+    if layout.arch.rope is None:
+        return "the layout's learned positions (the kernel runs a rotary embedding)"
+    if layout.row_deltas:
+        return "the layout's row_deltas=True (the kernel runs False)"
+    return None
+
+
+def attention_refusal(params: AttentionParams) -> str | None:
+    """Why the kernel's attention cannot run a layer with these features, None when it can."""
+    for feature in params.features():
+        if feature not in _KERNEL_ATTENTION:
+            return f"an attention layer's {feature}={getattr(params, feature)!r} (the kernel runs {sorted(_KERNEL_ATTENTION)})"
     return None
 
 
@@ -156,6 +160,7 @@ class FusedDecoderLayers(nn.Module):
         self._bound_cache: torch.Tensor | None = None  # layer 0's KV cache when built
         self._bound_bf16: torch.Tensor | None = None  # layer 0's qkv bf16 copy when built
         self._unsupported: str | None = None  # why this model cannot run fused, once found
+        self._layout: KVLayout = BLOCK_TABLES  # the bound attention backend's KV layout
 
     def applies(self, layers: nn.ModuleList, hidden_states: torch.Tensor) -> bool:
         """Whether this step (its rows in hidden_states) can run fused; called every step."""
@@ -164,8 +169,10 @@ class FusedDecoderLayers(nn.Module):
             return False
         if not hidden_states.is_cpu or hidden_states.dtype != torch.float32:
             return False  # a CPU kernel: CUDA runs module by module through the Triton kernels
-        if layers[0].self_attn.attn.backend != "torch":
+        backend = layers[0].self_attn.attn.backend
+        if backend is None or not backend.runs_fused_decode:
             return False
+        self._layout = backend.layout
         md = get_attention_metadata(0)
         if not isinstance(md, AttentionMetadata) or not _decodes_and_verifications(md):
             return False
@@ -198,7 +205,7 @@ class FusedDecoderLayers(nn.Module):
             float(first.input_layernorm.eps),
             float(attn.scale),
             first.self_attn.rotary_emb.cos_sin_cache,
-            float(first.self_attn.q_norm.eps) if layout.qk_norm else 0.0,
+            float(first.self_attn.q_norm.eps) if layout.arch.qk_norm else 0.0,
             INT16_MAX_ROWS,
             TILE_MAX_ROWS,
         )
@@ -208,8 +215,8 @@ class FusedDecoderLayers(nn.Module):
             bits, weights, scales, zeros, biases, bf16 = (list(column) for column in zip(*map(_linear_args, modules)))
             # --prefill-activations bf16: the copies are used from the layers' (one) min_rows up.
             bf16_min_rows = max(m.bf16_min_rows for m in modules)
-            q_norm = a.q_norm.weight.detach() if layout.qk_norm else _EMPTY
-            k_norm = a.k_norm.weight.detach() if layout.qk_norm else _EMPTY
+            q_norm = a.q_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
+            k_norm = a.k_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
             decoder.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
@@ -245,7 +252,7 @@ class FusedDecoderLayers(nn.Module):
         if any(layout is None for layout in layouts):
             names = sorted({type(l).__name__ for l, d in zip(layers, layouts) if d is None})
             return f"{', '.join(names)} declares no decode layout"
-        if len(set(layouts)) != 1:
+        if any(layout != layouts[0] for layout in layouts):
             return "the layers declare different layouts"
         refusal = kernel_refusal(layouts[0])  # type: ignore[arg-type]
         if refusal is not None:
@@ -253,8 +260,9 @@ class FusedDecoderLayers(nn.Module):
         for layer in layers:
             a = layer.self_attn
             attn = a.attn
-            if attn.logit_soft_cap != layouts[0].attn_logit_softcap:  # type: ignore[union-attr]
-                return "an attention layer's soft-cap is not its declared layout's"
+            refusal = attention_refusal(attn.params)
+            if refusal is not None:
+                return refusal
             if attn.kv_cache is None or not (attn.kv_cache.dtype == torch.float32 or quant_format(attn.kv_cache)):
                 return "the KV cache is neither float32 nor 8-bit codes"
             if attn.kv_cache_group != 0:
@@ -275,7 +283,7 @@ class FusedDecoderLayers(nn.Module):
         # Each row a decode of its own context (a verification run's rows: causal attention).
         md = get_attention_metadata(0).row_decodes
         rows = hidden_states.shape[0]
-        slots = _EMPTY if md.slots is None else md.slots[:rows]
+        slots = self._layout.kernel_slots(md, rows)  # empty: the block tables address the cache
         lora = active_mapping()
         self._decoder.set_lora_rows(_EMPTY_ROWS if lora is None else lora.row_slots[:rows])
         h, residual = self._decoder.forward(

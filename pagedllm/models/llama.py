@@ -88,6 +88,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
         super().__init__()
+        self.arch = arch
         self.self_attn = self.attention_class(arch, layer_idx, rotary_emb)
         self.mlp = self.build_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
@@ -113,21 +114,9 @@ class LlamaDecoderLayer(nn.Module):
     def decode_layout(self) -> DecodeLayout | None:
         """What this class's forward computes (models/fused_decode.py); None when its
         submodules are not the ones this declaration describes."""
-        if type(self.self_attn) is not LlamaAttention or type(self.mlp) is not LlamaMLP:
+        if type(self.self_attn) is not LlamaAttention or type(self.mlp) is not LlamaMLP or self.arch.qk_norm:
             return None
-        return llama_layout(self)
-
-
-def llama_layout(layer: LlamaDecoderLayer) -> DecodeLayout:
-    """The layout of LlamaDecoderLayer.forward over LlamaAttention and LlamaMLP."""
-    a = layer.self_attn
-    return DecodeLayout(
-        partial_rotary_factor=a.rotary_emb.rotary_dim / a.rotary_emb.head_dim,
-        attn_logit_softcap=a.attn.logit_soft_cap,
-        qkv_bias=a.qkv_proj.bias is not None,
-        o_bias=a.o_proj.bias is not None,
-        mlp_bias=layer.mlp.down_proj.bias is not None,
-    )
+        return DecodeLayout(self.arch)
 
 
 class LlamaModel(nn.Module):

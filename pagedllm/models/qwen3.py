@@ -8,7 +8,6 @@ HF's layout: no Q/K permutation). The decode layout adds `qk_norm`, which the fu
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +24,6 @@ from pagedllm.models.llama import (
     LlamaMLP,
     LlamaModel,
     llama_arch_config,
-    llama_layout,
 )
 
 
@@ -53,7 +51,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
     def decode_layout(self) -> DecodeLayout | None:
         if type(self.self_attn) is not Qwen3Attention or type(self.mlp) is not LlamaMLP:
             return None
-        return replace(llama_layout(self), qk_norm=True)
+        return DecodeLayout(self.arch)  # its arch declares the q/k norm
 
 
 class Qwen3Model(LlamaModel):

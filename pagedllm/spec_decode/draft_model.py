@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import forward_context
+from pagedllm.attention.metadata import forward_context
 from pagedllm.spec_decode.early_exit import EarlyExitModel
 from pagedllm.spec_decode.proposer import DraftKV, DraftKVHost, PrefillChunk, Proposer, RunnerView
 

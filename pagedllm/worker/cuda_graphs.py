@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata, forward_context
+from pagedllm.attention.metadata import AttentionMetadata, forward_context
 
 GraphCapture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
 """fn -> (fn's output as a static tensor, replay): replay() recomputes that output in place."""

@@ -6,8 +6,8 @@ request's ids (``block_ids[group]``, from the backend's manager) to its ``KVCach
 which returns the ``AttentionMetadata`` the Attention layers read (on the worker's device).
 Before the forward, ``prepare`` applies what the scheduler decided about memory (blocks
 copied on write, slots released). The Attention layers write and read the caches bound to
-them through that metadata (layers/attention.py: a block-table layout or a contiguous-slot
-layout).
+them through that metadata, in the layout the worker declares (attention/layouts.py: block
+tables or contiguous slots); the attention backend completes it (``prepare_metadata``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.attention.layouts import KVLayout
+from pagedllm.attention.metadata import AttentionMetadata
 
 
 class StepIndex(NamedTuple):
@@ -41,6 +42,8 @@ class KVCacheWorker(ABC):
     num_groups: int
     """KV cache groups: ``block_ids`` has one list per group."""
     device: torch.device
+    layout: KVLayout
+    """How the metadata it builds addresses its caches (the attention backend reads it so)."""
 
     @abstractmethod
     def prepare(self, so: SchedulerOutput) -> None:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from pagedllm.config import AttentionConfig, ModelConfig
-from pagedllm.layers.attention import forward_context
+from pagedllm.attention.metadata import forward_context
+from pagedllm.attention.registry import bind_backend
 from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers, kv_bytes_per_block, num_layer_slots
 from pagedllm.worker.kv_worker import StepIndex
 
@@ -56,10 +57,9 @@ def profile_forward(
     max_len = model_config.max_model_len
     lengths = [min(max_len, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens, max_len)]
     layers = attention_layers(model)
-    for layer in layers:
-        layer.config = attention_config
     blocks = [-(-n // block_size) for n in lengths]
     worker = PagedKVWorker(layers, sum(blocks) + 1, block_size, model_config.dtype, device)
+    backend = bind_backend(layers, attention_config, worker.layout, device)
     block_ids, next_id = [], 1
     for n in blocks:
         block_ids.append([list(range(next_id, next_id + n))])
@@ -77,6 +77,7 @@ def profile_forward(
         num_decodes=0 if lengths[0] > 1 else len(lengths),
     )
     md = worker.attention_metadata(block_ids, step)
+    md = [backend.prepare_metadata(m) for m in md] if isinstance(md, list) else backend.prepare_metadata(md)
     input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
     with torch.inference_mode(), forward_context(md):
         hidden = model(input_ids, positions.to(device))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,7 +20,9 @@ from torch import nn
 from pagedllm.config import AttentionConfig, ModelConfig, SpeculativeConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, PositionLogprobsData, SchedulerOutput
 from pagedllm.kernels import paged_attention_ops
-from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
+from pagedllm.attention.metadata import forward_context
+from pagedllm.attention.registry import bind_backend
+from pagedllm.layers.attention import Attention
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import lora_context
 from pagedllm.lora.request import LoRARequest
@@ -34,6 +36,7 @@ from pagedllm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_
 from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
+from pagedllm.worker.batch import Batch, build_batch
 from pagedllm.worker.sampling_inputs import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -67,21 +70,16 @@ class ModelRunner:
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         layers = attention_layers(model)
-        for layer in layers:
-            layer.config = attention_config or AttentionConfig()
-        if make_kv_worker is None:
-            self.kv_worker: KVCacheWorker = PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
-        else:
-            self.kv_worker = make_kv_worker(layers)
+        self.kv_worker: KVCacheWorker = (
+            make_kv_worker(layers) if make_kv_worker else PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
+        )
         self.device = self.kv_worker.device
+        # One backend for every layer (attention/registry.py; ValueError naming what it refuses).
+        self.attn_backend = bind_backend(
+            layers, attention_config or AttentionConfig(), self.kv_worker.layout, self.device
+        )
         self.sampler = Sampler(seed, self.device)
-        self.decode_graphs: DecodeGraphs | None = None
-        if decode_graph_sizes:
-            capture = cuda_graph_capture() if self.device.type == "cuda" else eager_capture
-            max_blocks = -(-model_config.max_model_len // block_size)
-            self.decode_graphs = DecodeGraphs(
-                model, sorted(set(decode_graph_sizes)), max_blocks, block_size, self.device, capture
-            )
+        self.decode_graphs = self._decode_graphs(decode_graph_sizes) if decode_graph_sizes else None
         self.num_kv_cache_groups = self.kv_worker.num_groups
         self.kv_caches = self.kv_worker.kv_caches
         # Speculative decoding: every sampling request goes through the rejection sampler (a
@@ -89,20 +87,33 @@ class ModelRunner:
         # do not depend on whether others in the batch had drafts.
         self.speculative_config = speculative_config
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
-        self.proposer: Proposer | None = None
-        self.draft_policy: DraftPolicy | None = None
-        if speculative_config is not None:
-            self.proposer = build_proposer(speculative_config, self)
-            self.draft_policy = DraftPolicy(speculative_config)
-        self.lora_manager = None
-        if lora_config is not None:
-            from pagedllm.lora.manager import LoRAManager
-            from pagedllm.models.registry import family_of
-
-            packed = family_of(model_config.architecture).packed_modules
-            self.lora_manager = LoRAManager(model, lora_config, packed, getattr(torch, model_config.dtype), self.device)
+        spec = speculative_config
+        self.proposer: Proposer | None = build_proposer(spec, self) if spec is not None else None
+        self.draft_policy: DraftPolicy | None = DraftPolicy(spec) if spec is not None else None
+        self.lora_manager = self._lora_manager(lora_config) if lora_config is not None else None
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
+
+    def _decode_graphs(self, sizes: Sequence[int]) -> DecodeGraphs:
+        """Decode forwards captured at these batch sizes: CUDA graphs, which only a backend
+        whose decode reads device tensors alone may take; elsewhere a re-run."""
+        if self.device.type == "cuda" and not self.attn_backend.graph_capturable:
+            raise ValueError(
+                f"attention backend {self.attn_backend.name!r} cannot be captured in CUDA graphs "
+                "(its decode reads host values of the step); use attention_backend='triton' or no cuda_graph_sizes"
+            )
+        capture = cuda_graph_capture() if self.device.type == "cuda" else eager_capture
+        max_blocks = -(-self.model_config.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, sorted(set(sizes)), max_blocks, self.block_size, self.device, capture)
+
+    def _lora_manager(self, lora_config: LoRAConfig) -> Any:
+        """The LoRA adapters' manager over the model's Linear layers (lora/manager.py)."""
+        from pagedllm.lora.manager import LoRAManager
+        from pagedllm.models.registry import family_of
+
+        packed = family_of(self.model_config.architecture).packed_modules
+        dtype = getattr(torch, self.model_config.dtype)
+        return LoRAManager(self.model, lora_config, packed, dtype, self.device)
 
     # ---- state -------------------------------------------------------------------------
 
@@ -148,13 +159,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: input preparation, forward, logits processing, then sampling or
+        speculation (verify, then propose)."""
         self._update_states(so)
         self.kv_worker.prepare(so)
         if so.blocks_to_copy and self.proposer is not None:  # a draft model's own KV blocks too
             self.proposer.copy_blocks(so.blocks_to_copy)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        # Decodes (one query token) first: the attention backend batches them.
+        step = self._prepare_step(so)
+        hidden = self._forward(step)
+        self._prompt_logprobs(hidden, step.states, step.batch)
+        prefills = self._draft_prefills(step)
+        sample_rows = step.batch.sample_rows
+        if not sample_rows:
+            if prefills:
+                assert self.proposer is not None
+                self.proposer.propose([], self.model_config.max_model_len, prefills)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        sampling_states = [step.states[i] for i in sample_rows]
+        logits = self._logits(hidden, step.batch, sampling_states, so)
+        if self.speculative_config is not None:
+            drafts = [step.drafts[i] for i in sample_rows]
+            return self._verify_and_propose(logits, sampling_states, drafts, prefills, len(step.states))
+        return self._sample(logits, sampling_states)
+
+    def _prepare_step(self, so: SchedulerOutput) -> _Step:
+        """The flat batch of the scheduled requests, decodes (one query token) first: the
+        attention backends batch them; and the step's LoRA mapping."""
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in req_ids]
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
@@ -162,34 +194,41 @@ class ModelRunner:
         lora = None
         if self.lora_manager is not None:
             lora = self.lora_manager.prepare([s.lora_request for s in states], np.asarray(batch.num_scheduled))
-        hidden = None
-        if self.decode_graphs is not None and lora is None:
+        return _Step(states, drafts, batch, lora)
+
+    def _forward(self, step: _Step) -> torch.Tensor:
+        """Hidden states [T, hidden]: a captured decode graph where one takes the step, else
+        the model under the step's attention metadata (and LoRA mapping)."""
+        batch = step.batch
+        if self.decode_graphs is not None and step.lora is None:
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
-        if hidden is None:
-            with forward_context(batch.attn_metadata), lora_context(lora):
-                hidden = self.model(batch.input_ids, batch.positions)
-        self._prompt_logprobs(hidden, states, batch)
-        sample_rows = batch.sample_rows
-        # Prompt chunks that do not sample: a draft model computes their KV this step too.
-        prefills: list[PrefillChunk] = []
-        if self.proposer is not None and len(sample_rows) < len(states):
-            sampling = set(sample_rows)
-            prefills = [PrefillChunk(s, batch.num_scheduled[i]) for i, s in enumerate(states) if i not in sampling]
-        if not sample_rows:
-            if prefills:
-                self.proposer.propose([], self.model_config.max_model_len, prefills)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            if hidden is not None:
+                return hidden
+        with forward_context(batch.attn_metadata), lora_context(step.lora):
+            return self.model(batch.input_ids, batch.positions)
+
+    def _draft_prefills(self, step: _Step) -> list[PrefillChunk]:
+        """Prompt chunks that do not sample: a draft model computes their KV this step too."""
+        sample_rows = step.batch.sample_rows
+        if self.proposer is None or len(sample_rows) >= len(step.states):
+            return []
+        sampling = set(sample_rows)
+        return [PrefillChunk(s, step.batch.num_scheduled[i]) for i, s in enumerate(step.states) if i not in sampling]
+
+    def _logits(
+        self, hidden: torch.Tensor, batch: Batch, sampling_states: list[CachedRequestState], so: SchedulerOutput
+    ) -> torch.Tensor:
+        """Logits at the sampled positions [num_logits, V], grammar-masked where asked."""
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampling_states = [states[i] for i in sample_rows]
         if so.grammar_bitmask is not None:
             from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 
             apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
-        if self.speculative_config is not None:
-            return self._verify_and_propose(
-                logits, sampling_states, [drafts[i] for i in sample_rows], prefills, len(states)
-            )
-        # A request whose sampling raises fails alone (fault_isolation.py).
+        return logits
+
+    def _sample(self, logits: torch.Tensor, sampling_states: list[CachedRequestState]) -> ModelRunnerOutput:
+        """One token per request (a request whose sampling raises fails alone:
+        fault_isolation.py), appended to its state."""
         out, sampling_states, failed = sample_isolated(self.sampler, logits, sampling_states, self.eos_token_ids)
         if out is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
@@ -309,37 +348,10 @@ class ModelRunner:
             num_decodes=num_decodes,
         )
         md = self.kv_worker.attention_metadata([s.block_ids for s in states], step)
-        batch = self._batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
+        prepare = self.attn_backend.prepare_metadata
+        md = [prepare(m) for m in md] if isinstance(md, list) else prepare(md)
+        batch = build_batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
         return batch if self.device.type == "cpu" else batch.to(self.device)
-
-    @staticmethod
-    def _batch(
-        states: list[CachedRequestState],
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        attn_metadata: AttentionMetadata | list[AttentionMetadata],
-        query_start: np.ndarray,
-        seq_lens: np.ndarray,
-        counts: np.ndarray,
-        num_drafts: np.ndarray,
-    ) -> Batch:
-        # A request samples when this step reaches the end of its known tokens (and drafts);
-        # with k drafts it needs logits at its last k + 1 positions.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
-        rows = np.asarray(sample_rows, dtype=np.int64)
-        num_logits = num_drafts[rows] + 1
-        ends = np.repeat(query_start[1:][rows], num_logits)
-        offsets = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
-        logits_indices = torch.from_numpy(ends - np.repeat(num_logits, num_logits) + offsets)
-        return Batch(
-            input_ids=torch.from_numpy(input_ids),
-            positions=torch.from_numpy(positions),
-            attn_metadata=attn_metadata,
-            logits_indices=logits_indices,
-            sample_rows=sample_rows,
-            query_start=query_start[:-1].tolist(),
-            num_scheduled=counts.tolist(),
-        )
 
 
 def _append_sampled(
@@ -356,24 +368,10 @@ def _append_sampled(
     return prompt_logprobs
 
 
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata | list[AttentionMetadata]  # one, or one per KV group
-    logits_indices: torch.Tensor  # [num_sampling] index into the flat batch
-    sample_rows: list[int]  # which requests (rows of this step) sample
-    query_start: list[int]  # [R] offset of each request's first token in the flat batch
-    num_scheduled: list[int]  # [R] tokens of each request this step
+class _Step(NamedTuple):
+    """One step's prepared inputs (rows: requests, decodes first)."""
 
-    def to(self, device: torch.device) -> Batch:
-        """The batch with its index tensors on ``device`` (the metadata is there already)."""
-        return Batch(
-            input_ids=self.input_ids.to(device, non_blocking=True),
-            positions=self.positions.to(device, non_blocking=True),
-            attn_metadata=self.attn_metadata,
-            logits_indices=self.logits_indices.to(device, non_blocking=True),
-            sample_rows=self.sample_rows,
-            query_start=self.query_start,
-            num_scheduled=self.num_scheduled,
-        )
+    states: list[CachedRequestState]
+    drafts: list[list[int]]  # [R] each request's draft tokens (scored this step)
+    batch: Batch
+    lora: Any  # the step's LoRA mapping (lora/manager.py), None without adapters

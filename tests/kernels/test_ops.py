@@ -17,7 +17,11 @@ import torch.nn.functional as F
 from pagedllm import kernels
 from pagedllm.kernels import bf16, build
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.attention import AttentionMetadata, reference_attention, torch_attention, write_kv
+from pagedllm.attention.layouts import CONTIGUOUS_SLOTS
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.ops import write_kv
+from pagedllm.config import AttentionConfig
+from tests.attention_utils import backend_attention, reference_attention
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from tests.worker.test_attention import HKV, GROUP, _metadata
@@ -118,7 +122,7 @@ def test_paged_decode_attention(mode: str, D: int) -> None:
     write_kv(cache, k, v, md.slot_mapping)
     for window, cap in ((None, None), (5, None), (None, 1.5), (5, 1.5)):  # cap 1.5 bites: |scores| reach ~4
         want = reference_attention(q, cache, md, 0.3, window, cap)
-        got = torch_attention(q, k, v, cache, md, 0.3, window, logit_soft_cap=cap)
+        got = backend_attention(AttentionConfig(), q, k, v, cache, md, 0.3, window, logit_soft_cap=cap)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -144,8 +148,8 @@ def test_contiguous_decode_attention(mode: str) -> None:
     q, k, v = torch.randn(3, HKV * GROUP, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
     write_kv(cache, k, v, md.slot_mapping)
     for cap in (None, 1.5):
-        want = reference_attention(q, cache, md, 0.3, None, cap)
-        got = torch_attention(q, k, v, cache, md, 0.3, None, logit_soft_cap=cap)
+        want = reference_attention(q, cache, md, 0.3, None, cap, layout=CONTIGUOUS_SLOTS)
+        got = backend_attention(AttentionConfig(), q, k, v, cache, md, 0.3, None, cap, layout=CONTIGUOUS_SLOTS)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -30,7 +30,9 @@ _ENV_AFTER = os.environ.get("TRITON_INTERPRET")
 from pagedllm.kernels.elementwise import _rms, _rotate  # noqa: E402
 from pagedllm.kernels.triton import triton_ops  # noqa: E402
 from pagedllm.kernels.triton.attention import _paged_attention_kernel, _write_kv_kernel  # noqa: E402
-from pagedllm.layers.attention import AttentionMetadata, reference_attention, write_kv  # noqa: E402
+from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedllm.attention.ops import write_kv  # noqa: E402
+from tests.attention_utils import reference_attention  # noqa: E402
 
 if DEVICE == "cpu":
     pytestmark = pytest.mark.usefixtures("interpreter")

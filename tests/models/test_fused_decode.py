@@ -8,17 +8,21 @@ layer whose class does not declare what it computes.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from pagedllm.layers.attention import forward_context
+from pagedllm.attention.metadata import forward_context
+from pagedllm.attention.params import AttentionParams
+from pagedllm.models.family import ArchConfig
 from pagedllm.models.fused_decode import (
     FUSED_MAX_ROWS,
     KERNEL_MAX_QUERY_RUN,
     DecodeLayout,
+    attention_refusal,
     declared_layout,
     kernel_refusal,
 )
@@ -263,7 +267,7 @@ def test_fused_decode_runs_the_attention_soft_cap(tiny_llama_dir: Path, quantiza
     loaded = load_model(tiny_llama_dir, quantization=quantization)
     for layer in loaded.model.model.layers:
         layer.self_attn.attn.logit_soft_cap = 2.0
-    assert declared_layout(loaded.model.model.layers[0]).attn_logit_softcap == 2.0
+    assert declared_layout(loaded.model.model.layers[0]) is not None  # the cap is the layer's own
     bind_kv_caches(loaded.model, num_blocks=8 * 3 + 1, block_size=BLOCK_SIZE)
     atol = 2e-5 if quantization == "none" else 0.0
     assert compare_decode_steps(loaded, 3, steps=4, atol=atol) == 4
@@ -277,23 +281,35 @@ def test_fused_decode_runs_the_attention_soft_cap(tiny_llama_dir: Path, quantiza
 
 
 def test_the_kernel_refuses_layouts_it_does_not_run() -> None:
-    runs = DecodeLayout(qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True, attn_logit_softcap=50.0)
+    base = ArchConfig(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+        vocab_size=100, max_position_embeddings=64, norm_eps=1e-6, rope={"rope_type": "default", "rope_theta": 1e4},
+    )
+    runs = DecodeLayout(replace(base, qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True))
     assert kernel_refusal(runs) is None
     refused = {
-        "norm_offset": DecodeLayout(norm_offset=1.0),
-        "norm_placement": DecodeLayout(norm_placement="sandwich"),
-        "activation": DecodeLayout(activation="gelu_pytorch_tanh"),
-        "row_deltas": DecodeLayout(row_deltas=True),
+        "norm_offset": DecodeLayout(replace(base, norm_offset=1.0)),
+        "norm_placement": DecodeLayout(replace(base, norm_placement="sandwich")),
+        "activation": DecodeLayout(replace(base, activation="gelu_pytorch_tanh")),
+        "learned positions": DecodeLayout(replace(base, rope=None)),
+        "row_deltas": DecodeLayout(base, row_deltas=True),
     }
     for field_name, layout in refused.items():
         assert field_name in (kernel_refusal(layout) or ""), field_name
+    # A layer's attention features: the kernel runs a window and a soft-cap, refuses sinks.
+    assert attention_refusal(AttentionParams(0.25, sliding_window=4, logit_soft_cap=30.0)) is None
+    assert "sinks" in (attention_refusal(AttentionParams(0.25, sinks=True)) or "")
 
 
 def test_the_default_model_decodes_fused(default_llm: Any) -> None:
     # SmolLM2 (Llama): every decode step through the compiled forward (the performance path).
     from pagedllm import SamplingParams
 
-    fused = default_llm.llm_engine.engine_core.runner.model.model.fused_layers
+    from pagedllm.attention.torch_backend import CompiledBackend
+
+    runner = default_llm.llm_engine.engine_core.runner
+    assert type(runner.attn_backend) is CompiledBackend  # the module path's decodes: the kernel too
+    fused = runner.model.model.fused_layers
     calls = []
     handle = fused.register_forward_hook(lambda *_: calls.append(1))
     try:

@@ -102,7 +102,7 @@ def test_long_rope_rows_follow_each_requests_own_length(long_rope_model: tuple[A
     # One step of three requests (decodes first): a decode at position 40 (long, its own
     # row), a chunk of positions 28..35 (length 36 > 32: long, rows past 128 below 32) and a
     # chunk of 0..9 (length 10: short) -- whatever the others in the batch are.
-    from pagedllm.layers.attention import forward_context
+    from pagedllm.attention.metadata import forward_context
 
     rotary = load_model(str(long_rope_model[1])).model.model.layers[0].self_attn.rotary_emb
     decode = RequestState(list(range(41)), allocate_blocks(41, 16), num_computed_tokens=40)

@@ -60,8 +60,11 @@ def test_layers_declare_the_qk_norm_layout(tiny_qwen3: tuple[Any, Path]) -> None
     assert hf.head_dim != hf.hidden_size // hf.num_attention_heads
     for layer in loaded.model.model.layers:
         layout = declared_layout(layer)
-        assert layout is not None and layout.qk_norm
-        assert (layout.qkv_bias, layout.o_bias) == (hf.attention_bias, hf.attention_bias)
+        assert layout is not None and layout.arch.qk_norm
+        assert (layout.arch.qkv_bias, layout.arch.o_bias) == (hf.attention_bias, hf.attention_bias)
+        # The declared architecture is what the modules were built from.
+        a = layer.self_attn
+        assert (a.qkv_proj.bias is not None, a.o_proj.bias is not None) == (hf.attention_bias, hf.attention_bias)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])

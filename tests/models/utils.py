@@ -12,7 +12,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import Attention, AttentionMetadata, forward_context
+from pagedllm.attention.layouts import BLOCK_TABLES
+from pagedllm.attention.metadata import AttentionMetadata, forward_context
+from pagedllm.attention.registry import bind_default_backend
+from pagedllm.layers.attention import Attention
 
 
 def bind_kv_caches(
@@ -20,12 +23,13 @@ def bind_kv_caches(
 ) -> list[torch.Tensor]:
     """Allocate a zeroed KV cache per Attention layer and bind it; returns the caches."""
     caches = []
-    for module in model.modules():
-        if isinstance(module, Attention):
-            cache_dtype = dtype or next(model.parameters()).dtype
-            shape = (2, num_blocks, block_size, module.num_kv_heads, module.head_dim)
-            module.kv_cache = torch.zeros(shape, dtype=cache_dtype)
-            caches.append(module.kv_cache)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for module in layers:
+        cache_dtype = dtype or next(model.parameters()).dtype
+        shape = (2, num_blocks, block_size, module.num_kv_heads, module.head_dim)
+        module.kv_cache = torch.zeros(shape, dtype=cache_dtype)
+        caches.append(module.kv_cache)
+    bind_default_backend(layers, BLOCK_TABLES, "cpu")  # layers bound to a backend keep it
     return caches
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.attention import get_attention_metadata
+from pagedllm.attention.metadata import get_attention_metadata
 from tests.sample.stats import SIGNIFICANCE, chi_square_p_value
 from tests.utils import assert_same_greedy, tokens_and_gaps
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.attention.layouts import CONTIGUOUS_SLOTS
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.ops import write_kv
+from pagedllm.attention.torch_backend import CompiledBackend, TorchBackend
+from pagedllm.attention.registry import select_backend
 from pagedllm.config import AttentionConfig
-from pagedllm.layers.attention import (
-    AttentionMetadata,
-    reference_attention,
-    torch_attention,
-    write_kv,
-)
+from pagedllm.kernels import paged_attention_ops
+from tests.attention_utils import backend_attention, reference_attention
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -62,11 +63,9 @@ STEPS = {
 @pytest.mark.parametrize("D", [64, 40, 12])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_torch_attention_matches_reference(sliding_window, compiled, D, step):
-    import pagedllm.layers.attention as attention
-
     config = AttentionConfig(compiled_kernels=compiled)
     if compiled:
-        assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
+        assert paged_attention_ops() is not None, "the compiled kernel must build here"
     torch.manual_seed(0)
     computed, query_lens = STEPS[step]
     md = _metadata(computed, query_lens)
@@ -82,11 +81,11 @@ def test_torch_attention_matches_reference(sliding_window, compiled, D, step):
     v = torch.randn(num_tokens, HKV, D)
     write_kv(cache, k, v, md.slot_mapping)
     ref = reference_attention(q, cache, md, 0.3, sliding_window)
-    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window, config)
+    fast = backend_attention(config, q, k, v, cache, md, 0.3, sliding_window)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     # Soft-capped scores: every path applies the cap.
     ref = reference_attention(q, cache, md, 0.3, sliding_window, logit_soft_cap=2.0)
-    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window, config, logit_soft_cap=2.0)
+    fast = backend_attention(config, q, k, v, cache, md, 0.3, sliding_window, logit_soft_cap=2.0)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -110,11 +109,9 @@ def test_vattention_layout_matches_reference(sliding_window, decode, D):
     """The vattention layout [2, num_slots, capacity, Hkv, D]: each request reads its slot's
     contiguous slice (no block table), decodes through the contiguous kernel or per-request
     SDPA over views."""
-    import pagedllm.layers.attention as attention
-
     config = AttentionConfig(contiguous_decode=decode)
     if decode == "kernel":
-        assert attention.paged_attention_ops() is not None, "the compiled kernel must build here"
+        assert paged_attention_ops() is not None, "the compiled kernel must build here"
     torch.manual_seed(0)
     num_slots, capacity = 6, 32
     computed = [17, 3, 0, 0, 9]
@@ -145,6 +142,6 @@ def test_vattention_layout_matches_reference(sliding_window, decode, D):
     v = torch.randn(num_tokens, HKV, D)
     write_kv(cache, k, v, md.slot_mapping)
     assert torch.equal(cache[0, 5, 0], k[2]), "a token is written at its position in its slot"
-    ref = reference_attention(q, cache, md, 0.3, sliding_window)
-    fast = torch_attention(q, k, v, cache, md, 0.3, sliding_window, config)
+    ref = reference_attention(q, cache, md, 0.3, sliding_window, layout=CONTIGUOUS_SLOTS)
+    fast = backend_attention(config, q, k, v, cache, md, 0.3, sliding_window, layout=CONTIGUOUS_SLOTS)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)

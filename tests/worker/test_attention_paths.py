@@ -16,7 +16,10 @@ import torch
 
 from pagedllm.config import AttentionConfig
 from pagedllm.kv_backends.vattention.worker import VAttentionKVCache
-from pagedllm.layers.attention import Attention, forward_context, write_kv
+from pagedllm.attention.metadata import forward_context
+from pagedllm.attention.ops import write_kv
+from pagedllm.attention.registry import bind_backend
+from pagedllm.layers.attention import Attention
 from pagedllm.kernels import paged_attention_ops
 from pagedllm.kv_backends.paged.worker import PagedKVWorker
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
@@ -105,13 +108,14 @@ def test_path_matches_reference(backend: str, path: str, variant: str) -> None:
     if backend == "paged":
         assert INTERPRETED
     for impl, config in {**fast, "reference": AttentionConfig(backend="reference")}.items():
-        layer.config = config
+        bind_backend([layer], config, worker.layout, "cpu")
         with forward_context(md):
             outs[impl] = layer(q, k, v)  # rewrites the same K/V at the same slots
     for impl in fast:
         torch.testing.assert_close(outs[impl], outs["reference"], atol=1e-5, rtol=1e-5, msg=impl)
     if "logit_soft_cap" in VARIANTS[variant]:  # negative control: the cap changes the output
-        layer.config, layer.logit_soft_cap = AttentionConfig(backend="reference"), None
+        bind_backend([layer], AttentionConfig(backend="reference"), worker.layout, "cpu")
+        layer.logit_soft_cap = None
         with forward_context(md):
             assert (layer(q, k, v) - outs["reference"]).abs().max() > 1e-2
     # The step's K landed where the backend's metadata says, for the last request's last token.

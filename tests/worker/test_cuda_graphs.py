@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from pagedllm.config import AttentionConfig
-from pagedllm.layers.attention import forward_context
+from pagedllm.attention.layouts import BLOCK_TABLES
+from pagedllm.attention.metadata import forward_context
+from pagedllm.attention.registry import bind_backend
 from pagedllm.worker.cuda_graphs import DecodeBuffers, DecodeGraphs, default_capture_sizes, eager_capture, padded_size
 from pagedllm.kv_backends.paged.worker import attention_layers
 from tests.kernels.interpreter import import_interpreted, interpreter  # noqa: F401 (fixture)
@@ -55,8 +57,7 @@ def test_padded_replay_equals_eager(tiny_llama_dir):
 
     assert INTERPRETED
     model = load_model(tiny_llama_dir, dtype="float32", max_model_len=64).model
-    for layer in attention_layers(model):
-        layer.config = AttentionConfig(backend="triton")
+    bind_backend(attention_layers(model), AttentionConfig(backend="triton"), BLOCK_TABLES, "cpu")
     caches = bind_kv_caches(model, num_blocks=24, block_size=BLOCK_SIZE)
     reqs = [
         RequestState(list(range(100, 111)), [2, 7, 3]),

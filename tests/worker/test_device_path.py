@@ -31,7 +31,7 @@ def test_triton_backend_greedy_matches_hf(tiny_llama_dir, hf_tiny_llama):
     prompts = [list(range(100, 105)), list(range(300, 340)), [7, 8, 9, 10, 11, 12, 13]]
     params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert attention_layers(llm.llm_engine.engine_core.runner.model)[0].backend == "triton"
+    assert attention_layers(llm.llm_engine.engine_core.runner.model)[0].backend.name == "triton"
     for prompt, out in zip(prompts, outs):
         ref, gaps = hf_greedy(hf_tiny_llama, prompt, NUM_STEPS)
         assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"prompt of {len(prompt)}")

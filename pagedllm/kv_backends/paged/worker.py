@@ -24,12 +24,14 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.kv_backends.model_kv import attention_layers, kv_token_bytes
-from pagedllm.layers.attention import Attention, AttentionMetadata
+from pagedllm.attention.layouts import BLOCK_TABLES
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.registry import bind_default_backend
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.kv_quant import cache_torch_dtype, row_bytes, row_width
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
 logger = logging.getLogger(__name__)
-
 
 
 class KVCacheGroup(NamedTuple):
@@ -107,6 +109,7 @@ def allocate_kv_caches(
             assert (layer.num_kv_heads, row_width(dtype, layer.head_dim)) == shape[3:], "layers differ in KV shape"
             layer.kv_cache = caches[slot]
             layer.kv_cache_group = group_id
+    bind_default_backend(layers, BLOCK_TABLES, device)
     return caches
 
 
@@ -136,6 +139,8 @@ class PagedDraftKV:
 
 class PagedKVWorker(KVCacheWorker):
     """The paged backend's worker side: a block pool per layer slot, block tables per group."""
+
+    layout = BLOCK_TABLES
 
     def __init__(
         self, layers: list[Attention], num_blocks: int, block_size: int, dtype: str,

@@ -4,7 +4,7 @@ One anonymous ``mmap`` with ``MAP_NORESERVE`` reserves, for every Attention laye
 V region of ``num_slots`` slots of ``slot_capacity`` tokens. Nothing is resident until a
 token is written; each layer's cache is a zero-copy torch view ``[2, num_slots,
 slot_capacity, num_kv_heads, head_dim]`` of it, so a request's K (or V) in a layer is the
-contiguous slice ``cache[0, slot, :seq_len]`` (layers/attention.py's contiguous-slot
+contiguous slice ``cache[0, slot, :seq_len]`` (attention/layouts.py's contiguous-slot
 layout: the metadata carries each request's slot). The budget is kept by the scheduler's
 ``VAttentionKVManager`` (manager.py); before a step, the pages of the slots it names are
 released with ``madvise(MADV_DONTNEED)`` (they read back as zeros, no longer resident).
@@ -24,7 +24,10 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.layers.attention import Attention, AttentionMetadata
+from pagedllm.attention.layouts import CONTIGUOUS_SLOTS
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.registry import bind_default_backend
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.kv_quant import cache_torch_dtype, row_bytes, row_width
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
@@ -41,6 +44,7 @@ class VAttentionKVCache(KVCacheWorker):
 
     num_groups = 1
     device = torch.device("cpu")  # an mmap is host memory
+    layout = CONTIGUOUS_SLOTS
 
     def __init__(
         self, layers: list[Attention], num_slots: int, slot_capacity: int, dtype: str, hugepages: bool = False
@@ -78,6 +82,7 @@ class VAttentionKVCache(KVCacheWorker):
             assert (layer.num_kv_heads, row_width(dtype, layer.head_dim)) == shape[3:], "layers differ in KV shape"
             layer.kv_cache = cache
             layer.kv_cache_group = 0
+        bind_default_backend(layers, CONTIGUOUS_SLOTS, self.device)
 
     @property
     def mapping_range(self) -> tuple[int, int]:
