@@ -2,13 +2,13 @@
 paged attention (csrc/paged_attention.cpp), weight-only quantized linears
 (csrc/quant_linear.cpp, AVX2), fused elementwise layer ops (csrc/layer_ops.cpp: RMSNorm,
 rotary, silu-and-mul), the decode forward of Llama-shaped decoder layers
-(csrc/decode_layers.cpp, built from the others' kernel headers) and bfloat16 linears for CPUs
-without native bf16 (csrc/bf16_linear.cpp, AVX2), each its own extension in its own build
-directory.
+(csrc/decode_layers.cpp, built from the others' kernel headers), bfloat16 linears for CPUs
+without native bf16 (csrc/bf16_linear.cpp, AVX2) and the kernels over GGUF weights kept as
+the file's blocks (csrc/gguf_blocks.cpp), each its own extension in its own build directory.
 
 Instruction sets (`isa.py`): under "avx2" every extension builds with -march=native; under
-"generic" (no AVX2+FMA, or PAGEDLLM_CPU_ISA=generic) paged attention and the layer ops build
-their scalar code for baseline x86-64, and the three AVX2-only extensions (quantized linears,
+"generic" (no AVX2+FMA, or PAGEDLLM_CPU_ISA=generic) paged attention, the layer ops and the
+GGUF block kernels build their scalar code for baseline x86-64, and the three AVX2-only extensions (quantized linears,
 bf16 linears, the fused decode) are not built: their callers' torch paths run.
 
 The build is cached under `kernel_cache_root()`/<isa>-<key> ($PAGEDLLM_KERNEL_CACHE_DIR, else
@@ -67,6 +67,9 @@ EXTENSIONS: dict[str, Extension] = {
                                     "quant_q16_avx512.h", "quant_scales.h", "gemm_tiles.h", "vec_avx2.h",
                                     "lora_delta.h"),
                   "running the layers one module at a time", needs_avx2=True),
+        Extension("gguf_linear", ("gguf_blocks.cpp", "gguf_matmul.h", "gguf_decode.h", "gguf_types.h",
+                                  "gguf_dot_avx512.h"),
+                  "dequantizing GGUF blocks with gguf-py", needs_avx2=False),
     )
 }
 
@@ -194,6 +197,11 @@ def quant_linear_ops() -> ModuleType | None:
 def bf16_linear_ops() -> ModuleType | None:
     """The compiled bf16-weight linear kernel (AVX2, float32 arithmetic), or None."""
     return extension("bf16_linear")
+
+
+def gguf_linear_ops() -> ModuleType | None:
+    """The compiled GGUF block kernels (csrc/gguf_blocks.cpp; every ISA), or None."""
+    return extension("gguf_linear")
 
 
 def layer_ops() -> ModuleType | None:
