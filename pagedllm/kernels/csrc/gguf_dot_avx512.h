@@ -1,8 +1,225 @@
 #pragma once
-// Placeholder until the int8-activation kernels land: no type has an int8 path.
+// Small-M GGUF matmul with int8 activations and VNNI integer dot products, for CPUs with
+// AVX512-BW/VL and AVX512-VNNI (compiled where the compiler targets them; elsewhere
+// has_int8_dot is false and gguf_matmul.h's float path runs).
+//
+// Activations: each row is rounded to int8 per group of 32 (xq = round-half-even(x * 127 /
+// absmax), scale xd = absmax / 127, error at most xd / 2 per element), once per call. The
+// weight is read as 64-element units of unsigned 8-bit codes u (0..255) with a per-lane
+// weight scale ws and offset ov (a lane = 4 consecutive elements), such that each weight is
+//   w = ws * u - ov   (Q4_K: u = q, ws = d sc, ov = dmin m; Q6_K: ws = d sc, ov = 32 ws;
+//                      Q8_0 / IQ4: u = value + 128, ov = 128 ws; Q4_0: ov = 8 ws; Q4_1: ov = -m)
+// so a unit contributes sum_lanes ws * xd * dot4(u, xq) - ov * xd * sum4(xq): vpdpbusd forms
+// dot4 (u unsigned times xq signed, exact in int32), the rest is float32 per lane.
 #include <cstdint>
 
 #include "gguf_types.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define PAGEDLLM_GGUF_INT8_DOT 1
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace pagedllm::gguf {
+
+inline const char* int8_dot_variant() { return "avx512_vnni"; }
+
+template <Type T>
+constexpr bool has_int8_dot() {
+  return T == Type::Q4_0 || T == Type::Q4_1 || T == Type::Q8_0 || T == Type::Q4_K || T == Type::Q5_K ||
+         T == Type::Q6_K || T == Type::IQ4_NL || T == Type::IQ4_XS || T == Type::MXFP4;
+}
+
+// x [M, K] rounded to int8 per group of 32, padded with zeros to whole 64-element units:
+// xq [M, units * 64]; per lane of 4 elements xde = its group's scale, xs4 = xd * sum of the
+// lane's 4 codes ([M, units * 16] each).
+struct Int8Activations {
+  int64_t units;
+  std::vector<int8_t> xq;
+  std::vector<float> xde, xs4;
+
+  Int8Activations(const float* x, int64_t M, int64_t K)
+      : units((K + 63) / 64), xq(M * units * 64, 0), xde(M * units * 16, 0.f), xs4(M * units * 16, 0.f) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* q = xq.data() + m * units * 64;
+      float* de = xde.data() + m * units * 16;
+      for (int64_t g = 0; g < K / 32; ++g) {
+        const __m512 v0 = _mm512_loadu_ps(x + m * K + 32 * g), v1 = _mm512_loadu_ps(x + m * K + 32 * g + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * g),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * g + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+        std::fill(de + 8 * g, de + 8 * g + 8, amax / 127.f);
+      }
+      for (int64_t u = 0; u < units; ++u) {
+        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + 64 * u));
+        _mm512_storeu_ps(xs4.data() + (m * units + u) * 16,
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(s4), _mm512_loadu_ps(de + 16 * u)));
+      }
+    }
+  }
+};
+
+// Two scales as the lanes of a unit's halves (lanes 0-7: a, 8-15: b).
+inline __m512 halves(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
+
+// 32 bytes of Q4_0-order nibbles (two 16-byte groups: element j low nibble, j + 16 high) ->
+// 64 codes in element order.
+inline __m512i nibbles_q4_0_order(__m256i q) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+  const __m512i idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
+}
+// 32 bytes whose low nibbles are elements 0..31 and high nibbles 32..63 -> 64 codes.
+inline __m512i nibbles_k_order(__m256i q) {
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+}
+// A 16-entry int8 code book plus 128, in each 128-bit lane (for vpshufb).
+inline __m512i offset_table(const int8_t* values) {
+  alignas(16) uint8_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = uint8_t(values[i] + 128);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
+// Calls f(unit, u, ws, ov) for every 64-element unit of a row of K elements.
+template <Type T, typename F>
+inline void for_units(const uint8_t* row, int64_t K, F&& f) {
+  constexpr Geometry g = kGeometry[int(T)];
+  if constexpr (g.elems == 32) {
+    const int64_t blocks = K / 32;
+    const __m512i table = offset_table(T == Type::MXFP4 ? kMXFP4Values : kIQ4Values);
+    for (int64_t p = 0; p < blocks; p += 2) {
+      const uint8_t* b0 = row + p * g.bytes;
+      const bool two = p + 1 < blocks;
+      const uint8_t* b1 = two ? b0 + g.bytes : b0;  // a lone tail block: its upper half zeroed
+      constexpr int qoff = T == Type::Q4_1 ? 4 : (T == Type::MXFP4 ? 1 : 2);
+      const float d0 = T == Type::MXFP4 ? e8m0_half(b0[0]) : fp16_at(b0);
+      const float d1 = two ? (T == Type::MXFP4 ? e8m0_half(b1[0]) : fp16_at(b1)) : 0.f;
+      __m512i u;
+      if constexpr (T == Type::Q8_0) {
+        const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
+        const __m256i q1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)) : _mm256_setzero_si256();
+        u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), _mm512_set1_epi8(char(0x80)));
+      } else {
+        const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff));
+        const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)) : _mm_setzero_si128();
+        u = nibbles_q4_0_order(_mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1));
+        if constexpr (T == Type::IQ4_NL || T == Type::MXFP4) u = _mm512_shuffle_epi8(table, u);
+      }
+      const __m512 ws = halves(d0, d1);
+      __m512 ov;
+      if constexpr (T == Type::Q4_1) {
+        ov = _mm512_sub_ps(_mm512_setzero_ps(), halves(fp16_at(b0 + 2), two ? fp16_at(b1 + 2) : 0.f));
+      } else {
+        ov = _mm512_mul_ps(ws, _mm512_set1_ps(T == Type::Q4_0 ? 8.f : 128.f));
+      }
+      f(p / 2, u, ws, ov);
+    }
+  } else {
+    for (int64_t b = 0; b < K / 256; ++b) {
+      const uint8_t* blk = row + b * g.bytes;
+      if constexpr (T == Type::Q4_K || T == Type::Q5_K) {
+        const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+        const uint8_t* qs = blk + (T == Type::Q5_K ? 48 : 16);
+        for (int j = 0; j < 4; ++j) {
+          int sc0, m0, sc1, m1;
+          k4_scale_min(blk + 4, 2 * j, sc0, m0);
+          k4_scale_min(blk + 4, 2 * j + 1, sc1, m1);
+          __m512i u = nibbles_k_order(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
+          if constexpr (T == Type::Q5_K) {
+            // The 5th bits: bit 2j (low nibbles) / 2j + 1 (high) of qh[l], moved to bit 4.
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+            const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(short(2 * j)), _mm256_set1_epi16(short(2 * j + 1)), 1);
+            const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(1));
+            u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
+          }
+          f(4 * b + j, u, halves(d * float(sc0), d * float(sc1)), halves(dmin * float(m0), dmin * float(m1)));
+        }
+      } else if constexpr (T == Type::Q6_K) {
+        const float d = fp16_at(blk + 208);
+        const __m512 sc = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
+            _mm512_set1_ps(d));  // d * scale of each 16 elements
+        const __m512i lane_scale = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+        const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+          const __m512i qhh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+          const __m512i a = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qhh, shl), m30));
+          const __m512i c = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                            _mm512_and_si512(_mm512_srlv_epi16(qhh, shr), m30));
+          const __m512 wa = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h)), sc);
+          const __m512 wc = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h + 4)), sc);
+          f(4 * b + 2 * h, a, wa, _mm512_mul_ps(wa, _mm512_set1_ps(32.f)));
+          f(4 * b + 2 * h + 1, c, wc, _mm512_mul_ps(wc, _mm512_set1_ps(32.f)));
+        }
+      } else if constexpr (T == Type::IQ4_XS) {
+        const float d = fp16_at(blk);
+        const uint16_t scales_h = load_u16(blk + 2);
+        const __m512i table = offset_table(kIQ4Values);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * j));
+          const __m512i u = _mm512_shuffle_epi8(table, nibbles_q4_0_order(q));
+          const __m512 ws = halves(d * float(iq4xs_scale(scales_h, blk + 4, 2 * j)),
+                                   d * float(iq4xs_scale(scales_h, blk + 4, 2 * j + 1)));
+          f(4 * b + j, u, ws, _mm512_mul_ps(ws, _mm512_set1_ps(128.f)));
+        }
+      }
+    }
+  }
+}
+
+// y[r] (r < R) = activation rows m0 .. m0 + R - 1 dotted with one weight row.
+template <Type T, int R>
+inline void row_dot_int8(const uint8_t* row, int64_t K, const Int8Activations& a, int64_t m0, float* y, int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t qstride = a.units * 64, lstride = a.units * 16;
+  for_units<T>(row, K, [&](int64_t unit, __m512i u, __m512 ws, __m512 ov) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = a.xq.data() + (m0 + r) * qstride + unit * 64;
+      const int64_t lane = (m0 + r) * lstride + unit * 16;
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(xq));
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(a.xde.data() + lane));
+      acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(a.xs4.data() + lane), ov, _mm512_fmadd_ps(t, ws, acc[r]));
+    }
+  });
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// y [M, N] = x [M, K] @ W.T with int8 activations; threads over output rows, the activation
+// rows in tiles of up to 4 per pass over a (cached) weight row.
+template <Type T>
+void matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y) {
+  const Int8Activations a(x, M, K);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* row = data + n * row_bytes;
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) row_dot_int8<T, 4>(row, K, a, m0, y + n, N);
+    switch (M - m0) {
+      case 3: row_dot_int8<T, 3>(row, K, a, m0, y + n, N); break;
+      case 2: row_dot_int8<T, 2>(row, K, a, m0, y + n, N); break;
+      case 1: row_dot_int8<T, 1>(row, K, a, m0, y + n, N); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace pagedllm::gguf
+
+#else  // no AVX-512 VNNI: no int8 path
 
 namespace pagedllm::gguf {
 
@@ -15,3 +232,4 @@ template <Type T>
 void matmul_int8(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
 
 }  // namespace pagedllm::gguf
+#endif
