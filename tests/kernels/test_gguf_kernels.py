@@ -126,6 +126,32 @@ def test_linear_matches_float64(ops, type_name: str) -> None:  # type: ignore[no
         _check_linear(ops.linear(x, w.data, idx, "float"), x, w64, False)
 
 
+@pytest.mark.parametrize("type_name", KEPT_GGUF_TYPES)
+def test_int8_path_matches_its_rounded_activations(type_name: str) -> None:
+    """The int8-activation kernel, where built for the type, against float64 math over the
+    activations rounded as it documents (round-half-even of x * 127 / absmax per group of 32,
+    in float32): only float32 summation rounding may differ (1e-5 of sum |w||x rounded|)."""
+    isa.set_cpu_isa(None)
+    ops = build.gguf_linear_ops()
+    if ops is None or not dict(zip(ops.type_names(), ops.small_m_kernels()))[type_name].startswith("int8"):
+        pytest.skip(f"no int8-activation kernel for {type_name} in this build")
+    idx = list(ops.type_names()).index(type_name)
+    gen = torch.Generator().manual_seed(2)
+    for k in _k_values(type_name) + [GGUF_BLOCK_GEOMETRY[type_name][0] * 3]:
+        w = random_blocks(type_name, 11, k, seed=k + 2)
+        w64 = gguf_py_dequantize(w)
+        x = torch.randn(6, k, generator=gen)
+        x[1, :32] = 0.0  # a group of zeros (scale 0)
+        xg = x.view(6, -1, 32)
+        amax = xg.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        xr = (torch.round(xg * inv) * (amax / 127.0)).view(6, k).double()  # what the kernel multiplies
+        ref = xr @ w64.T
+        bound = 1e-5 * (xr.abs() @ w64.abs().T) + 1e-30
+        err = (ops.linear(x, w.data, idx, "int8").double() - ref).abs()
+        assert bool((err <= bound).all()), f"K={k}: max excess {float((err - bound).max())}"
+
+
 def test_linear_keeps_dtype_shape_and_bias() -> None:
     w = random_blocks("Q4_K", 5, 256)
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)

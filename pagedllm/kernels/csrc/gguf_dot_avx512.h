@@ -128,10 +128,16 @@ inline void for_units(const uint8_t* row, int64_t K, F&& f) {
       if constexpr (T == Type::Q4_K || T == Type::Q5_K) {
         const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
         const uint8_t* qs = blk + (T == Type::Q5_K ? 48 : 16);
+        uint64_t sc8, m8;
+        k4_scales_mins(blk + 4, sc8, m8);
+        // d * scale and dmin * min of the 8 sub-blocks, in lanes 0..7.
+        const __m512 scd = _mm512_castps256_ps512(_mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8)))), _mm256_set1_ps(d)));
+        const __m512 md = _mm512_castps256_ps512(_mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8)))), _mm256_set1_ps(dmin)));
+        const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         for (int j = 0; j < 4; ++j) {
-          int sc0, m0, sc1, m1;
-          k4_scale_min(blk + 4, 2 * j, sc0, m0);
-          k4_scale_min(blk + 4, 2 * j + 1, sc1, m1);
+          const __m512i sub = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * j));  // sub-blocks 2j, 2j + 1
           __m512i u = nibbles_k_order(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
           if constexpr (T == Type::Q5_K) {
             // The 5th bits: bit 2j (low nibbles) / 2j + 1 (high) of qh[l], moved to bit 4.
@@ -141,7 +147,7 @@ inline void for_units(const uint8_t* row, int64_t K, F&& f) {
             const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(1));
             u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
           }
-          f(4 * b + j, u, halves(d * float(sc0), d * float(sc1)), halves(dmin * float(m0), dmin * float(m1)));
+          f(4 * b + j, u, _mm512_permutexvar_ps(sub, scd), _mm512_permutexvar_ps(sub, md));
         }
       } else if constexpr (T == Type::Q6_K) {
         const float d = fp16_at(blk + 208);

@@ -5,6 +5,9 @@
 // decodes scales with these.
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace pagedllm::gguf {
 
@@ -50,8 +53,11 @@ inline float bits_to_float(uint32_t b) {
   return f;
 }
 
-// IEEE half -> float, exact (normals, subnormals, inf, nan), with integer operations only
-// (the generic build has no F16C).
+// IEEE half -> float, exact (normals, subnormals, inf, nan): F16C's vcvtph2ps where the
+// build targets it, else integer operations (the generic build).
+#if defined(__F16C__)
+inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
 inline float fp16_to_f32(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
   const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
@@ -61,6 +67,7 @@ inline float fp16_to_f32(uint16_t h) {
   const float v = float(man) * 5.9604644775390625e-8f;
   return sign ? -v : v;
 }
+#endif
 inline float fp16_at(const uint8_t* p) { return fp16_to_f32(load_u16(p)); }
 inline float bf16_to_f32(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
 
@@ -81,6 +88,15 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& m) {
     sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
     m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+}
+
+// All 8 of them at once: bytes i of `sc` and `m` are sub-block i's scale and min.
+inline void k4_scales_mins(const uint8_t* s, uint64_t& sc, uint64_t& m) {
+  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
+  const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);  // top 2 bits of a's bytes at 4, 5
+  const uint32_t m_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+  sc = uint64_t(a & 0x3F3F3F3Fu) | uint64_t(sc_hi) << 32;
+  m = uint64_t(b & 0x3F3F3F3Fu) | uint64_t(m_hi) << 32;
 }
 
 // Q3_K: sub-block i (of 16, 16 elements each) has a 6-bit scale biased by 32: the low 4 bits
