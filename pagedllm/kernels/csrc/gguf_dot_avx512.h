@@ -209,7 +209,7 @@ inline void row_dot_int8(const uint8_t* row, int64_t K, const Int8Activations& a
 template <Type T>
 void matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y) {
   const Int8Activations a(x, M, K);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, kMinChunkRows)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = data + n * row_bytes;
     int64_t m0 = 0;

@@ -1,8 +1,8 @@
 #pragma once
 // x [M, K] float32 times the transpose of a [N, K] weight held as ggml blocks: the small-M
 // (decode) kernels, and the row decoders the prefill's dequantize-then-GEMM and the embedding
-// lookup use. Threads split the output rows (each row's sum is one thread's, in one order,
-// so the result does not depend on the thread count); every weight row is read once per call
+// lookup use. Threads split the output rows (guided, kMinChunkRows at least; each row's sum is
+// one thread's, in one order, so the result does not depend on the thread count); every weight row is read once per call
 // and multiplied with all M activation rows.
 //
 // The float path (every type, every ISA): a span of up to kSpan elements of one weight row
@@ -85,7 +85,7 @@ void decode_rows(const uint8_t* data, int64_t row_bytes, int64_t K, int64_t R, R
 // y [M, N] = x [M, K] @ W.T through the float path.
 template <Type T>
 void matmul_f32(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, kMinChunkRows)
   for (int64_t n = 0; n < N; ++n) {
     alignas(64) float tile[kSpan];
     const uint8_t* row = data + n * row_bytes;

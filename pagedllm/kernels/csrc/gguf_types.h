@@ -19,8 +19,7 @@ enum class Type : int {
 inline constexpr const char* kTypeNames[] = {"F16",  "BF16", "Q4_0", "Q4_1", "Q5_0",   "Q5_1",   "Q8_0", "Q2_K",
                                              "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"};
 
-// Elements and bytes per block. F16/BF16 are handled in spans of kFloatSpan elements (their
-// "blocks" are single values); a row of them may end in a shorter span.
+// Elements and bytes per block (F16/BF16: one value; any K).
 struct Geometry {
   int elems;
   int bytes;
@@ -28,7 +27,9 @@ struct Geometry {
 inline constexpr Geometry kGeometry[] = {{1, 2},    {1, 2},    {32, 18},  {32, 20},  {32, 22},
                                          {32, 24},  {32, 34},  {256, 84}, {256, 110}, {256, 144},
                                          {256, 176}, {256, 210}, {32, 18},  {256, 136}, {32, 17}};
-inline constexpr int kFloatSpan = 64;
+// Output rows a thread takes at least per grab of the matmuls' guided schedules (a thread
+// that lost its core on a shared machine does not hold the others up).
+inline constexpr int kMinChunkRows = 16;
 
 // The non-linear 4-bit code book of IQ4_NL / IQ4_XS (int8 values, times the block scale).
 inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
