@@ -94,18 +94,18 @@ def test_dequantize_and_gather_match_gguf_py(ops, type_name: str) -> None:  # ty
         torch.testing.assert_close(got.double(), ref[ids], rtol=1e-6, atol=1e-6 * scale)
 
 
-def _check_linear(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, int8: bool) -> None:
+def _check_linear(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, int16: bool) -> None:
     """y against float64 x @ w.T: float32 rounding (1e-5 of sum |x||w| per output), plus for
-    the int8-activation path the activations' rounding (half a step, 1/254 of their group of
-    32's largest |x|, times |w|)."""
+    the int16-activation path the activations' rounding (half a step, 1/65534 of their group
+    of 32's largest |x|, times |w|)."""
     x64 = x.double()
     ref = x64 @ w64.T
     bound = 1e-5 * (x64.abs() @ w64.abs().T) + 1e-30
-    if int8:
+    if int16:
         k = x.shape[1]
         g = min(32, k)
         amax = x64.abs().view(x.shape[0], k // g, g).amax(-1, keepdim=True).expand(-1, -1, g).reshape(x.shape)
-        bound = bound + 1.001 * (amax / 254) @ w64.abs().T
+        bound = bound + 1.001 * (amax / 65534) @ w64.abs().T
     err = (y.double() - ref).abs()
     assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
 
@@ -113,28 +113,28 @@ def _check_linear(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, int8: boo
 @pytest.mark.parametrize("type_name", KEPT_GGUF_TYPES)
 def test_linear_matches_float64(ops, type_name: str) -> None:  # type: ignore[no-untyped-def]
     kernels = dict(zip(ops.type_names(), ops.small_m_kernels()))
-    int8 = kernels[type_name].startswith("int8")
+    int16 = kernels[type_name].startswith("int16")
     gen = torch.Generator().manual_seed(1)
     for k in _k_values(type_name):
         w = random_blocks(type_name, 13, k, seed=k + 1)  # 13 rows: no row tile divides it
         w64 = gguf_py_dequantize(w)
         for m in (1, 3, SMALL_M_MAX_ROWS, SMALL_M_MAX_ROWS + 1, 200):
             x = torch.randn(m, k, generator=gen)
-            _check_linear(gguf_linear(x, w), x, w64, int8 and m <= SMALL_M_MAX_ROWS)
+            _check_linear(gguf_linear(x, w), x, w64, int16 and m <= SMALL_M_MAX_ROWS)
         x = torch.randn(5, k, generator=gen)
         idx = list(ops.type_names()).index(type_name)
         _check_linear(ops.linear(x, w.data, idx, "float"), x, w64, False)
 
 
 @pytest.mark.parametrize("type_name", KEPT_GGUF_TYPES)
-def test_int8_path_matches_its_rounded_activations(type_name: str) -> None:
-    """The int8-activation kernel, where built for the type, against float64 math over the
-    activations rounded as it documents (round-half-even of x * 127 / absmax per group of 32,
+def test_int16_path_matches_its_rounded_activations(type_name: str) -> None:
+    """The int16-activation kernel, where built for the type, against float64 math over the
+    activations rounded as it documents (round-half-even of x * 32767 / absmax per group of 32,
     in float32): only float32 summation rounding may differ (1e-5 of sum |w||x rounded|)."""
     isa.set_cpu_isa(None)
     ops = build.gguf_linear_ops()
-    if ops is None or not dict(zip(ops.type_names(), ops.small_m_kernels()))[type_name].startswith("int8"):
-        pytest.skip(f"no int8-activation kernel for {type_name} in this build")
+    if ops is None or not dict(zip(ops.type_names(), ops.small_m_kernels()))[type_name].startswith("int16"):
+        pytest.skip(f"no int16-activation kernel for {type_name} in this build")
     idx = list(ops.type_names()).index(type_name)
     gen = torch.Generator().manual_seed(2)
     for k in _k_values(type_name) + [GGUF_BLOCK_GEOMETRY[type_name][0] * 3]:
@@ -144,11 +144,11 @@ def test_int8_path_matches_its_rounded_activations(type_name: str) -> None:
         x[1, :32] = 0.0  # a group of zeros (scale 0)
         xg = x.view(6, -1, 32)
         amax = xg.abs().amax(-1, keepdim=True)
-        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-        xr = (torch.round(xg * inv) * (amax / 127.0)).view(6, k).double()  # what the kernel multiplies
+        inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+        xr = (torch.round(xg * inv) * (amax / 32767.0)).view(6, k).double()  # what the kernel multiplies
         ref = xr @ w64.T
         bound = 1e-5 * (xr.abs() @ w64.abs().T) + 1e-30
-        err = (ops.linear(x, w.data, idx, "int8").double() - ref).abs()
+        err = (ops.linear(x, w.data, idx, "int16").double() - ref).abs()
         assert bool((err <= bound).all()), f"K={k}: max excess {float((err - bound).max())}"
 
 
@@ -163,7 +163,7 @@ def test_linear_keeps_dtype_shape_and_bias() -> None:
 
 
 def test_small_m_kernel_per_isa() -> None:
-    """Which kernel runs: on a CPU with AVX-512 VNNI the int8 path for the types it covers and
+    """Which kernel runs: on a CPU with AVX-512 VNNI the int16 path for the types it covers and
     the AVX-512 float path for the rest; with AVX2 the AVX2 float path; generic: scalar."""
     flags = _cpu_flags()
     if "avx2" not in flags:
@@ -174,7 +174,7 @@ def test_small_m_kernel_per_isa() -> None:
     kernels = dict(zip(ops.type_names(), ops.small_m_kernels()))
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         for t in ("Q4_K", "Q6_K"):
-            assert kernels[t] == "int8 avx512_vnni", kernels
+            assert kernels[t] == "int16 avx512_vnni", kernels
         assert kernels["F16"] == "float avx512", kernels
     else:
         assert all(v == "float avx2" for v in kernels.values()), kernels

@@ -60,7 +60,7 @@ torch::Tensor gather_rows(const torch::Tensor& data, int64_t type, const torch::
 }
 
 // x [M, K] float32 -> [M, N] by the small-M kernel; `path` "" (the build's choice for the
-// type), "int8" or "float" (tests run both).
+// type), "int16" or "float" (tests run both).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& data, int64_t type, const std::string& path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -76,13 +76,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& data, int64_t 
   return y;
 }
 
-// The small-M kernel linear("") runs for each type: "int8 <isa>" or "float <isa>".
+// The small-M kernel linear("") runs for each type: "int16 <isa>" or "float <isa>".
 std::vector<std::string> small_m_kernels() {
   std::vector<std::string> out;
   for (int i = 0; i < int(Type::kCount); ++i)
     with_type(Type(i), [&](auto tag) {
       constexpr Type T = decltype(tag)::value;
-      out.emplace_back(use_int8_path<T>() ? std::string("int8 ") + int8_dot_variant()
+      out.emplace_back(use_int16_path<T>() ? std::string("int16 ") + int16_dot_variant()
                                           : std::string("float ") + float_dot_variant());
     });
   return out;

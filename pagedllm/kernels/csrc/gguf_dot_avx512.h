@@ -1,22 +1,23 @@
 #pragma once
-// Small-M GGUF matmul with int8 activations and VNNI integer dot products, for CPUs with
+// Small-M GGUF matmul with int16 activations and VNNI integer dot products, for CPUs with
 // AVX512-BW/VL and AVX512-VNNI (compiled where the compiler targets them; elsewhere
-// has_int8_dot is false and gguf_matmul.h's float path runs).
+// has_int16_dot is false and gguf_matmul.h's float path runs).
 //
-// Activations: each row is rounded to int8 per group of 32 (xq = round-half-even(x * 127 /
-// absmax), scale xd = absmax / 127, error at most xd / 2 per element), once per call. The
-// weight is read as 64-element units of unsigned 8-bit codes u (0..255) with a per-lane
-// weight scale ws and offset ov (a lane = 4 consecutive elements), such that each weight is
+// Activations: each row is rounded to int16 per group of 32 (xq = round-half-even(x * 32767 /
+// absmax), scale xd = absmax / 32767, error at most xd / 2 per element: quant_linear.h's
+// int16 rounding), once per call. The weight is read as 64-element units of unsigned 8-bit
+// codes u (0..255) with a per-lane weight scale ws and offset ov (a lane = 4 consecutive
+// elements), such that each weight is
 //   w = ws * u - ov   (Q4_K: u = q, ws = d sc, ov = dmin m; Q6_K: ws = d sc, ov = 32 ws;
 //                      Q8_0 / IQ4: u = value + 128, ov = 128 ws; Q4_0: ov = 8 ws; Q4_1: ov = -m)
-// so a unit contributes sum_lanes ws * xd * dot4(u, xq) - ov * xd * sum4(xq): vpdpbusd forms
-// dot4 (u unsigned times xq signed, exact in int32), the rest is float32 per lane.
+// so a unit contributes sum_lanes ws * xd * dot4(u, xq) - ov * xd * sum4(xq): two vpdpwssd
+// form dot4 exactly in int32 (at most 4 * 255 * 32767 < 2^31), the rest is float32 per lane.
 #include <cstdint>
 
 #include "gguf_types.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define PAGEDLLM_GGUF_INT8_DOT 1
+#define PAGEDLLM_GGUF_INT16_DOT 1
 #include <immintrin.h>
 
 #include <algorithm>
@@ -24,42 +25,47 @@
 
 namespace pagedllm::gguf {
 
-inline const char* int8_dot_variant() { return "avx512_vnni"; }
+inline const char* int16_dot_variant() { return "avx512_vnni"; }
 
 template <Type T>
-constexpr bool has_int8_dot() {
+constexpr bool has_int16_dot() {
   return T == Type::Q4_0 || T == Type::Q4_1 || T == Type::Q8_0 || T == Type::Q4_K || T == Type::Q5_K ||
          T == Type::Q6_K || T == Type::IQ4_NL || T == Type::IQ4_XS || T == Type::MXFP4;
 }
 
-// x [M, K] rounded to int8 per group of 32, padded with zeros to whole 64-element units:
-// xq [M, units * 64]; per lane of 4 elements xde = its group's scale, xs4 = xd * sum of the
-// lane's 4 codes ([M, units * 16] each).
-struct Int8Activations {
+// x [M, K] rounded to int16 per group of 32, padded with zeros to whole 64-element units and
+// split for vpdpwssd: lane i of a unit's xe holds elements (4i, 4i + 2), of xo (4i + 1, 4i + 3)
+// ([M, units * 32] each), so two vpdpwssd with the weight codes' even and odd bytes sum the
+// 4 elements of lane i. Per lane: xde = the group's scale, xs4 = xd * the lane's code sum
+// ([M, units * 16] each).
+struct Int16Activations {
   int64_t units;
-  std::vector<int8_t> xq;
+  std::vector<int16_t> xe, xo;
   std::vector<float> xde, xs4;
 
-  Int8Activations(const float* x, int64_t M, int64_t K)
-      : units((K + 63) / 64), xq(M * units * 64, 0), xde(M * units * 16, 0.f), xs4(M * units * 16, 0.f) {
-    const __m512i ones = _mm512_set1_epi8(1);
+  Int16Activations(const float* x, int64_t M, int64_t K)
+      : units((K + 63) / 64), xe(M * units * 32, 0), xo(M * units * 32, 0), xde(M * units * 16, 0.f),
+        xs4(M * units * 16, 0.f) {
+    std::vector<int16_t> q(units * 64, 0);  // one row's codes in element order
     for (int64_t m = 0; m < M; ++m) {
-      int8_t* q = xq.data() + m * units * 64;
       float* de = xde.data() + m * units * 16;
       for (int64_t g = 0; g < K / 32; ++g) {
         const __m512 v0 = _mm512_loadu_ps(x + m * K + 32 * g), v1 = _mm512_loadu_ps(x + m * K + 32 * g + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * g),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * g + 16),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
-        std::fill(de + 8 * g, de + 8 * g + 8, amax / 127.f);
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * g),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * g + 16),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+        std::fill(de + 8 * g, de + 8 * g + 8, amax / 32767.f);
       }
-      for (int64_t u = 0; u < units; ++u) {
-        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + 64 * u));
-        _mm512_storeu_ps(xs4.data() + (m * units + u) * 16,
-                         _mm512_mul_ps(_mm512_cvtepi32_ps(s4), _mm512_loadu_ps(de + 16 * u)));
+      int16_t* e = xe.data() + m * units * 32;
+      int16_t* o = xo.data() + m * units * 32;
+      float* s4 = xs4.data() + m * units * 16;
+      for (int64_t i = 0; i < units * 16; ++i) {
+        const int16_t* l = q.data() + 4 * i;
+        e[2 * i] = l[0], e[2 * i + 1] = l[2], o[2 * i] = l[1], o[2 * i + 1] = l[3];
+        s4[i] = de[i] * float(int32_t(l[0]) + l[1] + l[2] + l[3]);
       }
     }
   }
@@ -188,15 +194,19 @@ inline void for_units(const uint8_t* row, int64_t K, F&& f) {
 
 // y[r] (r < R) = activation rows m0 .. m0 + R - 1 dotted with one weight row.
 template <Type T, int R>
-inline void row_dot_int8(const uint8_t* row, int64_t K, const Int8Activations& a, int64_t m0, float* y, int64_t N) {
+inline void row_dot_int16(const uint8_t* row, int64_t K, const Int16Activations& a, int64_t m0, float* y,
+                          int64_t N) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t qstride = a.units * 64, lstride = a.units * 16;
+  const int64_t lstride = a.units * 16;
   for_units<T>(row, K, [&](int64_t unit, __m512i u, __m512 ws, __m512 ov) {
+    // Word i of u_even / u_odd: byte 2i / 2i + 1 of u, i.e. codes (4j, 4j + 2) / (4j + 1, 4j + 3) of lane j.
+    const __m512i u_even = _mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), u_odd = _mm512_srli_epi16(u, 8);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xq = a.xq.data() + (m0 + r) * qstride + unit * 64;
       const int64_t lane = (m0 + r) * lstride + unit * 16;
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(xq));
+      const __m512i dot = _mm512_dpwssd_epi32(
+          _mm512_dpwssd_epi32(_mm512_setzero_si512(), u_even, _mm512_loadu_si512(a.xe.data() + 2 * lane)), u_odd,
+          _mm512_loadu_si512(a.xo.data() + 2 * lane));
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(a.xde.data() + lane));
       acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(a.xs4.data() + lane), ov, _mm512_fmadd_ps(t, ws, acc[r]));
     }
@@ -204,20 +214,21 @@ inline void row_dot_int8(const uint8_t* row, int64_t K, const Int8Activations& a
   for (int r = 0; r < R; ++r) y[(m0 + r) * N] = _mm512_reduce_add_ps(acc[r]);
 }
 
-// y [M, N] = x [M, K] @ W.T with int8 activations; threads over output rows, the activation
+// y [M, N] = x [M, K] @ W.T with int16 activations; threads over output rows, the activation
 // rows in tiles of up to 4 per pass over a (cached) weight row.
 template <Type T>
-void matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y) {
-  const Int8Activations a(x, M, K);
+void matmul_int16(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N,
+                  float* y) {
+  const Int16Activations a(x, M, K);
 #pragma omp parallel for schedule(guided, kMinChunkRows)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = data + n * row_bytes;
     int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) row_dot_int8<T, 4>(row, K, a, m0, y + n, N);
+    for (; m0 + 4 <= M; m0 += 4) row_dot_int16<T, 4>(row, K, a, m0, y + n, N);
     switch (M - m0) {
-      case 3: row_dot_int8<T, 3>(row, K, a, m0, y + n, N); break;
-      case 2: row_dot_int8<T, 2>(row, K, a, m0, y + n, N); break;
-      case 1: row_dot_int8<T, 1>(row, K, a, m0, y + n, N); break;
+      case 3: row_dot_int16<T, 3>(row, K, a, m0, y + n, N); break;
+      case 2: row_dot_int16<T, 2>(row, K, a, m0, y + n, N); break;
+      case 1: row_dot_int16<T, 1>(row, K, a, m0, y + n, N); break;
       default: break;
     }
   }
@@ -225,17 +236,17 @@ void matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* data, int6
 
 }  // namespace pagedllm::gguf
 
-#else  // no AVX-512 VNNI: no int8 path
+#else  // no AVX-512 VNNI: no int16 path
 
 namespace pagedllm::gguf {
 
-inline const char* int8_dot_variant() { return "none"; }
+inline const char* int16_dot_variant() { return "none"; }
 template <Type T>
-constexpr bool has_int8_dot() {
+constexpr bool has_int16_dot() {
   return false;
 }
 template <Type T>
-void matmul_int8(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
+void matmul_int16(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
 
 }  // namespace pagedllm::gguf
 #endif

@@ -9,7 +9,7 @@
 // is decoded into an L1-resident float32 tile (gguf_decode.h) and dotted with the M
 // activation rows (dot_f32: AVX-512 or AVX2 FMA where compiled, else 8 scalar partial sums
 // the compiler may vectorise). Where gguf_dot_avx512.h is compiled (AVX512-BW/VL + VNNI),
-// the types it covers take the int8-activation path instead (gguf_matmul_small picks).
+// the types it covers take the int16-activation path instead (matmul_small picks).
 #include <omp.h>
 
 #include <algorithm>
@@ -102,21 +102,21 @@ void matmul_f32(const float* x, int64_t M, int64_t K, const uint8_t* data, int64
   }
 }
 
-// The small-M kernel this build runs for `T`: "int8" (gguf_dot_avx512.h) or "float".
+// The small-M kernel this build runs for `T`: "int16" (gguf_dot_avx512.h) or "float".
 template <Type T>
-constexpr bool use_int8_path() {
-  return has_int8_dot<T>();
+constexpr bool use_int16_path() {
+  return has_int16_dot<T>();
 }
 
-// y [M, N] = x [M, K] @ W.T, the kernel picked per type (use_int8_path), or the one named by
-// `path` ("int8", "float"; "" for the build's choice). False if `path` is not compiled for T.
+// y [M, N] = x [M, K] @ W.T, the kernel picked per type (use_int16_path), or the one named by
+// `path` ("int16", "float"; "" for the build's choice). False if `path` is not compiled for T.
 template <Type T>
 bool matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y,
                   const char* path) {
-  const bool want_int8 = path[0] == 0 ? use_int8_path<T>() : path[0] == 'i';
-  if (want_int8) {
-    if constexpr (has_int8_dot<T>()) {
-      matmul_int8<T>(x, M, K, data, row_bytes, N, y);
+  const bool want_int16 = path[0] == 0 ? use_int16_path<T>() : path[0] == 'i';
+  if (want_int16) {
+    if constexpr (has_int16_dot<T>()) {
+      matmul_int16<T>(x, M, K, data, row_bytes, N, y);
       return true;
     }
     return false;
