@@ -165,24 +165,22 @@ template <>
 inline void decode_block<Type::Q6_K>(const uint8_t* b, float* y) {
   const float d = fp16_at(b + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
+  // Per 128 elements: quarter q (32 elements) takes nibble q / 2 of ql bytes 32 (q % 2) ..
+  // + 31 and bits 2q, 2q + 1 of the 32 qh bytes; each 16 elements have their own scale.
   for (int half = 0; half < 2; ++half) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * float(sc[is]) * float(q1);
-      y[l + 32] = d * float(sc[is + 2]) * float(q2);
-      y[l + 64] = d * float(sc[is + 4]) * float(q3);
-      y[l + 96] = d * float(sc[is + 6]) * float(q4);
+    const uint8_t* ql = b + 64 * half;
+    const uint8_t* qh = b + 128 + 32 * half;
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* lq = ql + 32 * (q & 1);
+      const int shift_l = 4 * (q >> 1), shift_h = 2 * q;
+      for (int part = 0; part < 2; ++part) {
+        const float s = d * float(sc[8 * half + 2 * q + part]);
+        for (int l = 16 * part; l < 16 * part + 16; ++l) {
+          const int code = ((lq[l] >> shift_l) & 0x0F) | (((qh[l] >> shift_h) & 3) << 4);
+          y[128 * half + 32 * q + l] = s * float(code - 32);
+        }
+      }
     }
-    y += 128;
-    ql += 64;
-    qh += 32;
-    sc += 8;
   }
 }
 
