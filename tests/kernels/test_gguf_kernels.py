@@ -188,3 +188,68 @@ def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
         line = next((ln for ln in f if ln.startswith("flags")), "")
     return set(line.partition(":")[2].split())
+
+
+# Compiled for AVX2 + FMA + F16C only (no AVX-512): the build of an AVX2-only CPU, which this
+# machine may not be. Every type's small-M kernel against its own decoder in double precision.
+_AVX2_HARNESS = r"""
+#include <cmath>
+#include <cstdio>
+#include <vector>
+#include "gguf_matmul.h"
+using namespace pagedllm::gguf;
+int main() {
+  uint32_t seed = 1;
+  auto next = [&]() { seed = seed * 1664525u + 1013904223u; return seed >> 8; };
+  int bad = 0;
+  for (int t = 0; t < int(Type::kCount); ++t) {
+    const Geometry g = kGeometry[t];
+    const int64_t K = g.elems == 1 ? 300 : g.elems * (g.elems == 32 ? 9 : 2), N = 5, M = 3;
+    const int64_t rb = K / g.elems * g.bytes;
+    std::vector<uint8_t> w(N * rb);
+    for (auto& b : w) b = uint8_t(next());
+    for (int64_t i = 0; i < N * K / g.elems; ++i) {  // moderate scales: fp16 0x2000-0x3bff
+      uint8_t* blk = w.data() + i * g.bytes;
+      const uint16_t h = uint16_t(0x2000 + next() % 0x1c00);
+      const int off = t == int(Type::Q2_K) ? 80 : t == int(Type::Q3_K) ? 108 : t == int(Type::Q6_K) ? 208 : 0;
+      if (t == int(Type::MXFP4)) blk[0] = uint8_t(120 + next() % 12);
+      else { std::memcpy(blk + off, &h, 2); if (t == int(Type::Q2_K) || t == int(Type::Q4_K) || t == int(Type::Q5_K) || t == int(Type::Q4_1) || t == int(Type::Q5_1)) std::memcpy(blk + off + 2, &h, 2); }
+    }
+    std::vector<float> x(M * K), y(M * N), row(K);
+    for (auto& v : x) v = float(int(next() % 2001) - 1000) / 500.f;
+    with_type(Type(t), [&](auto tag) {
+      constexpr Type T = decltype(tag)::value;
+      matmul_small<T>(x.data(), M, K, w.data(), rb, N, y.data(), "");
+      for (int64_t n = 0; n < N; ++n) {
+        decode_elements<T>(w.data() + n * rb, 0, K, row.data());
+        for (int64_t m = 0; m < M; ++m) {
+          double ref = 0, mag = 0;
+          for (int64_t k = 0; k < K; ++k) ref += double(x[m * K + k]) * row[k], mag += std::fabs(double(x[m * K + k]) * row[k]);
+          if (!(std::fabs(y[m * N + n] - ref) <= 1e-5 * mag + 1e-30)) { ++bad; std::printf("%s m=%ld n=%ld\n", kTypeNames[t], long(m), long(n)); }
+        }
+      }
+    });
+  }
+  std::printf("%s %s\n", bad ? "FAIL" : "OK", float_dot_variant());
+  return bad != 0;
+}
+"""
+
+
+def test_avx2_only_build_compiles_and_agrees(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+    import subprocess
+
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("no AVX2/FMA/F16C on this CPU")
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "harness.cpp"
+    src.write_text(_AVX2_HARNESS)
+    exe = tmp_path / "harness"
+    flags = ["-O2", "-std=c++17", "-march=x86-64", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+    built = subprocess.run([cxx, *flags, f"-I{build.CSRC}", str(src), "-o", str(exe)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.strip().endswith("OK avx2"), ran.stdout[-2000:]
