@@ -94,100 +94,121 @@ inline __m512i offset_table(const int8_t* values) {
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
 }
 
+// The 64-element units of a row of 32-element blocks (Q4_0, Q4_1, Q8_0, IQ4_NL, MXFP4): two
+// blocks per unit, f(unit, u, ws, ov) for each.
+template <Type T, typename F>
+inline void units_of_32_blocks(const uint8_t* row, int64_t K, F&& f) {
+  constexpr Geometry g = kGeometry[int(T)];
+  const int64_t blocks = K / 32;
+  const __m512i table = offset_table(T == Type::MXFP4 ? kMXFP4Values : kIQ4Values);
+  for (int64_t p = 0; p < blocks; p += 2) {
+    const uint8_t* b0 = row + p * g.bytes;
+    const bool two = p + 1 < blocks;
+    const uint8_t* b1 = two ? b0 + g.bytes : b0;  // a lone tail block: its upper half zeroed
+    constexpr int qoff = T == Type::Q4_1 ? 4 : (T == Type::MXFP4 ? 1 : 2);
+    const float d0 = T == Type::MXFP4 ? e8m0_half(b0[0]) : fp16_at(b0);
+    const float d1 = two ? (T == Type::MXFP4 ? e8m0_half(b1[0]) : fp16_at(b1)) : 0.f;
+    __m512i u;
+    if constexpr (T == Type::Q8_0) {
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
+      const __m256i q1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)) : _mm256_setzero_si256();
+      u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), _mm512_set1_epi8(char(0x80)));
+    } else {
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff));
+      const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)) : _mm_setzero_si128();
+      u = nibbles_q4_0_order(_mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1));
+      if constexpr (T == Type::IQ4_NL || T == Type::MXFP4) u = _mm512_shuffle_epi8(table, u);
+    }
+    const __m512 ws = halves(d0, d1);
+    __m512 ov;
+    if constexpr (T == Type::Q4_1) {
+      ov = _mm512_sub_ps(_mm512_setzero_ps(), halves(fp16_at(b0 + 2), two ? fp16_at(b1 + 2) : 0.f));
+    } else {
+      ov = _mm512_mul_ps(ws, _mm512_set1_ps(T == Type::Q4_0 ? 8.f : 128.f));
+    }
+    f(p / 2, u, ws, ov);
+  }
+}
+
+// The 4 units of one Q4_K / Q5_K block (unit0 = its first unit's index).
+template <Type T, typename F>
+inline void units_of_k4_block(const uint8_t* blk, int64_t unit0, F&& f) {
+  const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+  const uint8_t* qs = blk + (T == Type::Q5_K ? 48 : 16);
+  uint64_t sc8, m8;
+  k4_scales_mins(blk + 4, sc8, m8);
+  // d * scale and dmin * min of the 8 sub-blocks, in lanes 0..7.
+  const __m512 scd = _mm512_castps256_ps512(_mm256_mul_ps(
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8)))), _mm256_set1_ps(d)));
+  const __m512 md = _mm512_castps256_ps512(_mm256_mul_ps(
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8)))), _mm256_set1_ps(dmin)));
+  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i sub = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * j));  // sub-blocks 2j, 2j + 1
+    __m512i u = nibbles_k_order(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
+    if constexpr (T == Type::Q5_K) {
+      // The 5th bits: bit 2j (low nibbles) / 2j + 1 (high) of qh[l], moved to bit 4.
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+      const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(short(2 * j)), _mm256_set1_epi16(short(2 * j + 1)), 1);
+      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(1));
+      u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
+    }
+    f(unit0 + j, u, _mm512_permutexvar_ps(sub, scd), _mm512_permutexvar_ps(sub, md));
+  }
+}
+
+// The 4 units of one Q6_K block.
+template <typename F>
+inline void units_of_q6k_block(const uint8_t* blk, int64_t unit0, F&& f) {
+  const float d = fp16_at(blk + 208);
+  const __m512 sc = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
+      _mm512_set1_ps(d));  // d * scale of each 16 elements
+  const __m512i lane_scale = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m512i qhh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+    const __m512i a = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qhh, shl), m30));
+    const __m512i c = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                      _mm512_and_si512(_mm512_srlv_epi16(qhh, shr), m30));
+    const __m512 wa = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h)), sc);
+    const __m512 wc = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h + 4)), sc);
+    f(unit0 + 2 * h, a, wa, _mm512_mul_ps(wa, _mm512_set1_ps(32.f)));
+    f(unit0 + 2 * h + 1, c, wc, _mm512_mul_ps(wc, _mm512_set1_ps(32.f)));
+  }
+}
+
+// The 4 units of one IQ4_XS block.
+template <typename F>
+inline void units_of_iq4xs_block(const uint8_t* blk, int64_t unit0, F&& f) {
+  const float d = fp16_at(blk);
+  const uint16_t scales_h = load_u16(blk + 2);
+  const __m512i table = offset_table(kIQ4Values);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * j));
+    const __m512i u = _mm512_shuffle_epi8(table, nibbles_q4_0_order(q));
+    const __m512 ws = halves(d * float(iq4xs_scale(scales_h, blk + 4, 2 * j)),
+                             d * float(iq4xs_scale(scales_h, blk + 4, 2 * j + 1)));
+    f(unit0 + j, u, ws, _mm512_mul_ps(ws, _mm512_set1_ps(128.f)));
+  }
+}
+
 // Calls f(unit, u, ws, ov) for every 64-element unit of a row of K elements.
 template <Type T, typename F>
 inline void for_units(const uint8_t* row, int64_t K, F&& f) {
   constexpr Geometry g = kGeometry[int(T)];
   if constexpr (g.elems == 32) {
-    const int64_t blocks = K / 32;
-    const __m512i table = offset_table(T == Type::MXFP4 ? kMXFP4Values : kIQ4Values);
-    for (int64_t p = 0; p < blocks; p += 2) {
-      const uint8_t* b0 = row + p * g.bytes;
-      const bool two = p + 1 < blocks;
-      const uint8_t* b1 = two ? b0 + g.bytes : b0;  // a lone tail block: its upper half zeroed
-      constexpr int qoff = T == Type::Q4_1 ? 4 : (T == Type::MXFP4 ? 1 : 2);
-      const float d0 = T == Type::MXFP4 ? e8m0_half(b0[0]) : fp16_at(b0);
-      const float d1 = two ? (T == Type::MXFP4 ? e8m0_half(b1[0]) : fp16_at(b1)) : 0.f;
-      __m512i u;
-      if constexpr (T == Type::Q8_0) {
-        const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-        const __m256i q1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)) : _mm256_setzero_si256();
-        u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), _mm512_set1_epi8(char(0x80)));
-      } else {
-        const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff));
-        const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)) : _mm_setzero_si128();
-        u = nibbles_q4_0_order(_mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1));
-        if constexpr (T == Type::IQ4_NL || T == Type::MXFP4) u = _mm512_shuffle_epi8(table, u);
-      }
-      const __m512 ws = halves(d0, d1);
-      __m512 ov;
-      if constexpr (T == Type::Q4_1) {
-        ov = _mm512_sub_ps(_mm512_setzero_ps(), halves(fp16_at(b0 + 2), two ? fp16_at(b1 + 2) : 0.f));
-      } else {
-        ov = _mm512_mul_ps(ws, _mm512_set1_ps(T == Type::Q4_0 ? 8.f : 128.f));
-      }
-      f(p / 2, u, ws, ov);
-    }
+    units_of_32_blocks<T>(row, K, f);
   } else {
     for (int64_t b = 0; b < K / 256; ++b) {
-      const uint8_t* blk = row + b * g.bytes;
-      if constexpr (T == Type::Q4_K || T == Type::Q5_K) {
-        const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
-        const uint8_t* qs = blk + (T == Type::Q5_K ? 48 : 16);
-        uint64_t sc8, m8;
-        k4_scales_mins(blk + 4, sc8, m8);
-        // d * scale and dmin * min of the 8 sub-blocks, in lanes 0..7.
-        const __m512 scd = _mm512_castps256_ps512(_mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8)))), _mm256_set1_ps(d)));
-        const __m512 md = _mm512_castps256_ps512(_mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8)))), _mm256_set1_ps(dmin)));
-        const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        for (int j = 0; j < 4; ++j) {
-          const __m512i sub = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * j));  // sub-blocks 2j, 2j + 1
-          __m512i u = nibbles_k_order(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
-          if constexpr (T == Type::Q5_K) {
-            // The 5th bits: bit 2j (low nibbles) / 2j + 1 (high) of qh[l], moved to bit 4.
-            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-            const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(short(2 * j)), _mm256_set1_epi16(short(2 * j + 1)), 1);
-            const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(1));
-            u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
-          }
-          f(4 * b + j, u, _mm512_permutexvar_ps(sub, scd), _mm512_permutexvar_ps(sub, md));
-        }
-      } else if constexpr (T == Type::Q6_K) {
-        const float d = fp16_at(blk + 208);
-        const __m512 sc = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
-            _mm512_set1_ps(d));  // d * scale of each 16 elements
-        const __m512i lane_scale = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-        const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-        const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-        for (int h = 0; h < 2; ++h) {
-          const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-          const __m512i qhh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-          const __m512i a = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qhh, shl), m30));
-          const __m512i c = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                            _mm512_and_si512(_mm512_srlv_epi16(qhh, shr), m30));
-          const __m512 wa = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h)), sc);
-          const __m512 wc = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h + 4)), sc);
-          f(4 * b + 2 * h, a, wa, _mm512_mul_ps(wa, _mm512_set1_ps(32.f)));
-          f(4 * b + 2 * h + 1, c, wc, _mm512_mul_ps(wc, _mm512_set1_ps(32.f)));
-        }
-      } else if constexpr (T == Type::IQ4_XS) {
-        const float d = fp16_at(blk);
-        const uint16_t scales_h = load_u16(blk + 2);
-        const __m512i table = offset_table(kIQ4Values);
-        for (int j = 0; j < 4; ++j) {
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * j));
-          const __m512i u = _mm512_shuffle_epi8(table, nibbles_q4_0_order(q));
-          const __m512 ws = halves(d * float(iq4xs_scale(scales_h, blk + 4, 2 * j)),
-                                   d * float(iq4xs_scale(scales_h, blk + 4, 2 * j + 1)));
-          f(4 * b + j, u, ws, _mm512_mul_ps(ws, _mm512_set1_ps(128.f)));
-        }
-      }
+      if constexpr (T == Type::Q4_K || T == Type::Q5_K) units_of_k4_block<T>(row + b * g.bytes, 4 * b, f);
+      if constexpr (T == Type::Q6_K) units_of_q6k_block(row + b * g.bytes, 4 * b, f);
+      if constexpr (T == Type::IQ4_XS) units_of_iq4xs_block(row + b * g.bytes, 4 * b, f);
     }
   }
 }
