@@ -212,8 +212,14 @@ int main() {
       uint8_t* blk = w.data() + i * g.bytes;
       const uint16_t h = uint16_t(0x2000 + next() % 0x1c00);
       const int off = t == int(Type::Q2_K) ? 80 : t == int(Type::Q3_K) ? 108 : t == int(Type::Q6_K) ? 208 : 0;
-      if (t == int(Type::MXFP4)) blk[0] = uint8_t(120 + next() % 12);
-      else { std::memcpy(blk + off, &h, 2); if (t == int(Type::Q2_K) || t == int(Type::Q4_K) || t == int(Type::Q5_K) || t == int(Type::Q4_1) || t == int(Type::Q5_1)) std::memcpy(blk + off + 2, &h, 2); }
+      const bool two = t == int(Type::Q2_K) || t == int(Type::Q4_K) || t == int(Type::Q5_K) ||
+                       t == int(Type::Q4_1) || t == int(Type::Q5_1);  // a second fp16 (min) field
+      if (t == int(Type::MXFP4)) {
+        blk[0] = uint8_t(120 + next() % 12);
+      } else {
+        std::memcpy(blk + off, &h, 2);
+        if (two) std::memcpy(blk + off + 2, &h, 2);
+      }
     }
     std::vector<float> x(M * K), y(M * N), row(K);
     for (auto& v : x) v = float(int(next() % 2001) - 1000) / 500.f;
@@ -224,8 +230,14 @@ int main() {
         decode_elements<T>(w.data() + n * rb, 0, K, row.data());
         for (int64_t m = 0; m < M; ++m) {
           double ref = 0, mag = 0;
-          for (int64_t k = 0; k < K; ++k) ref += double(x[m * K + k]) * row[k], mag += std::fabs(double(x[m * K + k]) * row[k]);
-          if (!(std::fabs(y[m * N + n] - ref) <= 1e-5 * mag + 1e-30)) { ++bad; std::printf("%s m=%ld n=%ld\n", kTypeNames[t], long(m), long(n)); }
+          for (int64_t k = 0; k < K; ++k) {
+            ref += double(x[m * K + k]) * row[k];
+            mag += std::fabs(double(x[m * K + k]) * row[k]);
+          }
+          if (!(std::fabs(y[m * N + n] - ref) <= 1e-5 * mag + 1e-30)) {
+            ++bad;
+            std::printf("%s m=%ld n=%ld\n", kTypeNames[t], long(m), long(n));
+          }
         }
       }
     });

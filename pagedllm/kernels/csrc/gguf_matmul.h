@@ -1,9 +1,9 @@
 #pragma once
 // x [M, K] float32 times the transpose of a [N, K] weight held as ggml blocks: the small-M
 // (decode) kernels, and the row decoders the prefill's dequantize-then-GEMM and the embedding
-// lookup use. Threads split the output rows (guided, kMinChunkRows at least; each row's sum is
-// one thread's, in one order, so the result does not depend on the thread count); every weight row is read once per call
-// and multiplied with all M activation rows.
+// lookup use. Threads split the output rows (guided, kMinChunkRows at least; each row's sum
+// is one thread's, in one order, so the result does not depend on the thread count); every
+// weight row is read once per call and multiplied with all M activation rows.
 //
 // The float path (every type, every ISA): a span of up to kSpan elements of one weight row
 // is decoded into an L1-resident float32 tile (gguf_decode.h) and dotted with the M
