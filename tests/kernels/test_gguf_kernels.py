@@ -162,6 +162,19 @@ def test_linear_keeps_dtype_shape_and_bias() -> None:
     torch.testing.assert_close(y.float().reshape(6, 5), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
+def test_without_the_extension_the_reference_runs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pagedllm.kernels import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "gguf_linear_ops", lambda: None)
+    w = random_blocks("Q6_K", 9, 512)
+    w64 = gguf_py_dequantize(w)
+    for m in (1, 20):
+        x = torch.randn(m, 512)
+        _check_linear(gguf_linear(x, w), x, w64, False)  # float32 throughout: no activation rounding
+    ids = torch.tensor([8, 1])
+    assert torch.equal(gguf_embedding_lookup(ids, w, torch.float32).double(), w64[ids])
+
+
 def test_small_m_kernel_per_isa() -> None:
     """Which kernel runs: on a CPU with AVX-512 VNNI the int16 path for the types it covers and
     the AVX-512 float path for the rest; with AVX2 the AVX2 float path; generic: scalar."""
