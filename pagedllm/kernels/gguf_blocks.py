@@ -146,7 +146,9 @@ def _type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
 
 
 def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] -> [..., N] in float32 arithmetic, returned in x's dtype."""
+    """x: [..., K] -> [..., N] in float32 arithmetic, returned in x's dtype. Up to
+    SMALL_M_MAX_ROWS rows, where the build has AVX-512 VNNI (`small_m_kernels()`), the activations
+    are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
