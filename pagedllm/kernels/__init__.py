@@ -12,6 +12,7 @@ from pagedllm.kernels.build import (
     decode_layers_ops,
     extension,
     compiled_kernels_enabled,
+    gguf_linear_ops,
     kernel_cache_root,
     layer_ops,
     paged_attention_ops,
@@ -21,6 +22,14 @@ from pagedllm.kernels.build import (
 )
 from pagedllm.kernels.elementwise import add_rms_norm, argmax_rows, rms_norm, rotary_embedding, silu_and_mul
 from pagedllm.kernels.gemm import chunked_gemm
+from pagedllm.kernels.gguf_blocks import (
+    GGUF_BLOCK_GEOMETRY,
+    KEPT_GGUF_TYPES,
+    SMALL_M_MAX_ROWS,
+    GGUFBlocks,
+    gguf_embedding_lookup,
+    gguf_linear,
+)
 from pagedllm.kernels.isa import ISAS, Isa, cpu_isa, detect_cpu_isa, isa_at_least, set_cpu_isa
 from pagedllm.kernels.linear import clear_weight_caches, linear_op
 from pagedllm.kernels.quantization import (
@@ -44,6 +53,10 @@ from pagedllm.kernels.quantization import (
 
 __all__ = [
     "EXTENSIONS",
+    "GGUF_BLOCK_GEOMETRY",
+    "GGUFBlocks",
+    "KEPT_GGUF_TYPES",
+    "SMALL_M_MAX_ROWS",
     "ISAS",
     "Isa",
     "GROUP_SIZE",
@@ -66,6 +79,9 @@ __all__ = [
     "detect_cpu_isa",
     "embedding_lookup",
     "extension",
+    "gguf_embedding_lookup",
+    "gguf_linear",
+    "gguf_linear_ops",
     "int8_activation_linear",
     "isa_at_least",
     "kernel_cache_root",

@@ -2,9 +2,9 @@
 paged attention (csrc/paged_attention.cpp), weight-only quantized linears
 (csrc/quant_linear.cpp, AVX2), fused elementwise layer ops (csrc/layer_ops.cpp: RMSNorm,
 rotary, silu-and-mul), the decode forward of Llama-shaped decoder layers
-(csrc/decode_layers.cpp, built from the others' kernel headers) and bfloat16 linears for CPUs
-without native bf16 (csrc/bf16_linear.cpp, AVX2), each its own extension in its own build
-directory.
+(csrc/decode_layers.cpp, built from the others' kernel headers), bfloat16 linears for CPUs
+without native bf16 (csrc/bf16_linear.cpp, AVX2) and the kernels over GGUF weights kept as
+the file's blocks (csrc/gguf_blocks.cpp), each its own extension in its own build directory.
 
 Instruction-set levels (`isa.py`, platforms/isa.py: generic, avx2, avx512, amx): each level
 builds with its own explicit -m flags into its own directory. An extension declares the
@@ -13,6 +13,8 @@ scalar code under "generic"; the AVX2-only extensions (quantized linears, bf16 l
 fused decode) are not built below "avx2" and their callers' torch paths run. Headers select
 their wider paths with the level's macros (__AVX512VNNI__ ...), so an avx512 build runs the
 512-bit code and an avx2 build of the same source does not.
+The GGUF block kernels (csrc/gguf_blocks.cpp) have scalar code for every type and build at
+every level.
 
 The build is cached under `kernel_cache_root()`/<isa>-<key> ($PAGEDLLM_KERNEL_CACHE_DIR, else
 $PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions). The key
@@ -70,6 +72,9 @@ EXTENSIONS: dict[str, Extension] = {
                                     "quant_q16_avx512.h", "quant_scales.h", "gemm_tiles.h", "vec_avx2.h",
                                     "lora_delta.h"),
                   "running the layers one module at a time", min_isa="avx2"),
+        Extension("gguf_linear", ("gguf_blocks.cpp", "gguf_matmul.h", "gguf_decode.h", "gguf_types.h",
+                                  "gguf_dot_avx512.h"),
+                  "dequantizing GGUF blocks with gguf-py", min_isa="generic"),
     )
 }
 
@@ -213,6 +218,11 @@ def quant_linear_ops() -> ModuleType | None:
 def bf16_linear_ops() -> ModuleType | None:
     """The compiled bf16-weight linear kernel (AVX2, float32 arithmetic), or None."""
     return extension("bf16_linear")
+
+
+def gguf_linear_ops() -> ModuleType | None:
+    """The compiled GGUF block kernels (csrc/gguf_blocks.cpp; every ISA), or None."""
+    return extension("gguf_linear")
 
 
 def layer_ops() -> ModuleType | None:

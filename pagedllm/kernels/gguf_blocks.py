@@ -5,9 +5,14 @@ elements blocks of the tensor's ggml type), so its resident bytes are the file's
 permutations (llama.cpp's Q/K interleave undone) and row gathers (embedding lookups) select
 whole rows of bytes; nothing is widened at load.
 
-The matmul and the gather dequantize rows on the fly (`gguf_linear`, `gguf_embedding_lookup`).
-This module is the contract and the torch reference (gguf-py's dequantizer, numpy); the
-compiled kernels behind the same functions are chosen per type and ISA.
+The matmul and the gather dequantize rows on the fly (`gguf_linear`, `gguf_embedding_lookup`)
+with the compiled kernels of csrc/gguf_blocks.cpp (the `gguf_linear` extension, every ISA):
+- M <= SMALL_M_MAX_ROWS (decode): the small-M kernel, threads over output rows, each weight
+  row read once per call for all M activation rows (csrc/gguf_matmul.h);
+- larger M (prefill): `chunked_gemm`, a chunk of rows decoded to float32 at a time
+  (`dequantize_rows`) and torch's GEMM;
+- the extension unavailable: gguf-py's numpy dequantizer (`reference_dequantize`) and the
+  same GEMM; build.py says so once in the log.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.kernels.build import gguf_linear_ops
 from pagedllm.kernels.gemm import chunked_gemm
+
+# Up to this many activation rows the small-M kernel runs; above, decode + torch's GEMM.
+SMALL_M_MAX_ROWS = 16
 
 # ggml type name -> (elements per block, bytes per block), as the GGUF spec fixes them.
 GGUF_BLOCK_GEOMETRY: dict[str, tuple[int, int]] = {
@@ -85,7 +94,7 @@ class GGUFBlocks:
         return GGUFBlocks(self.data[index], self.type_name, self.k)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in `dtype` (torch reference: gguf-py's numpy dequantizer)."""
+        """[N, K] in `dtype` (the compiled decoder where built, else gguf-py's)."""
         return dequantize_blocks(self.data, self.type_name, self.k).to(dtype)
 
     @staticmethod
@@ -98,7 +107,17 @@ class GGUFBlocks:
 
 
 def dequantize_blocks(data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
-    """uint8 [N, row bytes] of `type_name` -> float32 [N, k] (gguf-py's reference)."""
+    """uint8 [N, row bytes] of `type_name` -> float32 [N, k] (compiled; else the reference)."""
+    ops = gguf_linear_ops()
+    if ops is None or type_name not in KEPT_GGUF_TYPES:
+        return reference_dequantize(data, type_name, k)
+    out = torch.empty(data.shape[0], k)
+    ops.dequantize_rows(data.contiguous(), _type_index(ops, type_name), 0, out)
+    return out
+
+
+def reference_dequantize(data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
+    """uint8 [N, row bytes] of `type_name` -> float32 [N, k] (gguf-py's numpy dequantizer)."""
     n = data.shape[0]
     raw = data.contiguous().numpy()
     if type_name == "F16":
@@ -115,16 +134,37 @@ def dequantize_blocks(data: torch.Tensor, type_name: str, k: int) -> torch.Tenso
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(n, k))
 
 
+# id(extension module) -> {type name: its index in the module's type_names()}.
+_type_indices: dict[int, dict[str, int]] = {}
+
+
+def _type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
+    names = _type_indices.get(id(ops))
+    if names is None:
+        names = _type_indices[id(ops)] = {name: i for i, name in enumerate(ops.type_names())}
+    return names[type_name]
+
+
 def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] -> [..., N] in float32 arithmetic, returned in x's dtype."""
+    """x: [..., K] -> [..., N] in float32 arithmetic, returned in x's dtype. Up to
+    SMALL_M_MAX_ROWS rows, where the build has AVX-512 VNNI (`small_m_kernels()`), the activations
+    are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|)."""
     n, k = weight.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).float().contiguous()
+    x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
+    ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
+    data = weight.data.contiguous()
+    if ops is not None and x2.shape[0] <= SMALL_M_MAX_ROWS:
+        y = ops.linear(x2, data, _type_index(ops, weight.type_name), "")
+    else:
 
-    def fill_rows(start: int, buf: torch.Tensor) -> None:
-        buf.copy_(dequantize_blocks(weight.data[start : start + buf.shape[0]], weight.type_name, k))
+        def fill_rows(start: int, buf: torch.Tensor) -> None:
+            if ops is None:
+                buf.copy_(reference_dequantize(data[start : start + buf.shape[0]], weight.type_name, k))
+            else:
+                ops.dequantize_rows(data, _type_index(ops, weight.type_name), start, buf)
 
-    y = chunked_gemm(x2, n, fill_rows)
+        y = chunked_gemm(x2, n, fill_rows)
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).view(*lead, n)
@@ -132,4 +172,8 @@ def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None =
 
 def gguf_embedding_lookup(input_ids: torch.Tensor, weight: GGUFBlocks, dtype: torch.dtype) -> torch.Tensor:
     """input_ids: [T] -> [T, K]: only the looked-up rows are dequantized."""
-    return weight.rows(input_ids).dequantize(dtype)
+    ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
+    if ops is None or input_ids.dim() != 1:
+        return weight.rows(input_ids).dequantize(dtype)
+    rows = ops.gather_rows(weight.data.contiguous(), _type_index(ops, weight.type_name), input_ids.long())
+    return rows if dtype == torch.float32 else rows.to(dtype)
