@@ -110,6 +110,9 @@ PREFILL_ACTIVATIONS = ("float", "int8", "bf16")
 batches): "float" (dequantized weights, float32 products), "int8" (quantized weights only:
 activations rounded to int8 per group of 32, integer dot products) or "bf16" (a bf16 copy of
 each weight, torch's bf16 GEMM: AMX where the CPU has it); docs/quantization.md."""
+MATMUL_ACTIVATIONS = ("auto", "float32", "int8", "bf16")
+"""`--matmul-activations` (alias `--prefill-activations`): "auto" (the platform's fastest,
+kernels/bf16_activations.auto_matmul_activations) or a PREFILL_ACTIVATIONS mode ("float32" is "float")."""
 
 
 AttentionImpl = Literal["torch", "reference", "triton"]

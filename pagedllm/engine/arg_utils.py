@@ -16,7 +16,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    PREFILL_ACTIVATIONS,
+    MATMUL_ACTIVATIONS,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -89,11 +89,11 @@ class EngineArgs:
     quantization: str | None = None
     """Weights: gguf (keep a GGUF file's Q4/Q8 types), int8 / int4 (quantize at load), none
     (dequantize to dtype); default: gguf for GGUF files whose types it supports, else none."""
-    prefill_activations: str = "float"
-    """Matmuls of many activation rows (prefill chunks, large decode batches): "float"
-    (float32 products), "int8" (quantized weights: activations rounded to int8 per group of 32,
-    integer dot products) or "bf16" (bf16 weight copies and torch's bf16 GEMM: AMX where the CPU
-    has it); docs/quantization.md."""
+    matmul_activations: str = "auto"
+    """Matmuls of 16+ activation rows (prefill chunks, large decode batches): "auto" (bf16 where
+    the CPU computes bf16 natively, else float32), "float32", "int8" (quantized weights:
+    activations rounded to int8 per group of 32) or "bf16" (bf16 weight copies, 2 bytes a
+    weight, and torch's bf16 GEMM); docs/bfloat16.md."""
     kv_transfer_config: str | dict | None = None
     """Disaggregated prefill: the JSON of KVTransferConfig (distributed/kv_transfer/config.py)."""
     speculative_config: dict | None = None
@@ -193,7 +193,8 @@ class EngineArgs:
         parser.add_argument(
             "--quantization", "-q", default=None, choices=["gguf", "int8", "int4", "none"]
         )
-        parser.add_argument("--prefill-activations", default="float", choices=list(PREFILL_ACTIVATIONS))
+        parser.add_argument("--matmul-activations", "--prefill-activations", default="auto",
+                            type=lambda v: "float32" if v == "float" else v, choices=list(MATMUL_ACTIVATIONS))
         parser.add_argument(
             "--kv-transfer-config", default=None,
             help='disaggregated prefill, e.g. \'{"kv_role": "kv_producer", "kv_port": 14579}\'',
@@ -310,8 +311,8 @@ class EngineArgs:
             f"kv_cache_dtype={self.kv_cache_dtype!r} (the 8-bit KV kernels are CPU code)":
                 self.kv_cache_dtype != "auto",
             "tensor_parallel_size > 1 (--tensor-parallel-size)": self.tensor_parallel_size > 1,
-            f"prefill_activations={self.prefill_activations!r} (a CPU setting: cuda runs in its --dtype)":
-                self.prefill_activations != "float",
+            f"matmul_activations={self.matmul_activations!r} (a CPU setting: cuda runs in its --dtype)":
+                self.matmul_activations not in ("auto", "float32", "float"),
             "KV transfer (--kv-transfer-config; it reads the pool with .numpy())": self.kv_transfer_config is not None,
             "speculative decoding (--speculative-config; the rejection sampler is host-side)":
                 self.speculative_config is not None,

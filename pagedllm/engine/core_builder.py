@@ -38,6 +38,7 @@ class BuiltEngine:
 
 def build_engine_core(args: EngineArgs) -> BuiltEngine:
     """Load the model, size the KV backend from the byte budget, and wire scheduler + runner."""
+    from pagedllm.kernels.bf16_activations import bf16_copy_bytes, resolve_matmul_activations
     from pagedllm.models.loader import load_model
     from pagedllm.worker.model_runner import ModelRunner
 
@@ -53,9 +54,10 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
                 kv_cache_dtype=args.kv_cache_dtype)  # type: ignore[arg-type]
     kv_backend = get_kv_backend(args.kv_cache_backend)
     kv_backend.check_args(args, args.resolve_prefix_caching())
-    if args.prefill_activations != "float" and args.tensor_parallel_size > 1:
+    matmul_activations = resolve_matmul_activations(args.matmul_activations, args.device, args.tensor_parallel_size)
+    if matmul_activations != "float" and args.tensor_parallel_size > 1:
         raise ValueError(
-            f"--prefill-activations {args.prefill_activations} runs in one process only (--tensor-parallel-size 1)")
+            f"--matmul-activations {args.matmul_activations} runs in one process only (--tensor-parallel-size 1)")
     executor = None
     if args.tensor_parallel_size > 1:  # rank 0 here, ranks 1..N-1 in workers (distributed/)
         executor = _create_executor(args)
@@ -68,11 +70,15 @@ def build_engine_core(args: EngineArgs) -> BuiltEngine:
         download_dir=args.download_dir,
         device=args.device,
     )
-    if args.prefill_activations != "float":
+    if matmul_activations != "float":
         from pagedllm.layers.linear import set_prefill_activations
 
-        layers = set_prefill_activations(loaded.model, args.prefill_activations)
-        logger.info("prefill activations %s on %d layers", args.prefill_activations, layers)
+        layers = set_prefill_activations(loaded.model, matmul_activations)
+        logger.info("matmul activations %s (--matmul-activations %s) on %d layers; bf16 weight copies "
+                    "%.1f MiB (2 bytes a weight) beside the weights", matmul_activations, args.matmul_activations,
+                    layers, bf16_copy_bytes(loaded.model) / 2**20)
+    else:
+        logger.info("matmul activations float32 (--matmul-activations %s)", args.matmul_activations)
     if args.tokenizer is not None:
         from pagedllm.models.loader import with_tokenizer
 

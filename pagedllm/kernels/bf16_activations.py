@@ -1,4 +1,5 @@
-"""Many-row matmuls in bf16 on CPUs that compute bf16 natively (`--prefill-activations bf16`).
+"""Many-row matmuls in bf16 on CPUs that compute bf16 natively (`--matmul-activations bf16`,
+the default "auto" there: `resolve_matmul_activations`).
 
 On a CPU with AMX-BF16 (or AVX512-BF16) torch's bf16 GEMM (oneDNN) runs several times the
 float32 rate: measured on a 2-core Sapphire Rapids VM, 2 threads, [M, 576] x [576, 1536]:
@@ -13,7 +14,7 @@ GEMM's own output type) and widened back to float32, where the residual stream s
 
 The error is that of a bf16 model's matmuls (activations, weights and outputs each rounded to
 8 significant bits); the drift against float32 on the default model is stated in
-docs/quantization.md and bounded in tests/models/test_bf16_activations.py. Fewer rows keep the
+docs/bfloat16.md and bounded in tests/models/test_bf16_activations.py. Fewer rows keep the
 float32 kernels: single-stream and small-batch decode read 0.6-1.1 bytes a weight there
 against the copy's 2.
 """
@@ -25,6 +26,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from pagedllm.config import MATMUL_ACTIVATIONS, PrefillActivations
 from pagedllm.kernels.bf16 import native_bf16
 from pagedllm.kernels.quantization import QuantizedWeight
 
@@ -69,10 +71,34 @@ def bf16_activation_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return y
 
 
+def bf16_copy_bytes(net: torch.nn.Module) -> int:
+    """Bytes of the bf16 weight copies the layers of `net` keep (0 without bf16 activations)."""
+    copies = (getattr(m, "bf16_weight", None) for m in net.modules())
+    return sum(c.nbytes for c in copies if isinstance(c, torch.Tensor))
+
+
+def auto_matmul_activations() -> PrefillActivations:
+    """The platform's choice for `--matmul-activations auto` on the CPU: "bf16" where the CPU
+    computes bf16 natively (avx512_bf16 or amx_bf16) and torch has oneDNN (there its bf16 GEMM
+    runs 2-5x the float32 one from 16 rows up: docs/bfloat16.md), else "float"."""
+    return "bf16" if native_bf16() and torch.backends.mkldnn.is_available() else "float"
+
+
+def resolve_matmul_activations(requested: str, device: str, tensor_parallel_size: int) -> PrefillActivations:
+    """`--matmul-activations` as the mode `layers/linear.set_prefill_activations` takes:
+    "auto" is the CPU's choice (float32 on cuda, whose matmuls run in --dtype, and under tensor
+    parallelism, which bf16 and int8 refuse); "float32" (or "float") is "float"."""
+    if requested not in (*MATMUL_ACTIVATIONS, "float"):
+        raise ValueError(f"matmul_activations={requested!r} is not one of {', '.join(MATMUL_ACTIVATIONS)}")
+    if requested == "auto":
+        return auto_matmul_activations() if device == "cpu" and tensor_parallel_size == 1 else "float"
+    return "float" if requested == "float32" else requested  # type: ignore[return-value]
+
+
 def warn_if_not_native() -> None:
     """bf16 activations are correct everywhere, but only fast where the CPU computes bf16."""
     if not native_bf16():
         logger.warning(
-            "--prefill-activations bf16: this CPU has no native bf16 (AMX-BF16 or AVX512-BF16), where "
-            "torch's bf16 matmul is slower than float32; use --prefill-activations float or int8"
+            "--matmul-activations bf16: this CPU has no native bf16 (AMX-BF16 or AVX512-BF16), where "
+            "torch's bf16 matmul is slower than float32; use --matmul-activations float32 or int8"
         )

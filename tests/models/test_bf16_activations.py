@@ -1,6 +1,7 @@
-"""`--prefill-activations bf16`: bf16 weight copies and torch's bf16 GEMM for matmuls of many
-rows (kernels/bf16_activations.py), against the float32 path on the same weights: the layer
-arithmetic, the fused decode, and the default model's logprob drift, stated and bounded."""
+"""`--matmul-activations bf16` (what "auto" chooses on CPUs with native bf16): bf16 weight copies
+and torch's bf16 GEMM for matmuls of many rows (kernels/bf16_activations.py), against the float32
+path on the same weights: the layer arithmetic, the fused decode, the default model's logprob
+drift, stated and bounded, and what "auto" resolves to given a CPU's flags."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import quantize_int4, quantize_int8, quantized_linear
-from pagedllm.kernels.bf16_activations import BF16_ACTIVATION_MIN_ROWS, bf16_weight_copy
+from pagedllm.kernels import bf16, bf16_activations
+from pagedllm.kernels.bf16_activations import BF16_ACTIVATION_MIN_ROWS, bf16_weight_copy, resolve_matmul_activations
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, set_prefill_activations
 from pagedllm.models.loader import load_model
@@ -135,20 +137,64 @@ def test_bf16_engine_arg(tiny_llama_dir: Any) -> None:
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "bf16"])).prefill_activations == "bf16"
-    llm = LLM(str(tiny_llama_dir), quantization="int4", prefill_activations="bf16", kv_cache_memory_bytes="16MiB")
+    assert EngineArgs.from_cli_args(parser.parse_args(["--matmul-activations", "bf16"])).matmul_activations == "bf16"
+    # The old flag is an alias, its "float" is float32.
+    assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "bf16"])).matmul_activations == "bf16"
+    float_args = EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "float"]))
+    assert float_args.matmul_activations == "float32"
+    assert EngineArgs.from_cli_args(parser.parse_args([])).matmul_activations == "auto" == EngineArgs("m").matmul_activations
+    llm = LLM(str(tiny_llama_dir), quantization="int4", matmul_activations="bf16", kv_cache_memory_bytes="16MiB")
     model = llm.llm_engine.engine_core.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert layers and all(m.bf16_weight is not None and m.bf16_min_rows == BF16_ACTIVATION_MIN_ROWS for m in layers)
     assert model.lm_head.bf16_weight is not None
+    # The copies cost 2 bytes a weight (the log line states it).
+    weights = sum(m.bf16_weight.numel() for m in [*layers, model.lm_head])
+    assert bf16_activations.bf16_copy_bytes(model) == 2 * weights
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
-        LLM(str(tiny_llama_dir), prefill_activations="bf16", tensor_parallel_size=2)
+        LLM(str(tiny_llama_dir), matmul_activations="bf16", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("flags, chosen", [
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, "bf16"),  # Zen 4, Cooper Lake
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bf16"),  # Sapphire Rapids
+    ({"avx2", "fma", "avx512f", "avx512_vnni"}, "float"),  # Skylake/Cascade Lake: no bf16 unit
+    ({"avx2", "fma"}, "float"),  # Zen 3
+])  # fmt: skip
+def test_auto_resolves_by_the_cpu_flags(
+    platform_matmul_activations: None, monkeypatch: pytest.MonkeyPatch, flags: set[str], chosen: str
+) -> None:
+    monkeypatch.setattr(bf16, "cpu_flags", lambda: frozenset(flags))
+    bf16.native_bf16.cache_clear()
+    try:
+        assert resolve_matmul_activations("auto", "cpu", 1) == chosen
+        # Explicit modes are the user's; cuda and tensor parallelism keep float32.
+        assert resolve_matmul_activations("float32", "cpu", 1) == "float"
+        assert resolve_matmul_activations("float", "cpu", 1) == "float"
+        assert resolve_matmul_activations("bf16", "cpu", 1) == "bf16"
+        assert resolve_matmul_activations("auto", "cuda", 1) == "float"
+        assert resolve_matmul_activations("auto", "cpu", 2) == "float"
+    finally:
+        monkeypatch.undo()
+        bf16.native_bf16.cache_clear()
+    with pytest.raises(ValueError, match="matmul_activations='fp8' is not one of auto, float32, int8, bf16"):
+        resolve_matmul_activations("fp8", "cpu", 1)
+
+
+def test_auto_engine_takes_the_platform_choice(platform_matmul_activations: None, tiny_llama_dir: Any) -> None:
+    from pagedllm import LLM
+
+    llm = LLM(str(tiny_llama_dir), quantization="int4", kv_cache_memory_bytes="16MiB")
+    model = llm.llm_engine.engine_core.runner.model
+    has_copies = bf16_activations.bf16_copy_bytes(model) > 0
+    assert has_copies == (bf16_activations.auto_matmul_activations() == "bf16") == bf16.native_bf16()
 
 
 def test_cuda_refuses_cpu_activation_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = EngineArgs(model="m", device="cuda", prefill_activations="bf16", attention_backend="triton")
-    with pytest.raises(ValueError, match="device='cuda' does not support prefill_activations='bf16'"):
+    args = EngineArgs(model="m", device="cuda", matmul_activations="bf16", attention_backend="triton")
+    with pytest.raises(ValueError, match="device='cuda' does not support matmul_activations='bf16'"):
         args.check_device_support()
+    EngineArgs(model="m", device="cuda", attention_backend="triton").check_device_support()  # auto: float32 there
