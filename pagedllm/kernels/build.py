@@ -15,8 +15,9 @@ The build is cached under `kernel_cache_root()`/<isa>-<key> ($PAGEDLLM_KERNEL_CA
 $PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions). The key
 hashes the sources, the ISA with its compile flags and the instruction-set macros the compiler
 defines under them, the compiler (path and version), torch's version and the Python ABI: a
-cache shared between machines never loads a binary built for another CPU or toolchain. If the
-build fails (no compiler), callers fall back to the torch formulation and say so once in the log.
+cache shared between machines never loads a binary built for another CPU or toolchain. A
+finished build is imported without ninja (`_load_locked`). If the build fails (no compiler),
+callers fall back to the torch formulation and say so once in the log.
 """
 
 from __future__ import annotations

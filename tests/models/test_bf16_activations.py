@@ -77,9 +77,13 @@ def test_tied_quantized_lm_head() -> None:
     assert torch.equal(head(x[:3]), quantized_linear(x[:3], embedding.quant))
 
 
-def test_weight_copy_in_chunks_matches_dequantize() -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("quantize", [quantize_int4, quantize_int8])
+def test_weight_copy_in_chunks_matches_dequantize(monkeypatch: pytest.MonkeyPatch, quantize: Any, compiled: bool) -> None:
     torch.manual_seed(2)
-    q = quantize_int4(torch.randn(5000, 64))  # more rows than one copy chunk
+    q = quantize(torch.randn(1000, 64))  # more rows than one copy chunk, the last one partial
+    if not compiled:  # the torch formulation, where the kernels are not built
+        monkeypatch.setattr(bf16_activations, "quant_linear_ops", lambda: None)
     assert torch.equal(bf16_weight_copy(q), q.dequantize().bfloat16())
 
 
