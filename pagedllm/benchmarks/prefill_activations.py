@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default="float,int8,bf16",
-                        help="comma-separated --matmul-activations modes (float for float32); float first (the ratios' base)")
+                        help="comma-separated --matmul-activations modes (float: float32); float first (the base)")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import quantize_int4, quantize_int8, quantized_linear
 from pagedllm.kernels import bf16, bf16_activations
-from pagedllm.kernels.bf16_activations import BF16_ACTIVATION_MIN_ROWS, bf16_weight_copy, resolve_matmul_activations
+from pagedllm.kernels.bf16_activations import (
+    BF16_ACTIVATION_MIN_ROWS, bf16_weight_copy, resolve_matmul_activations,
+)
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, set_prefill_activations
 from pagedllm.models.loader import load_model
@@ -79,7 +81,9 @@ def test_tied_quantized_lm_head() -> None:
 
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("quantize", [quantize_int4, quantize_int8])
-def test_weight_copy_in_chunks_matches_dequantize(monkeypatch: pytest.MonkeyPatch, quantize: Any, compiled: bool) -> None:
+def test_weight_copy_in_chunks_matches_dequantize(
+    monkeypatch: pytest.MonkeyPatch, quantize: Any, compiled: bool
+) -> None:
     torch.manual_seed(2)
     q = quantize(torch.randn(1000, 64))  # more rows than one copy chunk, the last one partial
     if not compiled:  # the torch formulation, where the kernels are not built
@@ -146,7 +150,8 @@ def test_bf16_engine_arg(tiny_llama_dir: Any) -> None:
     assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "bf16"])).matmul_activations == "bf16"
     float_args = EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "float"]))
     assert float_args.matmul_activations == "float32"
-    assert EngineArgs.from_cli_args(parser.parse_args([])).matmul_activations == "auto" == EngineArgs("m").matmul_activations
+    default = EngineArgs.from_cli_args(parser.parse_args([])).matmul_activations
+    assert default == "auto" == EngineArgs("m").matmul_activations
     llm = LLM(str(tiny_llama_dir), quantization="int4", matmul_activations="bf16", kv_cache_memory_bytes="16MiB")
     model = llm.llm_engine.engine_core.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
