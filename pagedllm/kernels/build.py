@@ -164,14 +164,14 @@ def _load_locked(path: str, ext: Extension, isa: Isa) -> ModuleType:
     """
     import fcntl
 
-    from torch.utils.cpp_extension import load
-
     name = module_name(ext, isa)
     library = os.path.join(path, f"{name}.so")
     with open(os.path.join(path, "pagedllm.flock"), "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         if os.path.exists(os.path.join(path, BUILT_STAMP)) and os.path.exists(library):
             return _import_built(name, library)
+        from torch.utils.cpp_extension import load  # 0.3-0.4 s of imports (setuptools): builds only
+
         stale = os.path.join(path, "lock")
         if os.path.exists(stale):
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)

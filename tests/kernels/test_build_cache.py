@@ -43,7 +43,11 @@ def test_a_fresh_process_loads_a_finished_build_without_recompiling() -> None:
     outputs = glob.glob(os.path.join(path, "*.o")) + glob.glob(os.path.join(path, "*.so"))
     assert len(outputs) == 2, outputs
     before = {f: os.stat(f).st_mtime_ns for f in outputs}
-    code = "from pagedllm.kernels import build\nprint(build.layer_ops().__file__)\n"
+    # The fresh process does not even import torch's build machinery (nor run ninja).
+    code = (
+        "import sys\nfrom pagedllm.kernels import build\nprint(build.layer_ops().__file__)\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules\n"
+    )
     # Each ninja here first on PATH in turn: with two versions, one of them is not the builder's.
     for ninja_dir in _ninja_dirs() or [""]:
         env = dict(os.environ, PYTHONPATH=str(REPO), PATH=ninja_dir + os.pathsep + os.environ.get("PATH", ""))
