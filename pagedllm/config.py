@@ -121,6 +121,21 @@ PREFILL_ACTIVATIONS = ("float", "int8", "bf16")
 batches): "float" (dequantized weights, float32 products), "int8" (quantized weights only:
 activations rounded to int8 per group of 32, integer dot products) or "bf16" (a bf16 copy of
 each weight, torch's bf16 GEMM: AMX where the CPU has it); docs/quantization.md."""
+MATMUL_ACTIVATIONS = ("auto", "float32", "int8", "bf16")
+"""`--matmul-activations` (alias `--prefill-activations`): "auto" (the platform fills in its
+fastest: Platform.check_and_update_config) or a PREFILL_ACTIVATIONS mode ("float32" is "float")."""
+
+
+def normalize_matmul_activations(value: str) -> str:
+    """The flag's value with the old name "float" (--prefill-activations float) as "float32"."""
+    return "float32" if value == "float" else value
+
+
+def prefill_mode(matmul_activations: str) -> PrefillActivations:
+    """A resolved MATMUL_ACTIVATIONS value as the mode layers/linear.set_prefill_activations takes."""
+    if matmul_activations not in PREFILL_ACTIVATIONS and matmul_activations != "float32":
+        raise ValueError(f"matmul_activations={matmul_activations!r} is not resolved to one of float32, int8, bf16")
+    return "float" if matmul_activations == "float32" else matmul_activations  # type: ignore[return-value]
 
 
 AttentionImpl = Literal["torch", "reference", "triton"]
@@ -301,13 +316,15 @@ class LoadConfig:
 class QuantizationConfig:
     """How quantized weights meet many activation rows (kernels/, layers/linear.py)."""
 
-    prefill_activations: PrefillActivations = "float"
-    """PREFILL_ACTIVATIONS: float, int8 or bf16 (docs/quantization.md)."""
+    matmul_activations: str = "auto"
+    """MATMUL_ACTIVATIONS: auto (the platform resolves it when the configuration is checked),
+    float32, int8 or bf16 (docs/bfloat16.md)."""
 
     def __post_init__(self) -> None:
-        if self.prefill_activations not in PREFILL_ACTIVATIONS:
+        object.__setattr__(self, "matmul_activations", normalize_matmul_activations(self.matmul_activations))
+        if self.matmul_activations not in MATMUL_ACTIVATIONS:
             raise ValueError(
-                f"prefill_activations={self.prefill_activations!r} is not one of {', '.join(PREFILL_ACTIVATIONS)}")
+                f"matmul_activations={self.matmul_activations!r} is not one of {', '.join(MATMUL_ACTIVATIONS)}")
 
 
 @dataclass(frozen=True)

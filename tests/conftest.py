@@ -16,7 +16,27 @@ from pagedllm.kernels import kernel_cache_root  # noqa: E402
 
 os.environ.setdefault("PAGEDLLM_KERNEL_CACHE_DIR", kernel_cache_root())
 
+from pagedllm.kernels import bf16_activations  # noqa: E402
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_PLATFORM_MATMUL_ACTIVATIONS = bf16_activations.auto_matmul_activations
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_matmul_activations():
+    """`--matmul-activations auto` resolves to float32 in tests (servers: RemoteServer passes
+    float32): they compare greedy sequences by DESIGN.md's tie rule, which is for float32
+    activations. The fast modes are tested against float32 with their own bounds
+    (tests/models/test_bf16_activations.py); `platform_matmul_activations` undoes this."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bf16_activations, "auto_matmul_activations", lambda: "float")
+        yield
+
+
+@pytest.fixture
+def platform_matmul_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For one test, "auto" is the platform's choice again (kernels/bf16_activations.py)."""
+    monkeypatch.setattr(bf16_activations, "auto_matmul_activations", _PLATFORM_MATMUL_ACTIVATIONS)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -69,7 +89,8 @@ def hf_default_model():
 def default_llm():
     from pagedllm import LLM
 
-    return LLM(DEFAULT_MODEL, dtype="float32", max_model_len=2048, kv_cache_memory_bytes="256MiB")
+    return LLM(DEFAULT_MODEL, dtype="float32", matmul_activations="float32", max_model_len=2048,
+               kv_cache_memory_bytes="256MiB")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Prompt processing (llama-bench's pp: one prompt, no decode) with float, int8 and bf16
-prefill activations (`--prefill-activations`) on the same weights, alternated on one engine.
+prefill activations (`--matmul-activations`) on the same weights, alternated on one engine.
 
     pagedllm bench prefill-activations [--input-len 512] [--rounds 6] [--modes float,int8,bf16] [--model M]
 
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default="float,int8,bf16",
-                        help="comma-separated --prefill-activations modes; float first (the ratios' base)")
+                        help="comma-separated --matmul-activations modes (float: float32); float first (the base)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm.benchmarks.workloads import random_prompts
     from pagedllm.layers.linear import set_prefill_activations
 
-    llm = LLM(args.model, dtype="float32", max_model_len=max(2048, args.input_len + 1),
+    llm = LLM(args.model, dtype="float32", matmul_activations="float32", max_model_len=max(2048, args.input_len + 1),
               kv_cache_memory_bytes="256MiB", enable_prefix_caching=False)  # fmt: skip
     model = llm.llm_engine.engine_core.runner.model
     vocab = llm.llm_engine.model_config.vocab_size

@@ -35,7 +35,7 @@ import subprocess
 import sys
 from typing import Any
 
-from pagedllm.config import PREFILL_ACTIVATIONS
+from pagedllm.config import MATMUL_ACTIVATIONS
 
 LLAMA_3_2_1B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -229,7 +229,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q8_0"], choices=sorted(QUANTIZE_FLAGS))
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's -t")
     parser.add_argument("--dtype", default="auto", help="pagedllm's activation dtype")
-    parser.add_argument("--prefill-activations", default="float", choices=list(PREFILL_ACTIVATIONS))
+    parser.add_argument("--matmul-activations", "--prefill-activations", default="auto",
+                        type=lambda v: "float32" if v == "float" else v, choices=list(MATMUL_ACTIVATIONS))
     parser.add_argument("--rounds", type=int, default=2, help="pagedllm / llama-bench alternations")
     parser.add_argument("--pp", type=int, default=512)
     parser.add_argument("--tg", type=int, default=128)
@@ -268,7 +269,7 @@ def run(args: argparse.Namespace) -> None:
     for qtype, path in files.items():
         llm = LLM(path, quantization="gguf", dtype=args.dtype, max_model_len=2048,
                   kv_cache_memory_bytes="512MiB", enable_prefix_caching=False,
-                  prefill_activations=args.prefill_activations)  # fmt: skip
+                  matmul_activations=args.matmul_activations)  # fmt: skip
         vocab = llm.llm_engine.model_config.vocab_size
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
         ours: list[tuple[float, float]] = []
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> None:
         rows.append((qtype, nbytes, ours, theirs))
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\npp{args.pp} / tg{args.tg}, llama.cpp -t {args.threads}, pagedllm --dtype {args.dtype} "
-          f"--prefill-activations {args.prefill_activations}, load average {load}")  # fmt: skip
+          f"--matmul-activations {args.matmul_activations}, load average {load}")  # fmt: skip
     print(f"| file | weights read / token | pp{args.pp} tok/s: pagedllm / llama.cpp | ratio "
           f"| tg{args.tg} tok/s: pagedllm / llama.cpp | ratio | tg bandwidth fraction: pagedllm / llama.cpp |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

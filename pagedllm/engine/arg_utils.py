@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pagedllm.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
-    PREFILL_ACTIVATIONS,
+    MATMUL_ACTIVATIONS,
     AttentionConfig,
     CacheConfig,
     DeviceConfig,
@@ -33,6 +33,7 @@ from pagedllm.config import (
     StructuredOutputConfig,
     UsageContext,
     parse_bytes,
+    normalize_matmul_activations,
     scheduler_defaults,
 )
 from pagedllm.engine.arg_flags import add_dataclass_flags, flag, given_flags, json_dict
@@ -112,8 +113,12 @@ class EngineArgs:
         None, "weights: gguf (keep a GGUF file's types), int8 / int4 (quantize at load), none (dequantize); "
         "default: gguf for GGUF files whose types it supports, else none",
         names=("-q",), choices=("gguf", "int8", "int4", "none"))
-    prefill_activations: str = flag("float", "matmuls of many rows over quantized weights: float, int8 or "
-                                    "bf16 (docs/quantization.md)", choices=PREFILL_ACTIVATIONS)
+    matmul_activations: str = flag(
+        QuantizationConfig.matmul_activations,
+        "activation precision of matmuls of 16+ rows (prefill chunks, large decode batches): auto (the "
+        "platform's fastest: bf16 where the CPU computes bf16 natively, else float32), float32, int8 "
+        "(quantized weights) or bf16 (a bf16 copy of each weight, 2 bytes a weight); docs/bfloat16.md",
+        names=("--prefill-activations",), choices=MATMUL_ACTIVATIONS, type=normalize_matmul_activations)
     kv_transfer_config: str | dict | None = flag(
         None, 'disaggregated prefill, e.g. \'{"kv_role": "kv_producer", "kv_port": 14579}\'')
     speculative_config: dict | None = flag(
@@ -188,7 +193,7 @@ class EngineArgs:
                 compiled_kernels=self.compiled_kernels and environ.get(ENV_CPU_KERNELS, "1") != "0",
                 fused_decode=self.fused_decode and environ.get(ENV_FUSED_DECODE, "1") != "0",
             ),
-            quantization_config=QuantizationConfig(self.prefill_activations),  # type: ignore[arg-type]
+            quantization_config=QuantizationConfig(self.matmul_activations),  # type: ignore[arg-type]
             lora_config=self._lora_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
             structured_output_config=StructuredOutputConfig(self.reasoning_parser),

@@ -71,9 +71,9 @@ def check_parallel_support(config: EngineConfig) -> None:
                 f"tensor_parallel_size={size} does not support {what} yet; use "
                 "--tensor-parallel-size 1 for it"
             )
-    activations = config.quantization_config.prefill_activations
-    if activations != "float":
-        raise ValueError(f"--prefill-activations {activations} runs in one process only (--tensor-parallel-size 1)")
+    activations = config.quantization_config.matmul_activations
+    if activations not in ("auto", "float32"):
+        raise ValueError(f"--matmul-activations {activations} runs in one process only (--tensor-parallel-size 1)")
 
 
 def check_lora_support(config: EngineConfig) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm import faults
-from pagedllm.config import EngineConfig, LoadConfig, ModelConfig
+from pagedllm.config import EngineConfig, LoadConfig, ModelConfig, prefill_mode
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.generation_config import resolve_generation_defaults
@@ -95,12 +95,16 @@ def _load_model(config: EngineConfig, platform: Platform, executor: Any) -> Any:
         quantization=load.quantization, revision=load.revision, download_dir=load.download_dir,
         device=config.device_config.device,
     )
-    activations = config.quantization_config.prefill_activations
+    activations = prefill_mode(config.quantization_config.matmul_activations)
     if activations != "float":
+        from pagedllm.kernels.bf16_activations import bf16_copy_bytes
         from pagedllm.layers.linear import set_prefill_activations
 
         layers = set_prefill_activations(loaded.model, activations)
-        logger.info("prefill activations %s on %d layers", activations, layers)
+        logger.info("matmul activations %s on %d layers; bf16 weight copies %.1f MiB (2 bytes a weight) "
+                    "beside the weights", activations, layers, bf16_copy_bytes(loaded.model) / 2**20)
+    else:
+        logger.info("matmul activations float32")
     _set_fused_decode(loaded.model, config.attention_config.fused_decode)
     if load.tokenizer is not None:
         loaded = with_tokenizer(loaded, load.tokenizer)

@@ -34,15 +34,24 @@ KERNEL_MAX_ROWS = 128
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The first CPU's flags from /proc/cpuinfo, or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return None
+    return frozenset(line.partition(":")[2].split())
+
+
+@functools.cache
 def native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX), so torch's bf16 matmul
     (oneDNN) is the fast one."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 _use_kernels: dict[Isa, bool] = {}  # per ISA (cpu_isa() may be switched): the answer below

@@ -1,4 +1,5 @@
-"""Many-row matmuls in bf16 on CPUs that compute bf16 natively (`--prefill-activations bf16`).
+"""Many-row matmuls in bf16 on CPUs that compute bf16 natively (`--matmul-activations bf16`,
+the default "auto" there: the CPU platform, `CpuPlatform.auto_matmul_activations`).
 
 On a CPU with AMX-BF16 (or AVX512-BF16) torch's bf16 GEMM (oneDNN) runs several times the
 float32 rate: measured on a 2-core Sapphire Rapids VM, 2 threads, [M, 576] x [576, 1536]:
@@ -13,7 +14,7 @@ GEMM's own output type) and widened back to float32, where the residual stream s
 
 The error is that of a bf16 model's matmuls (activations, weights and outputs each rounded to
 8 significant bits); the drift against float32 on the default model is stated in
-docs/quantization.md and bounded in tests/models/test_bf16_activations.py. Fewer rows keep the
+docs/bfloat16.md and bounded in tests/models/test_bf16_activations.py. Fewer rows keep the
 float32 kernels: single-stream and small-batch decode read 0.6-1.1 bytes a weight there
 against the copy's 2.
 """
@@ -25,7 +26,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from pagedllm.config import PrefillActivations
 from pagedllm.kernels.bf16 import native_bf16
+from pagedllm.kernels.build import quant_linear_ops
 from pagedllm.kernels.quantization import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -33,19 +36,30 @@ logger = logging.getLogger(__name__)
 # From this many activation rows up, the bf16 GEMM (below: the float32 kernels).
 BF16_ACTIVATION_MIN_ROWS = 16
 
-# Weight rows dequantized to float32 at a time while making a copy (bounds the peak).
-_COPY_CHUNK_ROWS = 4096
+# Weight rows dequantized to float32 at a time while making a copy: the float32 chunk stays
+# in L2 (256 x 576 x 4 bytes: 576 KiB) on its way to bf16, and bounds the peak.
+_COPY_CHUNK_ROWS = 256
 
 
 def bf16_weight_copy(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """bf16 [N, K] copy of a float weight or of a quantized one's dequantized values."""
+    """bf16 [N, K] copy of a float weight or of a quantized one's dequantized values (the
+    compiled dequantizer where built: one pass, 3-7x the torch formulation's several, measured
+    over the default model's 121 weights; a start-up cost of the bf16 default)."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().to(torch.bfloat16).contiguous()
     n, k = weight.shape
     out = torch.empty(n, k, dtype=torch.bfloat16)
+    ops = quant_linear_ops()
+    buf = torch.empty(min(_COPY_CHUNK_ROWS, n), k)  # float32
     for start in range(0, n, _COPY_CHUNK_ROWS):
-        rows = torch.arange(start, min(start + _COPY_CHUNK_ROWS, n))
-        out[start : start + rows.numel()] = weight.rows(rows).dequantize()
+        rows = buf[: min(_COPY_CHUNK_ROWS, n - start)]
+        if ops is None:
+            rows.copy_(weight.rows(torch.arange(start, start + rows.shape[0])).dequantize())
+        elif weight.bits == 8:
+            ops.int8_dequantize_rows(weight.qweight, weight.scales, start, rows)
+        else:
+            ops.int4_dequantize_rows(weight.qweight, weight.scales, weight.zeros, start, rows)
+        out[start : start + rows.shape[0]] = rows
     return out
 
 
@@ -69,10 +83,23 @@ def bf16_activation_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return y
 
 
+def bf16_copy_bytes(net: torch.nn.Module) -> int:
+    """Bytes of the bf16 weight copies the layers of `net` keep (0 without bf16 activations)."""
+    copies = (getattr(m, "bf16_weight", None) for m in net.modules())
+    return sum(c.nbytes for c in copies if isinstance(c, torch.Tensor))
+
+
+def auto_matmul_activations() -> PrefillActivations:
+    """The platform's choice for `--matmul-activations auto` on the CPU: "bf16" where the CPU
+    computes bf16 natively (avx512_bf16 or amx_bf16) and torch has oneDNN (there its bf16 GEMM
+    runs 2-5x the float32 one from 16 rows up: docs/bfloat16.md), else "float"."""
+    return "bf16" if native_bf16() and torch.backends.mkldnn.is_available() else "float"
+
+
 def warn_if_not_native() -> None:
     """bf16 activations are correct everywhere, but only fast where the CPU computes bf16."""
     if not native_bf16():
         logger.warning(
-            "--prefill-activations bf16: this CPU has no native bf16 (AMX-BF16 or AVX512-BF16), where "
-            "torch's bf16 matmul is slower than float32; use --prefill-activations float or int8"
+            "--matmul-activations bf16: this CPU has no native bf16 (AMX-BF16 or AVX512-BF16), where "
+            "torch's bf16 matmul is slower than float32; use --matmul-activations float32 or int8"
         )

@@ -20,8 +20,9 @@ The build is cached under `kernel_cache_root()`/<isa>-<key> ($PAGEDLLM_KERNEL_CA
 $PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions). The key
 hashes the sources, the ISA with its compile flags and the instruction-set macros the compiler
 defines under them, the compiler (path and version), torch's version and the Python ABI: a
-cache shared between machines never loads a binary built for another CPU or toolchain. If the
-build fails (no compiler), callers fall back to the torch formulation and say so once in the log.
+cache shared between machines never loads a binary built for another CPU or toolchain. A
+finished build is imported without ninja (`_load_locked`). If the build fails (no compiler),
+callers fall back to the torch formulation and say so once in the log.
 """
 
 from __future__ import annotations
@@ -140,31 +141,60 @@ def _local_copies(path: str, ext: Extension) -> list[str]:
     return copies
 
 
+# Written into a build directory once its library has been built and imported.
+BUILT_STAMP = "built.stamp"
+
+
+def _import_built(name: str, library: str) -> ModuleType:
+    """Import a finished build's library directly (torch is imported: it links against it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None, library
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load_locked(path: str, ext: Extension, isa: Isa) -> ModuleType:
     """Build or load the extension under an flock, which the kernel releases if we die.
 
     torch's own build lock is a plain file: a build killed midway leaves it behind and every
     later start waits on it forever. Holding our flock, no other pagedllm process is
     building, so such a file is stale and can go.
+
+    A directory with BUILT_STAMP holds a finished build of exactly its key's sources and flags:
+    its library is imported without running ninja again. ninja would otherwise recompile on
+    things the key does not cover: torch runs whichever `ninja` PATH finds first, and ninja
+    1.11 (a system package) and 1.13 (pyproject's `ninja` wheel, first on PATH in an activated
+    venv) hash commands differently, each reading the other's .ninja_log as "command line
+    changed": starts alternating between the two recompiled every object.
     """
     import fcntl
 
-    from torch.utils.cpp_extension import load
-
+    name = module_name(ext, isa)
+    library = os.path.join(path, f"{name}.so")
     with open(os.path.join(path, "pagedllm.flock"), "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(path, BUILT_STAMP)) and os.path.exists(library):
+            return _import_built(name, library)
+        from torch.utils.cpp_extension import load  # 0.3-0.4 s of imports (setuptools): builds only
+
         stale = os.path.join(path, "lock")
         if os.path.exists(stale):
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
             os.remove(stale)
-        return load(
-            name=module_name(ext, isa),
+        module = load(
+            name=name,
             sources=[c for c in _local_copies(path, ext) if c.endswith(".cpp")],
             extra_cflags=isa_cflags(isa),
             extra_ldflags=["-fopenmp"],
             build_directory=path,
             verbose=False,
         )
+        with open(os.path.join(path, BUILT_STAMP), "w") as f:
+            f.write(f"{name}.so\n")
+        return module
 
 
 _enabled = True  # set_compiled_kernels: the engine's AttentionConfig.compiled_kernels

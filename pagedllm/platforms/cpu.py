@@ -54,7 +54,22 @@ class CpuPlatform(Platform):
                     "(TRITON_INTERPRET=1 before triton's first import; tests do); use 'torch' on the CPU"
                 )
         isa = self.isa(device.cpu_isa)
-        return dataclasses.replace(config, device_config=dataclasses.replace(device, cpu_isa=isa))
+        quant = config.quantization_config
+        if quant.matmul_activations == "auto":
+            quant = dataclasses.replace(quant, matmul_activations=self.auto_matmul_activations(config))
+        return dataclasses.replace(
+            config, device_config=dataclasses.replace(device, cpu_isa=isa), quantization_config=quant)
+
+    def auto_matmul_activations(self, config: EngineConfig) -> str:
+        """`--matmul-activations auto`: bf16 where the CPU computes bf16 natively (avx512_bf16 or
+        amx_bf16) and torch has oneDNN, whose bf16 GEMM runs 2-5x the float32 one from 16 rows
+        up (docs/bfloat16.md); float32 elsewhere and under tensor parallelism (bf16 copies are
+        made in one process only)."""
+        from pagedllm.kernels.bf16_activations import auto_matmul_activations
+
+        if config.parallel_config.tensor_parallel_size > 1:
+            return "float32"
+        return "float32" if auto_matmul_activations() == "float" else "bf16"
 
     def resolve_dtype(self, requested: str, quantized_weights: bool) -> str:
         if requested != "auto":

@@ -26,8 +26,8 @@ def _refusals(config: EngineConfig) -> dict[str, bool]:
     return {
         f"kv_cache_dtype={cache.kv_cache_dtype!r} (the 8-bit KV kernels are CPU code)": cache.kv_cache_dtype != "auto",
         "tensor_parallel_size > 1 (--tensor-parallel-size)": config.parallel_config.tensor_parallel_size > 1,
-        f"prefill_activations={quant.prefill_activations!r} (a CPU setting: cuda runs in its --dtype)":
-            quant.prefill_activations != "float",
+        f"matmul_activations={quant.matmul_activations!r} (a CPU setting: cuda runs in its --dtype)":
+            quant.matmul_activations not in ("auto", "float32"),
         "KV transfer (--kv-transfer-config; it reads the pool with .numpy())": config.kv_transfer_config is not None,
         "speculative decoding (--speculative-config; the rejection sampler is host-side)":
             config.speculative_config is not None,
@@ -69,7 +69,8 @@ class CudaPlatform(Platform):
                 raise ValueError(f"device='cuda' does not support {what} yet; see docs/gpu.md, or use device='cpu'")
         if config.device_config.cpu_isa is not None:
             config = dataclasses.replace(config, device_config=dataclasses.replace(config.device_config, cpu_isa=None))
-        return config
+        quant = dataclasses.replace(config.quantization_config, matmul_activations="float32")
+        return dataclasses.replace(config, quantization_config=quant)
 
     def resolve_dtype(self, requested: str, quantized_weights: bool) -> str:
         if requested == "auto":

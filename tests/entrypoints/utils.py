@@ -55,8 +55,11 @@ class RemoteServer:
                  env: dict[str, str] | None = None, startup_timeout_s: float = 240.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # float32 activations unless a test asks otherwise: tests compare by the float32 tie rule.
+        pinned = [] if {"--matmul-activations", "--prefill-activations"} & set(extra_args) else [
+            "--matmul-activations", "float32"]
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model,
-               "--port", str(self.port), *extra_args]
+               "--port", str(self.port), *pinned, *extra_args]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedllm-server-{self.port}.log"
         self._log = open(self.log_path, "w")
         # Tests share the machine with other work: with more runnable threads than cores,

@@ -28,7 +28,8 @@ import json, sys
 import pagedllm
 from pagedllm import LLM, SamplingParams, kernels
 
-llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_bytes="64MiB", max_num_seqs=4)
+llm = LLM(sys.argv[1], dtype="float32", matmul_activations="float32", max_model_len=256, kv_cache_memory_bytes="64MiB",
+          max_num_seqs=4)
 fused = llm.llm_engine.engine_core.runner.model.model.fused_layers
 calls = []
 fused.register_forward_hook(lambda *_: calls.append(1))

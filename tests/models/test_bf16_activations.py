@@ -1,6 +1,7 @@
-"""`--prefill-activations bf16`: bf16 weight copies and torch's bf16 GEMM for matmuls of many
-rows (kernels/bf16_activations.py), against the float32 path on the same weights: the layer
-arithmetic, the fused decode, and the default model's logprob drift, stated and bounded."""
+"""`--matmul-activations bf16` (what "auto" chooses on CPUs with native bf16): bf16 weight copies
+and torch's bf16 GEMM for matmuls of many rows (kernels/bf16_activations.py), against the float32
+path on the same weights: the layer arithmetic, the fused decode, the default model's logprob
+drift, stated and bounded, and what "auto" resolves to given a CPU's flags."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import quantize_int4, quantize_int8, quantized_linear
-from pagedllm.kernels.bf16_activations import BF16_ACTIVATION_MIN_ROWS, bf16_weight_copy
+from pagedllm.kernels import bf16, bf16_activations
+from pagedllm.kernels.bf16_activations import (
+    BF16_ACTIVATION_MIN_ROWS, bf16_weight_copy,
+)
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, set_prefill_activations
 from pagedllm.models.loader import load_model
@@ -75,9 +79,15 @@ def test_tied_quantized_lm_head() -> None:
     assert torch.equal(head(x[:3]), quantized_linear(x[:3], embedding.quant))
 
 
-def test_weight_copy_in_chunks_matches_dequantize() -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("quantize", [quantize_int4, quantize_int8])
+def test_weight_copy_in_chunks_matches_dequantize(
+    monkeypatch: pytest.MonkeyPatch, quantize: Any, compiled: bool
+) -> None:
     torch.manual_seed(2)
-    q = quantize_int4(torch.randn(5000, 64))  # more rows than one copy chunk
+    q = quantize(torch.randn(1000, 64))  # more rows than one copy chunk, the last one partial
+    if not compiled:  # the torch formulation, where the kernels are not built
+        monkeypatch.setattr(bf16_activations, "quant_linear_ops", lambda: None)
     assert torch.equal(bf16_weight_copy(q), q.dequantize().bfloat16())
 
 
@@ -135,14 +145,66 @@ def test_bf16_engine_arg(tiny_llama_dir: Any) -> None:
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "bf16"])).prefill_activations == "bf16"
-    llm = LLM(str(tiny_llama_dir), quantization="int4", prefill_activations="bf16", kv_cache_memory_bytes="16MiB")
+    assert EngineArgs.from_cli_args(parser.parse_args(["--matmul-activations", "bf16"])).matmul_activations == "bf16"
+    # The old flag is an alias, its "float" is float32.
+    assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "bf16"])).matmul_activations == "bf16"
+    float_args = EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "float"]))
+    assert float_args.matmul_activations == "float32"
+    default = EngineArgs.from_cli_args(parser.parse_args([])).matmul_activations
+    assert default == "auto" == EngineArgs("m").matmul_activations
+    llm = LLM(str(tiny_llama_dir), quantization="int4", matmul_activations="bf16", kv_cache_memory_bytes="16MiB")
     model = llm.llm_engine.engine_core.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert layers and all(m.bf16_weight is not None and m.bf16_min_rows == BF16_ACTIVATION_MIN_ROWS for m in layers)
     assert model.lm_head.bf16_weight is not None
+    # The copies cost 2 bytes a weight (the log line states it).
+    weights = sum(m.bf16_weight.numel() for m in [*layers, model.lm_head])
+    assert bf16_activations.bf16_copy_bytes(model) == 2 * weights
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
-        LLM(str(tiny_llama_dir), prefill_activations="bf16", tensor_parallel_size=2)
+        LLM(str(tiny_llama_dir), matmul_activations="bf16", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("flags, chosen", [
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, "bf16"),  # Zen 4, Cooper Lake
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bf16"),  # Sapphire Rapids
+    ({"avx2", "fma", "avx512f", "avx512_vnni"}, "float32"),  # Skylake/Cascade Lake: no bf16 unit
+    ({"avx2", "fma"}, "float32"),  # Zen 3
+])  # fmt: skip
+def test_auto_resolves_by_the_cpu_flags(
+    platform_matmul_activations: None, monkeypatch: pytest.MonkeyPatch, flags: set[str], chosen: str
+) -> None:
+    monkeypatch.setattr(bf16, "cpu_flags", lambda: frozenset(flags))
+    bf16.native_bf16.cache_clear()
+    try:
+        assert _resolved("auto") == chosen
+        # Explicit modes are the user's; tensor parallelism keeps float32.
+        assert _resolved("float32") == _resolved("float") == "float32"
+        assert _resolved("bf16") == "bf16"
+        assert _resolved("auto", tensor_parallel_size=2) == "float32"
+    finally:
+        monkeypatch.undo()
+        bf16.native_bf16.cache_clear()
+    with pytest.raises(ValueError, match="matmul_activations='fp8' is not one of auto, float32, int8, bf16"):
+        _resolved("fp8")
+
+
+def _resolved(requested: str, tensor_parallel_size: int = 1) -> str:
+    """What the CPU platform makes of `--matmul-activations requested`."""
+    from pagedllm.config import EngineConfig, ParallelConfig, QuantizationConfig
+    from pagedllm.platforms.registry import get_platform
+
+    config = EngineConfig(quantization_config=QuantizationConfig(requested),
+                          parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+    return get_platform("cpu").check_and_update_config(config).quantization_config.matmul_activations
+
+
+def test_auto_engine_takes_the_platform_choice(platform_matmul_activations: None, tiny_llama_dir: Any) -> None:
+    from pagedllm import LLM
+
+    llm = LLM(str(tiny_llama_dir), quantization="int4", kv_cache_memory_bytes="16MiB")
+    model = llm.llm_engine.engine_core.runner.model
+    has_copies = bf16_activations.bf16_copy_bytes(model) > 0
+    assert has_copies == (bf16_activations.auto_matmul_activations() == "bf16") == bf16.native_bf16()
 
 
 def test_cuda_refuses_cpu_activation_modes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,6 +213,8 @@ def test_cuda_refuses_cpu_activation_modes(monkeypatch: pytest.MonkeyPatch) -> N
     from pagedllm.platforms.cuda import CudaPlatform
 
     monkeypatch.setattr(CudaPlatform, "is_available", classmethod(lambda cls: True))
-    args = EngineArgs(model="m", device="cuda", prefill_activations="bf16", attention_backend="triton")
-    with pytest.raises(ValueError, match="device='cuda' does not support prefill_activations='bf16'"):
+    args = EngineArgs(model="m", device="cuda", matmul_activations="bf16", attention_backend="triton")
+    with pytest.raises(ValueError, match="device='cuda' does not support matmul_activations='bf16'"):
         args.create_engine_config()
+    config = EngineArgs(model="m", device="cuda", attention_backend="triton").create_engine_config()
+    assert config.quantization_config.matmul_activations == "float32"  # auto: float32 there

@@ -132,10 +132,10 @@ def test_prefill_activations_engine_arg(tiny_llama_dir: Any) -> None:
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "int8"])).prefill_activations == "int8"
-    assert EngineArgs.from_cli_args(parser.parse_args([])).prefill_activations == "float"
-    llm = LLM(str(tiny_llama_dir), quantization="int4", prefill_activations="int8", kv_cache_memory_bytes="16MiB")
+    assert EngineArgs.from_cli_args(parser.parse_args(["--prefill-activations", "int8"])).matmul_activations == "int8"
+    assert EngineArgs.from_cli_args(parser.parse_args([])).matmul_activations == "auto"
+    llm = LLM(str(tiny_llama_dir), quantization="int4", matmul_activations="int8", kv_cache_memory_bytes="16MiB")
     layers = [m for m in llm.llm_engine.engine_core.runner.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.int8_min_rows == INT8_ACTIVATION_MIN_ROWS for m in layers)
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
-        LLM(str(tiny_llama_dir), prefill_activations="int8", tensor_parallel_size=2)
+        LLM(str(tiny_llama_dir), matmul_activations="int8", tensor_parallel_size=2)
