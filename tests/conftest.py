@@ -16,10 +16,10 @@ from pagedllm.kernels import kernel_cache_root  # noqa: E402
 
 os.environ.setdefault("PAGEDLLM_KERNEL_CACHE_DIR", kernel_cache_root())
 
-from pagedllm.kernels import bf16_activations  # noqa: E402
+from pagedllm.platforms.cpu import CpuPlatform  # noqa: E402
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_PLATFORM_MATMUL_ACTIVATIONS = bf16_activations.auto_matmul_activations
+_PLATFORM_MATMUL_ACTIVATIONS = CpuPlatform.auto_matmul_activations
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,14 +29,14 @@ def float32_matmul_activations():
     activations. The fast modes are tested against float32 with their own bounds
     (tests/models/test_bf16_activations.py); `platform_matmul_activations` undoes this."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bf16_activations, "auto_matmul_activations", lambda: "float")
+        mp.setattr(CpuPlatform, "auto_matmul_activations", lambda self, config: "float32")
         yield
 
 
 @pytest.fixture
 def platform_matmul_activations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For one test, "auto" is the platform's choice again (kernels/bf16_activations.py)."""
-    monkeypatch.setattr(bf16_activations, "auto_matmul_activations", _PLATFORM_MATMUL_ACTIVATIONS)
+    """For one test, "auto" is the platform's choice again (platforms/cpu.py)."""
+    monkeypatch.setattr(CpuPlatform, "auto_matmul_activations", _PLATFORM_MATMUL_ACTIVATIONS)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -89,13 +89,6 @@ def bf16_copy_bytes(net: torch.nn.Module) -> int:
     return sum(c.nbytes for c in copies if isinstance(c, torch.Tensor))
 
 
-def auto_matmul_activations() -> PrefillActivations:
-    """The platform's choice for `--matmul-activations auto` on the CPU: "bf16" where the CPU
-    computes bf16 natively (avx512_bf16 or amx_bf16) and torch has oneDNN (there its bf16 GEMM
-    runs 2-5x the float32 one from 16 rows up: docs/bfloat16.md), else "float"."""
-    return "bf16" if native_bf16() and torch.backends.mkldnn.is_available() else "float"
-
-
 def warn_if_not_native() -> None:
     """bf16 activations are correct everywhere, but only fast where the CPU computes bf16."""
     if not native_bf16():

@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.platforms.interface import Platform
-from pagedllm.platforms.isa import Isa, detect_cpu_isa, resolve_isa
+from pagedllm.platforms.isa import Isa, detect_cpu_isa, read_cpu_flags, resolve_isa
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -62,14 +62,13 @@ class CpuPlatform(Platform):
 
     def auto_matmul_activations(self, config: EngineConfig) -> str:
         """`--matmul-activations auto`: bf16 where the CPU computes bf16 natively (avx512_bf16 or
-        amx_bf16) and torch has oneDNN, whose bf16 GEMM runs 2-5x the float32 one from 16 rows
-        up (docs/bfloat16.md); float32 elsewhere and under tensor parallelism (bf16 copies are
-        made in one process only)."""
-        from pagedllm.kernels.bf16_activations import auto_matmul_activations
-
+        amx_bf16 in /proc/cpuinfo: there torch's bf16 GEMM, oneDNN, runs 2-5x the float32 one
+        from 16 rows up, docs/bfloat16.md); float32 elsewhere and under tensor parallelism (bf16
+        copies are made in one process only). Read without torch."""
         if config.parallel_config.tensor_parallel_size > 1:
             return "float32"
-        return "float32" if auto_matmul_activations() == "float" else "bf16"
+        flags = read_cpu_flags()
+        return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "float32"
 
     def resolve_dtype(self, requested: str, quantized_weights: bool) -> str:
         if requested != "auto":
