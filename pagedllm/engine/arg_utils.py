@@ -42,6 +42,9 @@ class EngineArgs:
     Face hub id, in that order (models/loader.py)."""
     revision: str | None = None
     """A hub id's branch, tag or commit (default: main)."""
+    hf_file: str | None = None
+    """A GGUF file of the hub repo `model` (as llama-server's --hf-file): the same as
+    model="org/name:NAME.gguf"; a quant tag works without it ("org/name:Q4_K_M")."""
     download_dir: str | None = None
     """The hub cache a hub id downloads into and resolves in (default: $HF_HUB_CACHE or
     huggingface_hub's ~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 reads it alone."""
@@ -129,6 +132,13 @@ class EngineArgs:
     """LoRA adapters kept loaded in host memory, least recently used evicted (default: max_loras)."""
 
     def __post_init__(self) -> None:
+        if self.hf_file is not None:  # normalised at the edge: one form reaches the loader
+            if not self.hf_file.endswith(".gguf") or ":" in self.model:
+                raise ValueError(
+                    f"hf_file={self.hf_file!r} must name a .gguf file of a hub repo given without a tag "
+                    f"(model={self.model!r})"
+                )
+            self.model, self.hf_file = f"{self.model}:{self.hf_file}", None
         ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         SchedulerConfig(scheduling_policy=self.scheduling_policy)  # type: ignore[arg-type]
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -152,6 +162,11 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--revision", default=None, help="a hub id's branch, tag or commit (default: main)")
+        parser.add_argument(
+            "--hf-file", default=None,
+            help="a GGUF file of the hub repo given as the model (NAME.gguf; a split model's first file); "
+            "the same as model org/name:NAME.gguf, and org/name:Q4_K_M picks a file by its quant type",
+        )
         parser.add_argument(
             "--download-dir", default=None,
             help="the hub cache to download a hub id into and read it from (default: $HF_HUB_CACHE or "

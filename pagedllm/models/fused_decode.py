@@ -22,7 +22,8 @@ in its own class body; a subclass that does not define it again (it may have cha
 layer computes) is not taken to compute its parent's layout, and a layout with a field the
 kernel does not run (`kernel_refusal`) is not run. Either way the model goes module by module.
 
-Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16, tensor
+Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16,
+projections kept as GGUF blocks (`Linear.blocks` / `sections`: types other than Q4_0, Q4_1, Q8_0), tensor
 parallelism, the reference attention backend, several KV cache groups, or
 `PAGEDLLM_FUSED_DECODE=0` (e.g. to see the per-module breakdown in `bench latency --profile`).
 """
@@ -264,6 +265,8 @@ class FusedDecoderLayers(nn.Module):
             if layer.input_layernorm.weight.dtype != torch.float32:
                 return "the model is not float32"
             for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if m.blocks is not None or m.sections is not None:
+                    return f"a projection keeps GGUF blocks ({m.extra_repr()}), which the compiled layers do not run"
                 if m.quant is None and m.weight.dtype != torch.float32:
                     return "the weights are neither float32 nor quantized"
         return None
