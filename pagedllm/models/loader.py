@@ -185,8 +185,9 @@ def load_model(
 
 
 def resident_weight_bytes(net: nn.Module) -> int:
-    """Bytes of every distinct parameter, buffer and kept (quantized / GGUF-block) weight."""
-    tensors: list[torch.Tensor] = [*net.parameters(), *net.buffers()]
+    """Bytes of every distinct parameter and kept (quantized / GGUF-block) weight (buffers such
+    as rotary tables are not weights)."""
+    tensors: list[torch.Tensor] = [*net.parameters()]
     for module in net.modules():
         kept = module.kept_weights() if isinstance(module, Linear) else [getattr(module, "quant", None), getattr(module, "blocks", None)]
         for w in kept:
