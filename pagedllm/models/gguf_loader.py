@@ -100,19 +100,66 @@ def _write_metadata(gguf_path: str, out_dir: str) -> None:
     os.makedirs(src_dir)
     basename = os.path.basename(gguf_path)
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
-    hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
-    hf_config.architectures = [architecture_of(hf_config)]
-    # From the whole index: a split model's head may lie in a later split.
-    hf_config.tie_word_embeddings = all(t.name != "output.weight" for t in index.tensors)
-    if spec.config_from_gguf is not None:
-        import gguf
+    # The header is valid (gguf_index); its values may still be nonsense to transformers' reader.
+    try:
+        hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
+        hf_config.architectures = [architecture_of(hf_config)]
+        # From the whole index: a split model's head may lie in a later split.
+        hf_config.tie_word_embeddings = all(t.name != "output.weight" for t in index.tensors)
+        if spec.config_from_gguf is not None:
+            import gguf
 
-        for key, value in spec.config_from_gguf(gguf.GGUFReader(index.path), hf_config).items():
-            setattr(hf_config, key, value)
+            for key, value in spec.config_from_gguf(gguf.GGUFReader(index.path), hf_config).items():
+                setattr(hf_config, key, value)
+        check_config_matches(index, hf_config)
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=basename)
+    except _METADATA_ERRORS as e:
+        raise ValueError(f"{gguf_path}: its metadata cannot be read as a model: {type(e).__name__}: {e}") from None
     hf_config.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(src_dir, gguf_file=basename).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     shutil.rmtree(src_dir)
     save_index(index, out_dir)
+
+
+# Whatever transformers' GGUF reader raises on metadata it does not expect (wrong value
+# types, missing keys, zero sizes, its config validators): the file is input, so each becomes
+# a ValueError naming it.
+_METADATA_ERRORS = (Exception,)
+# Longer contexts than any model's (Llama 4 Scout: 10M) are a corrupt field; the rotary table
+# and the KV check are sized by it.
+_MAX_CONTEXT = 1 << 26
+
+
+def check_config_matches(index: GGUFIndex, hf_config: Any) -> None:
+    """ValueError unless the metadata's sizes agree with the tensor table: the embedding is
+    [vocab, hidden] and the blocks number num_hidden_layers (a model is never built from
+    sizes the weights do not have)."""
+    embd = next((t for t in index.tensors if t.name == "token_embd.weight"), None)
+    want = (int(hf_config.vocab_size), int(hf_config.hidden_size))
+    if embd is None or embd.shape != want:
+        found = "none" if embd is None else list(embd.shape)
+        raise ValueError(f"{index.path}: token_embd.weight is {found}, the metadata says [vocab, hidden] = {list(want)}")
+    blocks = {int(m.group(1)) for t in index.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
+    num_layers = int(hf_config.num_hidden_layers)
+    if len(blocks) != num_layers or max(blocks, default=-1) != num_layers - 1:
+        raise ValueError(
+            f"{index.path}: the tensors fill {len(blocks)} blocks (0..{max(blocks, default=-1)}), "
+            f"the metadata says {num_layers} layers"
+        )
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or want[1] // max(heads, 1))
+    q = next((t for t in index.tensors if t.name == "blk.0.attn_q.weight"), None)
+    k = next((t for t in index.tensors if t.name == "blk.0.attn_k.weight"), None)
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or (q is not None and q.shape[0] != heads * head_dim) or (
+        k is not None and k.shape[0] != kv_heads * head_dim
+    ):
+        raise ValueError(
+            f"{index.path}: the metadata's {heads} heads / {kv_heads} KV heads of {head_dim} do not fit "
+            f"the attention tensors ({None if q is None else list(q.shape)}, {None if k is None else list(k.shape)})"
+        )
+    if not 0 < int(hf_config.max_position_embeddings) <= _MAX_CONTEXT:
+        raise ValueError(f"{index.path}: context length {hf_config.max_position_embeddings} is out of range (1..{_MAX_CONTEXT})")
 
 
 def check_tensor_types(type_names: Iterable[str], gguf_path: str) -> None:
