@@ -256,7 +256,8 @@ def save_tiny_gguf(
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(float(rope.get("rope_theta") or rope["full_attention"]["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "head_dim", None):
