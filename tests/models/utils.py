@@ -230,6 +230,7 @@ def save_tiny_gguf(
     arch: str = "llama",
     extra: Callable[[Any], None] | None = None,
     type_of: Callable[[str], str] | None = None,
+    split_max_tensors: int = 0,
 ) -> None:
     """Write a Llama-shaped HF model and its (byte-level BPE) tokenizer as a llama.cpp-style
     GGUF of the GGUF architecture `arch`, with that family's declared tensor names, Q/K
@@ -248,7 +249,8 @@ def save_tiny_gguf(
 
     spec = gguf_spec(arch)
     cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), arch)
+    # split_max_tensors > 0: llama.cpp's split files, <stem>-0000i-of-0000n.gguf beside `path`.
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_name(f"tiny-{arch}")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
