@@ -194,12 +194,18 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_header_fuzz(tiny_gguf: Path, tmp_path: Path) -> None:
+    from pagedllm.models.gguf_metadata import read_scalar_keys
+
+    assert read_scalar_keys(str(tiny_gguf), "general.")["general.architecture"] == "llama"
     original = tiny_gguf.read_bytes()
     results: dict[str, int] = {}
     cases = mutations(tiny_gguf, 4, random.Random(SEED))
     assert len(cases) > 60
     for label, mutate in cases:
         outcome = run_case(original, tmp_path / "m.gguf", mutate, index_from_headers)
+        assert run_case(original, tmp_path / "m.gguf", mutate, lambda p: read_scalar_keys(p, "general.")) in (
+            "ValueError", "loaded"
+        )
         results[outcome] = results.get(outcome, 0) + 1
         if label.startswith(("magic", "duplicate", "version", "string length", "array length", "offset", "tensor type")):
             assert outcome == "ValueError", label
