@@ -112,7 +112,9 @@ def split_paths(gguf_path: str) -> list[str]:
         return [gguf_path]
     count = int(m.group(3))
     if int(m.group(2)) != 1 or count < 1:
-        raise ValueError(f"{gguf_path} is split {m.group(2)} of {m.group(3)}: load the first split, -00001-of-{m.group(3)}.gguf")
+        raise ValueError(
+            f"{gguf_path} is split {m.group(2)} of {m.group(3)}: load the first split, -00001-of-{m.group(3)}.gguf"
+        )
     paths = [f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:

@@ -159,7 +159,9 @@ def check_config_matches(index: GGUFIndex, hf_config: Any) -> None:
             f"the attention tensors ({None if q is None else list(q.shape)}, {None if k is None else list(k.shape)})"
         )
     if not 0 < int(hf_config.max_position_embeddings) <= _MAX_CONTEXT:
-        raise ValueError(f"{index.path}: context length {hf_config.max_position_embeddings} is out of range (1..{_MAX_CONTEXT})")
+        raise ValueError(
+            f"{index.path}: context length {hf_config.max_position_embeddings} is out of range (1..{_MAX_CONTEXT})"
+        )
 
 
 def check_tensor_types(type_names: Iterable[str], gguf_path: str) -> None:

@@ -13,8 +13,8 @@ kept type, BF16 blocks for the types that are dequantized (IQ1-IQ3, TQ1/TQ2).
 (Q4_K's QuantizedWeight form, below, costs +33% over the file: it stays for callers that ask
 for it, the loader keeps Q4_K as blocks.)
 
-QuantizedWeight's form for the types it holds, without going through float: is groups of 32 weights with a float scale (and an offset for the
-asymmetric ones), which is exactly `QuantizedWeight`'s form:
+Into QuantizedWeight without going through float: each of its types is groups of 32 weights
+with a float scale (and an offset for the asymmetric ones), which is exactly its form:
 - Q8_0: 32 x int8 + fp16 d:                w = d q                 -> int8, scale d
 - Q4_0: 32 x 4 bit + fp16 d:               w = d (q - 8)           -> int4, scale d, zero -8 d
 - Q4_1: 32 x 4 bit + fp16 d, m:            w = d q + m             -> int4, scale d, zero m

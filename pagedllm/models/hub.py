@@ -110,7 +110,10 @@ def hub_gguf_file(
     cache_dir = hub_cache_dir(download_dir)
     where = f"revision {revision or 'main'} of {repo_id!r}"
     every_split = _SPLIT_RE.sub(r"-*-of-\2.gguf", tag)  # a first split's name fetches all
-    patterns = [every_split, f"*/{every_split}"] if tag.endswith(".gguf") else [f"*{tag}*.gguf", f"*{tag.lower()}*.gguf", f"*{tag.upper()}*.gguf"]
+    if tag.endswith(".gguf"):
+        patterns = [every_split, f"*/{every_split}"]
+    else:
+        patterns = [f"*{tag}*.gguf", f"*{tag.lower()}*.gguf", f"*{tag.upper()}*.gguf"]
     try:
         snapshot = snapshot_download(
             repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=patterns

@@ -189,7 +189,10 @@ def resident_weight_bytes(net: nn.Module) -> int:
     as rotary tables are not weights)."""
     tensors: list[torch.Tensor] = [*net.parameters()]
     for module in net.modules():
-        kept = module.kept_weights() if isinstance(module, Linear) else [getattr(module, "quant", None), getattr(module, "blocks", None)]
+        if isinstance(module, Linear):
+            kept: list[Any] = list(module.kept_weights())
+        else:  # the vocabulary tables
+            kept = [getattr(module, "quant", None), getattr(module, "blocks", None)]
         for w in kept:
             if isinstance(w, QuantizedWeight):
                 tensors += [w.qweight, w.scales] + ([] if w.zeros is None else [w.zeros])

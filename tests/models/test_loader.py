@@ -204,7 +204,7 @@ def test_gguf_index_is_reused_and_dropped_when_the_file_changes(
     # even read from the old cache entry, and a load parses the new file.
     save_tiny_gguf(path, tiny_hf[0], AutoTokenizer.from_pretrained(tiny_hf[1]), "Q8_0")
     assert load_index(first.model_dir, str(path)) is None
-    with pytest.raises(AssertionError, match="parsed the GGUF metadata again"):
+    with pytest.raises(ValueError, match="parsed the GGUF metadata again"):  # through the metadata step
         load_model(str(path))
     monkeypatch.undo()
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache_dir))
