@@ -361,7 +361,8 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
     for module in net.modules():
         if isinstance(module, Linear):
             module.int8_min_rows = int8_rows
-            count += module.quant is not None and mode != "bf16"  # float, int8: its quantized layers
+            # float, int8: the layers with a QuantizedWeight (whole, or a section of it)
+            count += mode != "bf16" and any(isinstance(w, QuantizedWeight) for w in module.kept_weights())
         if isinstance(module, (Linear, LMHead)):
             count += module.use_bf16_activations(bf16_rows)
         if isinstance(module, Attention):
