@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels import GROUP_SIZE, QuantizedWeight, pack_int4
-from pagedllm.kernels.gguf_blocks import GGUF_BLOCK_GEOMETRY, KEPT_GGUF_TYPES, GGUFBlocks, row_bytes
+from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES, GGUFBlocks, row_bytes
 from pagedllm.models.gguf_index import GGUF_FLOAT_TYPES
 
 GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
@@ -78,9 +78,8 @@ def kept_bytes(type_name: str, shape: tuple[int, ...]) -> int:
         return 4 * elements
     if type_name == "Q4_0":
         return elements // 32 * 20
-    if type_name in GGUF_BLOCK_GEOMETRY:
-        elems, nbytes = GGUF_BLOCK_GEOMETRY[type_name]
-        return elements // elems * nbytes
+    if type_name in KEPT_GGUF_TYPES:
+        return elements // shape[-1] * row_bytes(type_name, shape[-1])
     return 2 * elements  # dequantized to BF16
 
 
