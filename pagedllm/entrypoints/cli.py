@@ -78,7 +78,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     engine_args = _engine_args(args, "generate")
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    llm = LLM(**vars(engine_args))
+    try:
+        llm = LLM(**vars(engine_args))
+    except ValueError as e:  # a model that cannot load (not found, invalid, too big): one line
+        raise SystemExit(f"pagedllm generate: {e}") from None
     params = _sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

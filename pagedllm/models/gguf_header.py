@@ -133,7 +133,7 @@ def read_gguf_header(path: str) -> GGUFHeader:
     with open(path, "rb") as f:
         r = _Reader(f, size, path)
         if size < 24 or r.take(4, "the magic") != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic, or shorter than a GGUF header)")
         version = r.u32("the version")
         if version not in (2, 3):
             raise r.fail(f"GGUF version {version} is not supported (2 or 3, little-endian)")
