@@ -60,6 +60,10 @@ class EngineArgs:
     model: str = flag(DEFAULT_MODEL, "a local path (.gguf file or HF directory), a packaged model name, or a "
                       "Hugging Face hub id, in that order", cli=False)
     revision: str | None = flag(None, "a hub id's branch, tag or commit (default: main)")
+    hf_file: str | None = flag(
+        None, "a GGUF file of the hub repo given as the model (NAME.gguf; a split model's first file), as "
+        "llama-server's --hf-file: the same as model org/name:NAME.gguf (org/name:Q4_K_M picks a file by its "
+        "quant type)")
     download_dir: str | None = flag(
         None, "the hub cache to download a hub id into and read it from (default: $HF_HUB_CACHE or "
         "~/.cache/huggingface/hub); with HF_HUB_OFFLINE=1 the cache alone")
@@ -159,6 +163,17 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**given_flags(args, cls))
 
+    def _model_with_hf_file(self) -> str:
+        """`model` with --hf-file folded in (one form reaches the loader: org/name:NAME.gguf)."""
+        if self.hf_file is None:
+            return self.model
+        if not self.hf_file.endswith(".gguf") or ":" in self.model:
+            raise ValueError(
+                f"hf_file={self.hf_file!r} must name a .gguf file of a hub repo given without a tag "
+                f"(model={self.model!r})"
+            )
+        return f"{self.model}:{self.hf_file}"
+
     def create_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
         """The one validated configuration of these arguments (ValueError naming the first
         bad value or combination). ``environ``: the environment variables that default a
@@ -170,7 +185,7 @@ class EngineArgs:
         platform = get_platform(device)
         seqs, tokens = scheduler_defaults(self.usage_context, self.max_num_seqs, self.max_num_batched_tokens)
         config = EngineConfig(
-            load_config=LoadConfig(self.model, self.revision, self.download_dir, self.tokenizer,
+            load_config=LoadConfig(self._model_with_hf_file(), self.revision, self.download_dir, self.tokenizer,
                                    _load_dtype(self.dtype), self.max_model_len, self.quantization),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -91,7 +91,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     _, engine_config = _engine_config(args, "generate")
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    llm = LLM.from_engine_config(engine_config)
+    try:
+        llm = LLM.from_engine_config(engine_config)
+    except ValueError as e:  # a model that cannot load (not found, invalid, too big): one line
+        raise SystemExit(f"pagedllm generate: {e}") from None
     params = _sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

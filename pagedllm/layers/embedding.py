@@ -1,7 +1,9 @@
 """Token embedding and the LM head, which may share (tie) the embedding's weight.
 
 Either may hold a quantized weight (`quant`): a GGUF file's own Q8_0 table, or one quantized
-to int8 at load (`quantize_bits`); a tied head then multiplies with the embedding's.
+to int8 at load (`quantize_bits`); or a GGUF table of any other kept type as its file's blocks
+(`blocks`: a lookup dequantizes only the rows it reads, the head multiplies by the blocks). A
+tied head multiplies with the embedding's table, in whichever form.
 
 Tensor parallel (vocabulary parallel): each rank holds ceil(vocab / size) rows of the table
 (the last rank's tail is zero padding); a lookup sums the ranks' partial embeddings, the head
@@ -17,6 +19,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import current_tp, shard_range
 from pagedllm.kernels import QuantizedWeight, embedding_lookup, linear_op, quantize, quantized_linear
 from pagedllm.kernels.bf16_activations import bf16_activation_linear, bf16_copy_for
+from pagedllm.kernels.gguf_blocks import GGUFBlocks, gguf_embedding_lookup, gguf_linear
 from pagedllm.layers.utils import default_weight_loader, set_weight_loader
 
 
@@ -33,17 +36,20 @@ class _QuantizableTable(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
         self.quant: QuantizedWeight | None = None
+        self.blocks: GGUFBlocks | None = None
+        """The table as a GGUF file's blocks (types other than QuantizedWeight's)."""
         self.quantize_bits: int | None = None
         """8: quantize the float table at load (int8 per group of 32, as GGUF Q8_0)."""
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedWeight, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedWeight | GGUFBlocks, shard_id: object = None
     ) -> None:
+        kept = isinstance(loaded_weight, (QuantizedWeight, GGUFBlocks))
         if self.tp.size > 1:
-            assert not isinstance(loaded_weight, QuantizedWeight) and not self.quantize_bits
-            self._load_rank_rows(param, loaded_weight)
+            assert not kept and not self.quantize_bits
+            self._load_rank_rows(param, loaded_weight)  # type: ignore[arg-type]
             return
-        if not isinstance(loaded_weight, QuantizedWeight) and not self.quantize_bits:
+        if not kept and not self.quantize_bits:
             default_weight_loader(param, loaded_weight, shard_id)
             return
         assert shard_id is None, f"{type(self).__name__} has no shards, got {shard_id!r}"
@@ -52,9 +58,12 @@ class _QuantizableTable(nn.Module):
                 f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit "
                 f"parameter of shape {tuple(param.shape)}"
             )
-        if not isinstance(loaded_weight, QuantizedWeight):
-            loaded_weight = quantize(loaded_weight, self.quantize_bits)  # type: ignore[arg-type]
-        self.quant = loaded_weight
+        if isinstance(loaded_weight, GGUFBlocks):
+            self.blocks = loaded_weight
+        else:
+            if not isinstance(loaded_weight, QuantizedWeight):
+                loaded_weight = quantize(loaded_weight, self.quantize_bits)  # type: ignore[arg-type]
+            self.quant = loaded_weight
         # The float table was never written (its pages never touched); drop it.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
@@ -82,6 +91,8 @@ class VocabEmbedding(_QuantizableTable):
         # input_ids: [num_tokens] -> [num_tokens, hidden]
         if self.quant is not None:
             return embedding_lookup(input_ids, self.quant, self.dtype)
+        if self.blocks is not None:
+            return gguf_embedding_lookup(input_ids, self.blocks, self.dtype)
         if self.tp.size > 1:
             # Ids outside this rank's rows read row 0 and are zeroed; the sum over ranks
             # leaves each token the one rank's row that holds it.
@@ -124,6 +135,8 @@ class LMHead(_QuantizableTable):
         where it is neither float32 nor quantized, or split over tensor-parallel ranks."""
         owner = self.table_owner()
         source = owner.quant if owner.quant is not None else owner.weight
+        if owner.blocks is not None:  # a bf16 copy of the dequantized table
+            source = owner.blocks.dequantize()
         self.bf16_weight = bf16_copy_for(source, None if self.tp.size > 1 else min_rows)
         self.bf16_min_rows = min_rows or 0
         return self.bf16_weight is not None
@@ -135,6 +148,8 @@ class LMHead(_QuantizableTable):
             return bf16_activation_linear(hidden_states, self.bf16_weight).to(hidden_states.dtype)
         if owner.quant is not None:
             return quantized_linear(hidden_states, owner.quant)
+        if owner.blocks is not None:
+            return gguf_linear(hidden_states, owner.blocks)
         logits = linear_op(hidden_states, owner.weight, persistent_weight=True)
         if self.tp.size > 1:
             # [N, vocab / size] per rank -> [N, vocab] (the padding rows cut off)

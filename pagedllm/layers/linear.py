@@ -7,7 +7,11 @@ loaders here, never the model files.
 The matmul itself goes through `kernels.linear_op` (zentorch or plain torch, see there), or
 `quantization.quantized_linear` once the layer holds a quantized weight: a checkpoint's own
 (`QuantizedWeight` tensors from GGUF) or one quantized from float shards at load
-(`quantize_bits`). Shards load separately and `finish_loading()` joins them.
+(`quantize_bits`), or `gguf_blocks.gguf_linear` for a GGUF tensor kept as its file's blocks
+(`GGUFBlocks`). Shards load separately and `finish_loading()` joins them: into one weight when
+they share a form, else into `sections` (a GGUF file may store the parts of one fused
+projection in different types, e.g. Q4_K q/k with a Q6_K v), each computed into its slice of
+the output.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pagedllm.kernels.bf16_activations import (
     bf16_copy_for,
     warn_if_not_native,
 )
+from pagedllm.kernels.gguf_blocks import GGUFBlocks, gguf_linear
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.utils import set_weight_loader
@@ -44,6 +49,31 @@ __all__ = [
 def _rank_rows(tp: TPGroup, loaded_weight: torch.Tensor, per_rank: int) -> torch.Tensor:
     """This rank's output rows [rank * per_rank, (rank + 1) * per_rank) of a full tensor."""
     return loaded_weight if tp.size == 1 else loaded_weight.narrow(0, tp.rank * per_rank, per_rank)
+
+
+KeptWeight = QuantizedWeight | GGUFBlocks
+"""A weight held in a checkpoint's own (or a load-time) quantized form."""
+
+
+def kept_linear(
+    x: torch.Tensor, weight: KeptWeight, bias: torch.Tensor | None, int8_min_rows: int | None = None
+) -> torch.Tensor:
+    # x: [..., K] -> [..., N]
+    if isinstance(weight, GGUFBlocks):
+        return gguf_linear(x, weight, bias)
+    return quantized_linear(x, weight, bias, int8_min_rows)
+
+
+def sectioned_linear(
+    x: torch.Tensor, sections: tuple[tuple[int, KeptWeight], ...], bias: torch.Tensor | None, int8_min_rows: int | None
+) -> torch.Tensor:
+    """x: [T, K] -> [T, N], output rows [offset, offset + rows) from each section's weight."""
+    n = sum(w.shape[0] for _, w in sections)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    for offset, weight in sections:
+        part_bias = None if bias is None else bias[offset : offset + weight.shape[0]]
+        y[..., offset : offset + weight.shape[0]] = kept_linear(x, weight, part_bias, int8_min_rows)
+    return y
 
 
 class Linear(nn.Module):
@@ -60,6 +90,10 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
         self.quant: QuantizedWeight | None = None
+        self.blocks: GGUFBlocks | None = None
+        """The weight as a GGUF file's blocks (all its shards of one type)."""
+        self.sections: tuple[tuple[int, KeptWeight], ...] | None = None
+        """(first output row, weight) per shard, where the shards came in different forms."""
         self.quantize_bits: int | None = None
         """4 or 8: quantize float weight shards as they load (--quantization int4|int8)."""
         self.int8_min_rows: int | None = None
@@ -69,7 +103,7 @@ class Linear(nn.Module):
         self.bf16_min_rows = 0
         """--prefill-activations bf16: a bf16 copy of the weight for matmuls of at least
         bf16_min_rows rows (kernels/bf16_activations.py; set_prefill_activations)"""
-        self._quant_parts: dict[int, QuantizedWeight] = {}  # row offset -> rows loaded so far
+        self._quant_parts: dict[int, KeptWeight] = {}  # row offset -> rows loaded so far
         self.lora_slots: LinearLoRASlots | None = None
         """--enable-lora: the adapters' stacked weights, added to the output (lora/layers.py)."""
 
@@ -80,9 +114,9 @@ class Linear(nn.Module):
         self._load_rows(param, loaded_weight, 0, self.out_features)
 
     def _load_rows(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedWeight, offset: int, size: int
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | KeptWeight, offset: int, size: int
     ) -> None:
-        is_quant = isinstance(loaded_weight, QuantizedWeight)
+        is_quant = isinstance(loaded_weight, (QuantizedWeight, GGUFBlocks))
         if param is not self.weight or not (is_quant or self.quantize_bits):
             assert not is_quant, "a quantized tensor can only load into a weight"
             self._copy_rows(param, loaded_weight, offset, size)  # type: ignore[arg-type]
@@ -98,7 +132,8 @@ class Linear(nn.Module):
         self._quant_parts[offset] = loaded_weight  # type: ignore[assignment]
 
     def finish_loading(self) -> None:
-        """Join the quantized shards into one weight and drop the (never written) float one."""
+        """Join the quantized shards into one weight (or sections, where their forms differ)
+        and drop the (never written) float one."""
         if not self._quant_parts:
             return
         offsets = sorted(self._quant_parts)
@@ -109,7 +144,12 @@ class Linear(nn.Module):
                 f"a fused layer got quantized rows at offsets {offsets} but float rows elsewhere; "
                 "load it all quantized or all float (--quantization none)"
             )
-        self.quant = QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0]
+        if all(isinstance(p, QuantizedWeight) for p in parts):
+            self.quant = QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
+        elif len({(p.type_name, p.k) if isinstance(p, GGUFBlocks) else None for p in parts}) == 1:
+            self.blocks = GGUFBlocks.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
+        else:
+            self.sections = tuple(zip(offsets, parts))
         self._quant_parts = {}
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
@@ -134,6 +174,10 @@ class Linear(nn.Module):
             y = bf16_activation_linear(x, self.bf16_weight, self.bias).to(x.dtype)
         elif self.quant is not None:
             y = quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
+        elif self.blocks is not None:
+            y = gguf_linear(x, self.blocks, self.bias)
+        elif self.sections is not None:
+            y = sectioned_linear(x, self.sections, self.bias, self.int8_min_rows)
         else:
             y = linear_op(x, self.weight, self.bias, persistent_weight=True)
         return y if self.lora_slots is None else add_lora_delta(self.lora_slots, x, y)
@@ -141,9 +185,20 @@ class Linear(nn.Module):
     def use_bf16_activations(self, min_rows: int | None) -> bool:
         """Keep a bf16 copy of the weight for matmuls of at least `min_rows` rows (None: drop
         it); False where the layer has no float32 or quantized weight (a bf16 model)."""
-        self.bf16_weight = bf16_copy_for(self.quant if self.quant is not None else self.weight, min_rows)
+        source: torch.Tensor | QuantizedWeight = self.quant if self.quant is not None else self.weight
+        if self.blocks is not None or self.sections is not None:  # a bf16 copy of the dequantized rows
+            source = torch.cat([w.dequantize() for w in self.kept_weights()])
+        self.bf16_weight = bf16_copy_for(source, min_rows)
         self.bf16_min_rows = min_rows or 0
         return self.bf16_weight is not None
+
+    def kept_weights(self) -> list[KeptWeight]:
+        """The quantized / GGUF-block weights this layer holds (for counting resident bytes)."""
+        if self.quant is not None:
+            return [self.quant]
+        if self.blocks is not None:
+            return [self.blocks]
+        return [w for _, w in self.sections or ()]
 
     def output_sections(self) -> dict[object, tuple[int, int]]:
         """Shard id -> (first output row, rows) of each checkpoint projection in this layer."""
@@ -151,6 +206,9 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         quant = "" if self.quant is None else f", int{self.quant.bits}"
+        if self.blocks is not None or self.sections:
+            kinds = (w.type_name if isinstance(w, GGUFBlocks) else f"int{w.bits}" for w in self.kept_weights())
+            quant = ", gguf " + "+".join(kinds)
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{quant}"
 
 
@@ -177,7 +235,7 @@ class MergedLinear(Linear):
             if self.tp.size == 1:
                 self._load_rows(param, loaded_weight, 0, self.out_features)
                 return
-            assert not isinstance(loaded_weight, QuantizedWeight), "quantized weights are not sharded"
+            assert not isinstance(loaded_weight, (QuantizedWeight, GGUFBlocks)), "quantized weights are not sharded"
             for i, tensor in enumerate(loaded_weight.split(self._full_sizes)):
                 self.weight_loader(param, tensor, i)
             return
@@ -224,7 +282,7 @@ class QKVLinear(Linear):
             if self.tp.size == 1:
                 self._load_rows(param, loaded_weight, 0, self.out_features)
                 return
-            assert not isinstance(loaded_weight, QuantizedWeight), "quantized weights are not sharded"
+            assert not isinstance(loaded_weight, (QuantizedWeight, GGUFBlocks)), "quantized weights are not sharded"
             for part, tensor in zip("qkv", loaded_weight.split(self._full_sizes)):
                 self.weight_loader(param, tensor, part)
             return
@@ -303,7 +361,8 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
     for module in net.modules():
         if isinstance(module, Linear):
             module.int8_min_rows = int8_rows
-            count += module.quant is not None and mode != "bf16"  # float, int8: its quantized layers
+            # float, int8: the layers with a QuantizedWeight (whole, or a section of it)
+            count += mode != "bf16" and any(isinstance(w, QuantizedWeight) for w in module.kept_weights())
         if isinstance(module, (Linear, LMHead)):
             count += module.use_bf16_activations(bf16_rows)
         if isinstance(module, Attention):

@@ -25,7 +25,8 @@ kernel does not run (`kernel_refusal`), or an attention layer with a feature its
 does not run (`attention_refusal`: sinks, bidirectional), is not run. Either way the model goes
 module by module.
 
-Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16, tensor
+Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16,
+projections kept as GGUF blocks (`Linear.blocks` / `sections`: types other than Q4_0, Q4_1, Q8_0), tensor
 parallelism, an attention backend that does not `runs_fused_decode` (reference, Triton),
 several KV cache groups, or `AttentionConfig.fused_decode=False` (`--no-fused-decode`, e.g. to
 see the per-module breakdown in `bench latency --profile`).
@@ -272,6 +273,8 @@ class FusedDecoderLayers(nn.Module):
             if layer.input_layernorm.weight.dtype != torch.float32:
                 return "the model is not float32"
             for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if m.blocks is not None or m.sections is not None:
+                    return f"a projection keeps GGUF blocks ({m.extra_repr()}), which the compiled layers do not run"
                 if m.quant is None and m.weight.dtype != torch.float32:
                     return "the weights are neither float32 nor quantized"
         return None

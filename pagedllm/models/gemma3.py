@@ -87,6 +87,22 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     checkpoint_prefix = "language_model."  # the text weights of a multimodal checkpoint
 
 
+def _config_from_gguf(reader: Any, hf: Any) -> dict[str, Any]:
+    """The rope scaling of the global (full-attention) layers, which transformers' GGUF reader
+    leaves out: llama.cpp's converter writes Gemma 3 4B and up's `rope_scaling` (linear, factor
+    8) as gemma3.rope.scaling.type / .factor; the local layers are never scaled."""
+    fields = reader.fields
+    kind, factor = fields.get("gemma3.rope.scaling.type"), fields.get("gemma3.rope.scaling.factor")
+    if kind is None or factor is None or str(kind.contents()) == "none":
+        return {}
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    full = dict(params.get("full_attention") or {"rope_theta": getattr(hf, "rope_theta", 1e6)})
+    full.update(rope_type=str(kind.contents()), factor=float(factor.contents()))
+    params["full_attention"] = full
+    params.setdefault("sliding_attention", {"rope_type": "default", "rope_theta": 10000.0})
+    return {"rope_parameters": params}
+
+
 def _gemma3_arch_config(hf: Any) -> ArchConfig:
     # rope: the global layers'; the local ones' come from layer_rope_parameters.
     return gemma_arch_config(hf, qk_norm=True)
@@ -104,6 +120,7 @@ FAMILIES = (
             "gemma3",
             {**GEMMA_GGUF_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
             norm_plus_one=True,
+            config_from_gguf=_config_from_gguf,
         ),
     ),
 )

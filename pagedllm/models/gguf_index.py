@@ -1,16 +1,16 @@
-"""A GGUF file's tensor table, kept as JSON so a warm start never parses the file's metadata.
+"""A GGUF file's tensor table, kept as JSON so a warm start never parses the file's header.
 
-gguf-py's reader builds every metadata field as numpy views, one token at a time for the
-tokenizer's vocabulary: seconds for a 49k vocabulary, and a load needs only the tensor table
-(name, type, shape, byte offset) and the architecture. The index records those, plus the
-file's path, size and mtime, and is dropped when any of them no longer match. The tensor data
-is then read by offset from a read-only memory map of the file.
+The index is built from the validated headers (gguf_header.py) of the file and of its splits:
+the tensor table (name, type, shape, byte offset, which split) and the architecture, plus
+each file's path, size and mtime; it is dropped when any of them no longer match. The tensor
+data is then read by offset from read-only memory maps of the files.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ INDEX_FILE = "gguf_index.json"
 # GGML types that are floats (kept as float under --quantization gguf); gguf_loader and
 # gguf_quant both read it from here.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: splits, each tensor's split
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class GGUFTensorInfo:
     data_shape: tuple[int, ...]
     """Shape of the raw data as gguf-py gives it: HF order, the last axis in bytes per row
     for quantized types."""
+    split: int = 0
+    """Which file of a split model holds it (0: the first, `GGUFIndex.path`)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,6 +59,14 @@ class GGUFIndex:
     architecture: str
     """general.architecture, e.g. "llama"."""
     tensors: tuple[GGUFTensorInfo, ...]
+    splits: tuple[tuple[str, int, int], ...] = ()
+    """The further files of a split model (`-00002-of-00003.gguf`, ...): (real path, size,
+    mtime_ns) each; the first file is `path` and holds the metadata."""
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of the model's file(s)."""
+        return self.size + sum(s[1] for s in self.splits)
 
     def type_names(self, ndim: int | None = None) -> set[str]:
         """The GGML types of the tensors (of `ndim` dimensions, if given)."""
@@ -64,42 +74,94 @@ class GGUFIndex:
 
     def matches_file(self) -> bool:
         """True while the file at `path` has the size and mtime this index was built from."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        return (st.st_size, st.st_mtime_ns) == (self.size, self.mtime_ns)
+        for path, size, mtime_ns in ((self.path, self.size, self.mtime_ns), *self.splits):
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+                return False
+        return True
 
-    def open_data(self) -> np.ndarray:
-        """The whole file as a read-only uint8 memory map; slice it with `tensor_data`."""
-        return np.memmap(self.path, dtype=np.uint8, mode="r")
+    def open_data(self) -> list[np.ndarray]:
+        """Each file as a read-only uint8 memory map (the first, then the splits); slice them
+        with `tensor_data`."""
+        paths = [self.path, *(s[0] for s in self.splits)]
+        return [np.memmap(p, dtype=np.uint8, mode="r") for p in paths]
 
 
-def tensor_data(file_map: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:
+def tensor_data(file_maps: list[np.ndarray], tensor: GGUFTensorInfo) -> np.ndarray:
     """A tensor's raw data (a view into the map, no copy), shaped as gguf-py's `t.data`."""
+    file_map = file_maps[tensor.split]
     end = tensor.offset + tensor.num_bytes
     if end > file_map.shape[0]:
         raise ValueError(f"GGUF tensor {tensor.name} ends at byte {end}, past the file's end")
     return file_map[tensor.offset : end].view(np.dtype(tensor.dtype)).reshape(tensor.data_shape)
 
 
-def index_from_reader(reader: Any, gguf_path: str) -> GGUFIndex:
-    """The index of a file parsed by gguf-py's GGUFReader."""
-    path = os.path.realpath(gguf_path)
-    st = os.stat(path)
-    tensors = tuple(
-        GGUFTensorInfo(
-            name=t.name,
-            type_name=t.tensor_type.name,
-            dims=tuple(int(d) for d in t.shape.tolist()),
-            offset=int(t.data_offset),
-            dtype=t.data.dtype.str,
-            data_shape=tuple(int(d) for d in t.data.shape),
+# gguf-py's numpy dtypes of the plain types; every other type is uint8 blocks.
+_PLAIN_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "|i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
+_SPLIT_RE = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+
+
+def split_paths(gguf_path: str) -> list[str]:
+    """The files of a model: [gguf_path], or every `-0000i-of-0000n.gguf` beside the first
+    split; ValueError naming a missing one."""
+    m = _SPLIT_RE.fullmatch(gguf_path)
+    if m is None:
+        return [gguf_path]
+    count = int(m.group(3))
+    if int(m.group(2)) != 1 or count < 1:
+        raise ValueError(
+            f"{gguf_path} is split {m.group(2)} of {m.group(3)}: load the first split, -00001-of-{m.group(3)}.gguf"
         )
-        for t in reader.tensors
-    )
-    arch = str(reader.fields["general.architecture"].contents())
-    return GGUFIndex(path, st.st_size, st.st_mtime_ns, arch, tensors)
+    paths = [f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"{gguf_path} is split in {count} files; missing: {', '.join(missing)}")
+    return paths
+
+
+def index_from_headers(gguf_path: str) -> GGUFIndex:
+    """The index of a file (and its splits) from their validated headers (gguf_header.py)."""
+    from pagedllm.models.gguf_header import read_gguf_header
+
+    paths = [os.path.realpath(p) for p in split_paths(gguf_path)]
+    tensors: list[GGUFTensorInfo] = []
+    seen: set[str] = set()
+    arch: object = None
+    for split, path in enumerate(paths):
+        header = read_gguf_header(path)
+        if split == 0:
+            arch = header.metadata.get("general.architecture")
+            if not isinstance(arch, str):
+                raise ValueError(f"{gguf_path}: not a valid GGUF file: no general.architecture string")
+        for t in header.tensors:
+            if t.name in seen:
+                raise ValueError(f"{gguf_path}: not a valid GGUF file: tensor {t.name!r} appears twice")
+            seen.add(t.name)
+            tensors.append(_tensor_info(t, split))
+    stats = [os.stat(p) for p in paths]
+    splits = tuple((p, st.st_size, st.st_mtime_ns) for p, st in zip(paths[1:], stats[1:]))
+    return GGUFIndex(paths[0], stats[0].st_size, stats[0].st_mtime_ns, str(arch), tuple(tensors), splits)
+
+
+def _tensor_info(t: Any, split: int) -> GGUFTensorInfo:
+    shape = tuple(reversed(t.dims))
+    dtype = _PLAIN_DTYPES.get(t.type_name)
+    if dtype is None:  # blocks: rows of bytes
+        data_shape = (*shape[:-1], t.num_bytes // max(1, _rows(shape)))
+        dtype = "|u1"
+    else:
+        data_shape = shape
+    return GGUFTensorInfo(t.name, t.type_name, tuple(t.dims), t.offset, dtype, data_shape, split)
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows
 
 
 def save_index(index: GGUFIndex, directory: str) -> None:
@@ -126,7 +188,8 @@ def load_index(directory: str, gguf_path: str) -> GGUFIndex | None:
             GGUFTensorInfo(**(t | {"dims": tuple(t["dims"]), "data_shape": tuple(t["data_shape"])}))
             for t in raw.pop("tensors")
         )
-        index = GGUFIndex(**raw, tensors=tensors)
+        splits = tuple(tuple(s) for s in raw.pop("splits"))
+        index = GGUFIndex(**raw, tensors=tensors, splits=splits)  # type: ignore[arg-type]
     except (KeyError, TypeError):
         return None
     if index.path != os.path.realpath(gguf_path) or not index.matches_file():

@@ -1,14 +1,12 @@
-"""GGUF checkpoints: converted once into a cached HF-format directory, then loaded as one.
+"""GGUF checkpoints: metadata cached once as an HF-format directory, weights read from the file.
 
-The conversion (slow the first time: transformers parses the GGUF metadata for the config and
-the tokenizer, and every tensor is dequantized) writes into
-`$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`, under `<sha256 of path, size, mtime>/`:
-config.json, the tokenizer files (with the GGUF's chat template), and model.safetensors with
-the float32 weights under HF names and in HF layout (llama.cpp's Q/K row permutation undone,
-so HF's rotate_half rotary embedding applies), and gguf_index.json: the file's tensor table
-(name, type, shape, byte offset) and architecture. With that index a warm start reads the
-quantized blocks straight from a memory map of the GGUF file and never parses its metadata
-(gguf-py reads the tokenizer's vocabulary field by field: seconds for a 49k vocabulary).
+The first load of a file writes into `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`, under
+`<sha256 of format version, path, size, mtime>/`, only what is metadata: config.json (from
+transformers' GGUF reader plus the family's `config_from_gguf`), the tokenizer files (with
+the GGUF's chat template) and gguf_index.json, the tensor table of the file and its splits
+(gguf_index.py), built from the validated headers (gguf_header.py). No weights are written:
+every load reads each tensor from a memory map of the file into its kept form
+(gguf_quant.py), one tensor at a time, so no float copy of the model exists at any moment.
 """
 
 from __future__ import annotations
@@ -25,35 +23,22 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES
 from pagedllm.models.family import GGUFSpec
-from pagedllm.models.gguf_index import (
-    GGUF_FLOAT_TYPES,
-    GGUFIndex,
-    GGUFTensorInfo,
-    index_from_reader,
-    load_index,
-    save_index,
-    tensor_data,
-)
-from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES, gguf_quantized_weight
+from pagedllm.models.gguf_index import GGUFIndex, index_from_headers, load_index, save_index, tensor_data
+from pagedllm.models.gguf_quant import DEQUANTIZED_TYPES, KeptTensor, kept_bytes, kept_gguf_tensor
 from pagedllm.models.registry import gguf_family
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from pagedllm.kernels import QuantizedWeight
-
 logger = logging.getLogger(__name__)
 
-# 2: Llama-3 rope scaling recovered from rope_freqs (models/gguf_rope.py); a cache written
-# before it holds plain rope for those files, so every file converts once more.
-_CACHE_FORMAT_VERSION = 2
+# 3: metadata only (no model.safetensors; weights come from the file), index v2 (splits).
+_CACHE_FORMAT_VERSION = 3
 
-# The architectures and their tensor names: each family's GGUFSpec (models/family.py).
-SUPPORTED_TENSOR_TYPES = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
+# The types a load reads: kept as they are, dequantized to BF16 per tensor, or F32.
+SUPPORTED_TENSOR_TYPES = ("F32", *KEPT_GGUF_TYPES, *DEQUANTIZED_TYPES)
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Mixtral files written before llama.cpp stacked experts (early 2024): one 2-D tensor per
@@ -66,7 +51,7 @@ def cache_root() -> str:
 
 
 def cache_dir_for(gguf_path: str) -> str:
-    """Where the converted checkpoint of this exact file (path, size, mtime) lives."""
+    """Where the metadata of this exact file (path, size, mtime) is cached."""
     path = os.path.realpath(gguf_path)
     st = os.stat(path)
     key = f"v{_CACHE_FORMAT_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
@@ -74,10 +59,11 @@ def cache_dir_for(gguf_path: str) -> str:
 
 
 def gguf_to_hf_dir(gguf_path: str) -> str:
-    """The cached HF-format directory of a GGUF file, converting it on first use."""
+    """The cached HF-format metadata directory (config, tokenizer, tensor index; no weights)
+    of a GGUF file, written on first use."""
     out_dir = cache_dir_for(gguf_path)
     if os.path.isdir(out_dir):
-        logger.info("using converted GGUF %s from cache %s", gguf_path, out_dir)
+        logger.info("using the GGUF metadata of %s from cache %s", gguf_path, out_dir)
         return out_dir
     start = time.perf_counter()
     # Build in a private directory and rename: concurrent first loads never see half a cache.
@@ -85,26 +71,23 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     try:
-        _convert(gguf_path, tmp_dir)
+        _write_metadata(gguf_path, tmp_dir)
         try:
             os.rename(tmp_dir, out_dir)
         except OSError:  # another process finished first; its copy is as good
             assert os.path.isdir(out_dir), out_dir
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    logger.info(
-        "converted GGUF %s in %.1f s, cached at %s", gguf_path, time.perf_counter() - start, out_dir
-    )
+    logger.info("read the GGUF metadata of %s in %.1f s, cached at %s", gguf_path, time.perf_counter() - start, out_dir)
     return out_dir
 
 
-def _convert(gguf_path: str, out_dir: str) -> None:
-    from safetensors.torch import save_file
+def _write_metadata(gguf_path: str, out_dir: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from pagedllm.models.config_utils import architecture_of
 
-    index = gguf_index(gguf_path)  # parsed once per process, shared with resolve_quantization
+    index = gguf_index(gguf_path)  # validates the header before transformers and gguf-py read it
     try:
         spec = gguf_family(index.architecture).gguf
     except ValueError as e:
@@ -117,19 +100,68 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     os.makedirs(src_dir)
     basename = os.path.basename(gguf_path)
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
-    hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
-    hf_config.architectures = [architecture_of(hf_config)]
-    if spec.config_from_gguf is not None:
-        for key, value in spec.config_from_gguf(_reader_of(gguf_path), hf_config).items():
-            setattr(hf_config, key, value)
-    _reader.cache_clear()  # the conversion is its last user
-    tensors = dict(read_gguf_tensors(index, hf_config))
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    # The header is valid (gguf_index); its values may still be nonsense to transformers' reader.
+    try:
+        hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
+        hf_config.architectures = [architecture_of(hf_config)]
+        # From the whole index: a split model's head may lie in a later split.
+        hf_config.tie_word_embeddings = all(t.name != "output.weight" for t in index.tensors)
+        if spec.config_from_gguf is not None:
+            import gguf
+
+            for key, value in spec.config_from_gguf(gguf.GGUFReader(index.path), hf_config).items():
+                setattr(hf_config, key, value)
+        check_config_matches(index, hf_config)
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=basename)
+    except _METADATA_ERRORS as e:
+        raise ValueError(f"{gguf_path}: its metadata cannot be read as a model: {type(e).__name__}: {e}") from None
     hf_config.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(src_dir, gguf_file=basename).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     shutil.rmtree(src_dir)
     save_index(index, out_dir)
+
+
+# Whatever transformers' GGUF reader raises on metadata it does not expect (wrong value
+# types, missing keys, zero sizes, its config validators): the file is input, so each becomes
+# a ValueError naming it.
+_METADATA_ERRORS = (Exception,)
+# Longer contexts than any model's (Llama 4 Scout: 10M) are a corrupt field; the rotary table
+# and the KV check are sized by it.
+_MAX_CONTEXT = 1 << 26
+
+
+def check_config_matches(index: GGUFIndex, hf_config: Any) -> None:
+    """ValueError unless the metadata's sizes agree with the tensor table: the embedding is
+    [vocab, hidden] and the blocks number num_hidden_layers (a model is never built from
+    sizes the weights do not have)."""
+    embd = next((t for t in index.tensors if t.name == "token_embd.weight"), None)
+    want = (int(hf_config.vocab_size), int(hf_config.hidden_size))
+    if embd is None or embd.shape != want:
+        found = "none" if embd is None else list(embd.shape)
+        raise ValueError(f"{index.path}: token_embd.weight is {found}, the metadata says [vocab, hidden] = {list(want)}")
+    blocks = {int(m.group(1)) for t in index.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
+    num_layers = int(hf_config.num_hidden_layers)
+    if len(blocks) != num_layers or max(blocks, default=-1) != num_layers - 1:
+        raise ValueError(
+            f"{index.path}: the tensors fill {len(blocks)} blocks (0..{max(blocks, default=-1)}), "
+            f"the metadata says {num_layers} layers"
+        )
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or want[1] // max(heads, 1))
+    q = next((t for t in index.tensors if t.name == "blk.0.attn_q.weight"), None)
+    k = next((t for t in index.tensors if t.name == "blk.0.attn_k.weight"), None)
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or (q is not None and q.shape[0] != heads * head_dim) or (
+        k is not None and k.shape[0] != kv_heads * head_dim
+    ):
+        raise ValueError(
+            f"{index.path}: the metadata's {heads} heads / {kv_heads} KV heads of {head_dim} do not fit "
+            f"the attention tensors ({None if q is None else list(q.shape)}, {None if k is None else list(k.shape)})"
+        )
+    if not 0 < int(hf_config.max_position_embeddings) <= _MAX_CONTEXT:
+        raise ValueError(
+            f"{index.path}: context length {hf_config.max_position_embeddings} is out of range (1..{_MAX_CONTEXT})"
+        )
 
 
 def check_tensor_types(type_names: Iterable[str], gguf_path: str) -> None:
@@ -180,19 +212,21 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def read_gguf_tensors(
     index: GGUFIndex, hf_config: PretrainedConfig, keep_quantized: bool = False
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(HF name, float32 tensor in HF layout) for every loadable tensor of the file, read by
-    offset from a memory map of it.
+) -> Iterator[tuple[str, KeptTensor]]:
+    """(HF name, tensor in HF layout) for every loadable tensor of the file, read by offset
+    from memory maps of it (and its splits), one at a time.
 
-    keep_quantized: 2-D tensors of a type in GGUF_QUANT_TYPES come as QuantizedWeight (rows
-    in HF order) instead; any other non-float type is a ValueError naming the supported ones.
+    keep_quantized: every matrix (2-D tensor, or a 3-D expert stack's 2-D slice) comes in its
+    kept form (gguf_quant.kept_gguf_tensor: QuantizedWeight, GGUFBlocks, or F32 as float32);
+    else, and for vectors (norms, biases), a float32 tensor dequantized from that tensor alone.
     """
     arch = index.architecture
     spec = gguf_spec(arch)
     permute_qk, norm_plus_one = spec.permuted_qk, spec.norm_plus_one
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    file_map = index.open_data()
+    file_maps = index.open_data()
+    dequantized: list[str] = []
     for t in index.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
@@ -203,39 +237,37 @@ def read_gguf_tensors(
             heads = num_heads
         elif permute_qk and ".k_proj." in name:
             heads = num_kv_heads
-        data = tensor_data(file_map, t)
+        data = tensor_data(file_maps, t)
+        if keep_quantized and t.type_name in DEQUANTIZED_TYPES and len(shape) >= 2:
+            dequantized.append(f"{t.name} ({t.type_name})")
         if "{expert}" in name:  # a 3-D stack [E, rows, cols]: one 2-D tensor per expert
             for e in range(shape[0]):
-                yield from _tensor_items(name.format(expert=e), data[e], t.type_name, shape[1:], keep_quantized)
+                yield name.format(expert=e), _matrix(data[e], t.type_name, shape[1:], None, keep_quantized)
             continue
-        if keep_quantized and t.type_name not in GGUF_FLOAT_TYPES and len(shape) == 2:
-            qw = gguf_quantized_weight(data, t.type_name, shape)  # type: ignore[arg-type]
-            if heads is not None:
-                # Row permutations commute with per-row group quantization.
-                qw = qw.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
-            yield name, qw
+        if len(shape) == 2:
+            rows = None if heads is None else unpermute_qk(np.arange(shape[0]), heads)
+            yield name, _matrix(data, t.type_name, shape, rows, keep_quantized)
             continue
-        w = _dequantize(data, t).reshape(shape)
+        w = _dequantize_raw(data, t.type_name).reshape(shape)
         if heads is not None:
             w = unpermute_qk(w, heads)
         elif norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0  # back to HF's offset-from-one form
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+    if dequantized:
+        logger.info("dequantized to BF16 (no kernel keeps their type): %s", ", ".join(dequantized))
 
 
-def _tensor_items(
-    name: str, data: np.ndarray, type_name: str, shape: tuple[int, ...], keep_quantized: bool
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    # One expert's 2-D slice of a 3-D tensor (no permutation, no norm: experts have neither).
-    if keep_quantized and type_name not in GGUF_FLOAT_TYPES:
-        yield name, gguf_quantized_weight(data, type_name, shape)  # type: ignore[arg-type]
-        return
+def _matrix(
+    data: np.ndarray, type_name: str, shape: tuple[int, ...], rows: np.ndarray | None, keep_quantized: bool
+) -> KeptTensor:
+    # One matrix [N, K] (HF order), its rows reordered by `rows` if given.
+    if keep_quantized:
+        return kept_gguf_tensor(data, type_name, (shape[0], shape[1]), rows)
     w = _dequantize_raw(data, type_name).reshape(shape)
-    yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
-
-
-def _dequantize(data: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:
-    return _dequantize_raw(data, tensor.type_name)
+    if rows is not None:
+        w = w[rows]
+    return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 
 def _dequantize_raw(data: np.ndarray, type_name: str) -> np.ndarray:
@@ -254,34 +286,23 @@ def _gguf_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
     if index is not None:
         return index
     start = time.perf_counter()
-    index = index_from_reader(_reader_of(path), path)
-    logger.info("parsed the metadata of %s in %.1f s", path, time.perf_counter() - start)
-    if os.path.isdir(cache_dir):  # else the conversion writes it
+    index = index_from_headers(path)
+    logger.info("read the tensor table of %s in %.2f s", path, time.perf_counter() - start)
+    if os.path.isdir(cache_dir):  # else the metadata step writes it
         save_index(index, cache_dir)
     return index
 
 
-@functools.lru_cache(maxsize=1)
-def _reader(path: str, size: int, mtime_ns: int) -> Any:
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
-def _reader_of(gguf_path: str) -> Any:
-    """gguf-py's reader of the file, parsed once for a cold index and the conversion's
-    `config_from_gguf` together (seconds for a large vocabulary); dropped after conversion."""
-    path = os.path.realpath(gguf_path)
-    st = os.stat(path)
-    return _reader(path, st.st_size, st.st_mtime_ns)
-
-
 def gguf_index(gguf_path: str) -> GGUFIndex:
-    """The file's tensor table: from the conversion cache while the file is unchanged (path,
-    size, mtime), else parsed (once per process) and saved there."""
+    """The file's tensor table: from the metadata cache while the file (and its splits) are
+    unchanged (path, size, mtime), else from its validated headers (once per process)."""
     path = os.path.realpath(gguf_path)
     st = os.stat(path)
-    return _gguf_index(path, st.st_size, st.st_mtime_ns)
+    index = _gguf_index(path, st.st_size, st.st_mtime_ns)
+    if index.splits and not index.matches_file():  # a split changed
+        _gguf_index.cache_clear()
+        index = index_from_headers(path)
+    return index
 
 
 def gguf_quant_types(gguf_path: str) -> set[str]:
@@ -292,20 +313,38 @@ def gguf_quant_types(gguf_path: str) -> set[str]:
 
 
 def check_gguf_quant_types(gguf_path: str) -> None:
-    """ValueError naming the supported types unless --quantization gguf can keep the file's."""
-    bad = sorted(gguf_quant_types(gguf_path) - set(GGUF_QUANT_TYPES) - set(GGUF_FLOAT_TYPES))
-    if bad:
-        raise ValueError(
-            f"{gguf_path} has weights of type {', '.join(bad)}, which --quantization gguf cannot "
-            f"keep quantized; supported: {', '.join(GGUF_QUANT_TYPES)} (float: "
-            f"{', '.join(GGUF_FLOAT_TYPES)}); use --quantization none (dequantize to --dtype) "
-            "or int8 / int4 (requantize at load)"
-        )
+    """ValueError naming the supported types unless a load can read every tensor of the file."""
+    check_tensor_types(gguf_index(gguf_path).type_names(), gguf_path)
 
 
-def read_gguf_quantized(
-    gguf_path: str, hf_config: PretrainedConfig
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """The file's weights with its quantized projections kept quantized (--quantization gguf)."""
+def estimated_weight_bytes(gguf_path: str, quantization: str, dtype_bytes: int) -> int:
+    """Resident bytes of the file's weights once loaded with `quantization` (before loading:
+    from the tensor table; gguf_quant.kept_bytes per matrix under "gguf")."""
+    index = gguf_index(gguf_path)
+    total = 0
+    for t in index.tensors:
+        if hf_tensor_name(t.name, index.architecture) is None:
+            continue
+        elements = int(np.prod(t.dims))
+        if len(t.dims) < 2:
+            total += elements * 4
+        elif quantization == "gguf":
+            total += kept_bytes(t.type_name, t.shape)
+        elif quantization in ("int8", "int4"):  # 34 / 20 bytes per 32 (the tables at 8 bits)
+            total += elements * (34 if quantization == "int8" or "token_embd" in t.name else 20) // 32
+        else:
+            total += elements * dtype_bytes
+    return total
+
+
+def read_gguf_quantized(gguf_path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, KeptTensor]]:
+    """The file's weights with every matrix in its kept form (--quantization gguf)."""
     check_gguf_quant_types(gguf_path)
     yield from read_gguf_tensors(gguf_index(gguf_path), hf_config, keep_quantized=True)
+
+
+def read_gguf_float(gguf_path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, KeptTensor]]:
+    """The file's weights dequantized to float32 one tensor at a time (--quantization none,
+    int8, int4: the model copies each into its dtype or requantizes it as it loads)."""
+    check_gguf_quant_types(gguf_path)
+    yield from read_gguf_tensors(gguf_index(gguf_path), hf_config, keep_quantized=False)

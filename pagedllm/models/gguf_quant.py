@@ -1,7 +1,20 @@
-"""GGUF quantized blocks -> QuantizedWeight, without going through float.
+"""A GGUF tensor's kept form: QuantizedWeight for Q4_0/Q4_1/Q8_0, GGUFBlocks for every other
+kept type, BF16 blocks for the types that are dequantized (IQ1-IQ3, TQ1/TQ2).
 
-Every supported type is groups of 32 weights with a float scale (and an offset for the
-asymmetric ones), which is exactly `QuantizedWeight`'s form:
+| file type | kept as | resident bytes per 32 weights (file) |
+| --- | --- | --- |
+| Q8_0 | QuantizedWeight int8 + fp16 scale | 34 (34) |
+| Q4_1 | QuantizedWeight int4 + fp16 scale, zero | 20 (20) |
+| Q4_0 | QuantizedWeight int4 + fp16 scale, zero = -8 d | 20 (18): +11%, for the fast kernels |
+| Q4_K, Q5_*, Q2_K-Q6_K, IQ4_*, MXFP4 | GGUFBlocks, the file's bytes | as in the file |
+| F16, BF16 | GGUFBlocks F16 / BF16 | 64 (64) |
+| IQ1_*, IQ2_*, IQ3_*, TQ1_0, TQ2_0 | GGUFBlocks BF16 (dequantized) | 64 (7-14) |
+
+(Q4_K's QuantizedWeight form, below, costs +33% over the file: it stays for callers that ask
+for it, the loader keeps Q4_K as blocks.)
+
+Into QuantizedWeight without going through float: each of its types is groups of 32 weights
+with a float scale (and an offset for the asymmetric ones), which is exactly its form:
 - Q8_0: 32 x int8 + fp16 d:                w = d q                 -> int8, scale d
 - Q4_0: 32 x 4 bit + fp16 d:               w = d (q - 8)           -> int4, scale d, zero -8 d
 - Q4_1: 32 x 4 bit + fp16 d, m:            w = d q + m             -> int4, scale d, zero m
@@ -19,9 +32,55 @@ import numpy as np
 import torch
 
 from pagedllm.kernels import GROUP_SIZE, QuantizedWeight, pack_int4
+from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES, GGUFBlocks, row_bytes
 from pagedllm.models.gguf_index import GGUF_FLOAT_TYPES
 
 GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+# The types kept as QuantizedWeight (its fast kernels, the compiled decode); others as blocks.
+QUANTIZED_WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Types dequantized to BF16 per tensor (no kernel of their own): gguf-py dequantizes them.
+DEQUANTIZED_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
+KeptTensor = QuantizedWeight | GGUFBlocks | torch.Tensor
+
+
+def kept_gguf_tensor(data: np.ndarray, type_name: str, shape: tuple[int, int], rows: np.ndarray | None = None) -> KeptTensor:
+    """A matrix of the file in its kept form (the table in the module docstring); F32 stays a
+    float32 tensor. data: the raw [N, bytes per row] (or [N, K] for F32/F16) from the map;
+    shape: (N, K) in HF order; rows: a row order to apply (llama.cpp's Q/K interleave undone),
+    selected whole rows of bytes. ValueError for a type that is neither kept nor dequantized."""
+    n, k = shape
+    raw = data.reshape(n, -1)
+    if rows is not None:
+        raw = raw[rows]  # a copy in the new order
+    if type_name == "F32":
+        return torch.from_numpy(np.array(raw, dtype=np.float32, copy=True))
+    if type_name in QUANTIZED_WEIGHT_TYPES:
+        return gguf_quantized_weight(raw.view(np.uint8), type_name, shape)
+    if type_name in KEPT_GGUF_TYPES:
+        blocks = np.array(raw, copy=True).view(np.uint8).reshape(n, row_bytes(type_name, k))
+        return GGUFBlocks(torch.from_numpy(blocks), type_name, k)
+    if type_name in DEQUANTIZED_TYPES:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = torch.from_numpy(dequantize(np.ascontiguousarray(raw), GGMLQuantizationType[type_name]).reshape(n, k))
+        return GGUFBlocks(w.to(torch.bfloat16).view(torch.uint8).reshape(n, 2 * k), "BF16", k)
+    raise ValueError(
+        f"GGUF tensor type {type_name} is not supported; kept: {', '.join(KEPT_GGUF_TYPES)}, "
+        f"dequantized to BF16: {', '.join(DEQUANTIZED_TYPES)}"
+    )
+
+
+def kept_bytes(type_name: str, shape: tuple[int, ...]) -> int:
+    """Resident bytes of a matrix of `shape` (HF order) in its kept form (module docstring)."""
+    elements = int(np.prod(shape))
+    if type_name == "F32":
+        return 4 * elements
+    if type_name == "Q4_0":
+        return elements // 32 * 20
+    if type_name in KEPT_GGUF_TYPES:
+        return elements // shape[-1] * row_bytes(type_name, shape[-1])
+    return 2 * elements  # dequantized to BF16
 
 
 def gguf_quantized_weight(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:

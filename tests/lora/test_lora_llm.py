@@ -58,15 +58,19 @@ def fused_steps_with_adapters(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def check_mixed_batch(llm: LLM, checkpoints: dict[str, Any], refs: dict[str | None, Any],
-                      monkeypatch: pytest.MonkeyPatch) -> None:
+                      monkeypatch: pytest.MonkeyPatch, fused_decode: bool = True) -> None:
     """Every prompt under a, b and the base, interleaved in one generate call; the decode
-    steps run the compiled forward with the adapters' deltas (kernels/csrc/lora_delta.h)."""
+    steps run the compiled forward with the adapters' deltas (kernels/csrc/lora_delta.h), or
+    module by module where the layers keep GGUF blocks (fused_decode False)."""
     names = [None, "a", "b"]
     prompts = [p for p in PROMPTS for _ in names]
     loras = [None if n is None else lora(checkpoints, n) for _ in PROMPTS for n in names]
     fused = fused_steps_with_adapters(monkeypatch)
     outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
-    assert len(fused) >= MAX_TOKENS - 1, "the decode steps with adapters did not run fused"
+    if fused_decode:
+        assert len(fused) >= MAX_TOKENS - 1, "the decode steps with adapters did not run fused"
+    else:
+        assert not fused
     distinct = set()
     for out, request in zip(outs, loras):
         name = None if request is None else request.lora_name
@@ -99,18 +103,20 @@ def test_mixed_adapters_match_hf_peft_merged(checkpoints: dict[str, Any], monkey
     assert again.num_cached_tokens == 32
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
 def test_quantized_base_matches_hf_peft_on_the_dequantized_weights(
-    checkpoints: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str
 ) -> None:
-    """A Q4_1 GGUF base, kept quantized (the delta is added to the quantized projections'
-    output), against HF reading the same file with each adapter merged into it."""
+    """A Q4_1 (QuantizedWeight) or Q5_0 (GGUF blocks) base, kept quantized (the delta is added
+    to the quantized projections' output), against HF reading the same file with each adapter
+    merged into it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     root = checkpoints["root"]
-    path = root / "base" / "tiny-Q4_1.gguf"
-    save_tiny_gguf(path, checkpoints["base"], AutoTokenizer.from_pretrained(root / "base"), "Q4_1")
+    path = root / "base" / f"tiny-{qtype}.gguf"
+    save_tiny_gguf(path, checkpoints["base"], AutoTokenizer.from_pretrained(root / "base"), qtype)
 
     def reference(adapter: str | None) -> Any:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -120,8 +126,10 @@ def test_quantized_base_matches_hf_peft_on_the_dequantized_weights(
 
     llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, quantization="gguf", **ENGINE)
     layer = llm.llm_engine.engine_core.runner.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.quant is not None and layer.mlp.down_proj.quant is not None
-    check_mixed_batch(llm, checkpoints, {n: reference(n) for n in (None, "a", "b")}, monkeypatch)
+    assert layer.self_attn.qkv_proj.kept_weights() and layer.mlp.down_proj.kept_weights()
+    assert (layer.self_attn.qkv_proj.blocks is not None) == (qtype == "Q5_0")
+    refs = {n: reference(n) for n in (None, "a", "b")}
+    check_mixed_batch(llm, checkpoints, refs, monkeypatch, fused_decode=qtype != "Q5_0")
 
 
 def test_a_request_waiting_for_a_slot_holds_no_one_behind(checkpoints: dict[str, Any]) -> None:

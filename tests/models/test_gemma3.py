@@ -4,6 +4,7 @@ longer than the tiny sliding window so local and global layers see different con
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from tests.models.utils import (
     bind_kv_caches,
     prompt_logprobs,
     save_random_model,
+    save_tiny_gguf,
 )
 from tests.utils import TEXT_PROMPTS, assert_greedy_match, hf_greedy
 
@@ -141,3 +143,42 @@ def test_kv_cache_groups_are_equal_sized() -> None:
     assert len(caches) == 3  # a block spans 3 layer slices
     assert layers[5].kv_cache is caches[0] and layers[5].kv_cache_group == 0
     assert layers[16].kv_cache is caches[2] and layers[16].kv_cache_group == 5
+
+
+def test_gguf_rope_scaling_of_global_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 4B and up: llama.cpp's converter writes the global layers' linear x8 rope as
+    gemma3.rope.scaling.type / .factor, which transformers' GGUF reader drops; ours reads them
+    (GGUFSpec.config_from_gguf). A float32 file against HF on the same weights and scaling."""
+    from transformers import AutoTokenizer, Gemma3TextConfig
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=WINDOW, final_logit_softcapping=None,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID, pad_token_id=0,
+    )  # fmt: skip
+    hf_model = save_random_model(tmp_path, config)
+
+    def scaling(writer: Any) -> None:
+        writer.add_string("gemma3.rope.scaling.type", "linear")
+        writer.add_float32("gemma3.rope.scaling.factor", 8.0)
+
+    path = tmp_path / "gguf" / "tiny-gemma3.gguf"
+    path.parent.mkdir()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    save_tiny_gguf(path, hf_model, tokenizer, arch="gemma3", extra=scaling, type_of=lambda name: "F32")
+    loaded = load_model(str(path))
+    full = loaded.hf_config.rope_parameters["full_attention"]
+    assert (full["rope_type"], full["factor"]) == ("linear", 8.0)
+    assert loaded.hf_config.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    bind_kv_caches(loaded.model, num_blocks=32, block_size=16)
+    prompt = list(range(3, 200, 2))  # 99 positions: a x8 scaling is visible
+    ours = prompt_logprobs(loaded.model, prompt)
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

@@ -66,7 +66,7 @@ def test_missing_id_or_revision_is_a_clear_error(hub_cache: tuple[Path, dict[str
     assert str(cache) in str(error.value) and "a known name (SmolLM2-135M-Instruct" in str(error.value)
     with pytest.raises(ValueError, match=r"no complete snapshot of revision v3 of 'tiny-org/tiny-phi3'"):
         resolve_checkpoint(REPO, "v3", str(cache))
-    with pytest.raises(ValueError, match=r"or a Hugging Face hub id \(org/name\)$"):
+    with pytest.raises(ValueError, match=r"or a Hugging Face hub id \(org/name, or org/name:QUANT for a GGUF repo\)$"):
         resolve_checkpoint("not//a hub id", download_dir=str(cache))
 
 

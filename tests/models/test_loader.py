@@ -1,4 +1,4 @@
-"""load_model: name resolution, errors, GGUF conversion and its cache (on a tiny GGUF)."""
+"""load_model: name resolution, errors, GGUF metadata and its cache (on a tiny GGUF)."""
 
 from __future__ import annotations
 
@@ -86,11 +86,13 @@ def test_gguf_cache_is_reused(
     path = write_gguf(tiny_hf, "Q8_0")
     first = load_model(str(path))
     assert os.listdir(cache_dir) == [os.path.basename(first.model_dir)]  # no temp dir left
+    # Metadata only: no weights are ever written to the cache.
+    assert sorted(n for n in os.listdir(first.model_dir) if not n.endswith((".json", ".jinja"))) == []
 
     def no_conversion(*args: object) -> None:
-        raise AssertionError("converted again despite the cache")
+        raise AssertionError("read the metadata again despite the cache")
 
-    monkeypatch.setattr(gguf_loader, "_convert", no_conversion)
+    monkeypatch.setattr(gguf_loader, "_write_metadata", no_conversion)
     second = load_model(str(path))
     assert second.model_dir == first.model_dir
     ours, theirs = first.model.state_dict(), second.model.state_dict()
@@ -147,9 +149,9 @@ def test_resolve_checkpoint(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_tensor_type() -> None:
-    with pytest.raises(ValueError, match="type IQ2_XXS; supported: F32, F16, BF16, Q4_0"):
-        check_tensor_types(["Q4_1", "IQ2_XXS"], "x.gguf")
-    check_tensor_types(["Q4_1", "F32"], "x.gguf")
+    with pytest.raises(ValueError, match="type Q8_K; supported: F32, F16, BF16, Q4_0"):
+        check_tensor_types(["Q4_1", "IQ2_XXS", "Q8_K"], "x.gguf")
+    check_tensor_types(["Q4_1", "F32", "IQ2_XXS", "Q6_K", "IQ4_XS", "MXFP4"], "x.gguf")
 
 
 def test_gguf_index_matches_gguf_reader(tiny_hf: tuple[Any, Path], cache_dir: Path) -> None:
@@ -202,7 +204,7 @@ def test_gguf_index_is_reused_and_dropped_when_the_file_changes(
     # even read from the old cache entry, and a load parses the new file.
     save_tiny_gguf(path, tiny_hf[0], AutoTokenizer.from_pretrained(tiny_hf[1]), "Q8_0")
     assert load_index(first.model_dir, str(path)) is None
-    with pytest.raises(AssertionError, match="parsed the GGUF metadata again"):
+    with pytest.raises(ValueError, match="parsed the GGUF metadata again"):  # through the metadata step
         load_model(str(path))
     monkeypatch.undo()
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache_dir))

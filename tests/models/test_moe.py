@@ -243,7 +243,8 @@ def _moe_gguf(
 
 @pytest.mark.parametrize(
     ("name", "arch", "qtype", "expert_qtype"),
-    [("qwen2-moe", "qwen2moe", "Q8_0", "Q4_1"), ("qwen3-moe", "qwen3moe", "Q4_0", "Q4_0")],
+    [("qwen2-moe", "qwen2moe", "Q8_0", "Q4_1"), ("qwen3-moe", "qwen3moe", "Q4_0", "Q4_0"),
+     ("qwen3-moe", "qwen3moe", "Q4_0", "Q5_0")],  # Q5_0 experts: kept as GGUF blocks
 )
 def test_gguf_kept_quantized_matches_hf_on_the_same_file(
     name: str, arch: str, qtype: str, expert_qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -269,8 +270,11 @@ def test_gguf_kept_quantized_matches_hf_on_the_same_file(
     loaded = load_model(str(gguf_path), quantization="gguf")
     cfg = hf_model.config
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
-    assert moes and all(isinstance(e.gate_up_proj.quant, QuantizedWeight) for m in moes for e in m.experts)
-    assert all(e.down_proj.quant is not None for m in moes for e in m.experts)
+    from pagedllm.kernels.gguf_blocks import GGUFBlocks
+
+    kept = QuantizedWeight if expert_qtype in ("Q4_0", "Q4_1", "Q8_0") else GGUFBlocks
+    assert moes and all(isinstance(e.gate_up_proj.kept_weights()[0], kept) for m in moes for e in m.experts)
+    assert all(isinstance(e.down_proj.kept_weights()[0], kept) for m in moes for e in m.experts)
     # transformers' GGUF reader leaves these at its defaults; pass the file's values.
     overrides = {"moe_intermediate_size": cfg.moe_intermediate_size, "mlp_only_layers": cfg.mlp_only_layers}
     if name == "qwen2-moe":

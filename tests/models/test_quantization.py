@@ -166,10 +166,11 @@ def test_quantization_errors(tiny_hf: tuple[Any, Path], cache_dir: Path) -> None
         load_model(str(hf_dir), quantization="fp8")
     with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
         load_model(str(hf_dir), quantization="gguf")
+    # Q5_0 (and every other kept type) stays as the file's blocks: no whole-model fallback.
     path = write_gguf(tiny_hf, "Q5_0")
-    with pytest.raises(ValueError, match="type Q5_0, .* supported: Q8_0, Q4_0, Q4_1, Q4_K"):
-        load_model(str(path), quantization="gguf")
-    assert load_model(str(path)).quantization == "none"  # the default falls back to float
+    loaded = load_model(str(path))
+    assert loaded.quantization == "gguf"
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.blocks.type_name == "Q5_0"
 
 
 # --- the real default model -------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -232,13 +233,17 @@ def save_tiny_gguf(
     qtype: str = "Q8_0",
     arch: str = "llama",
     extra: Callable[[Any], None] | None = None,
+    type_of: Callable[[str], str] | None = None,
+    split_max_tensors: int = 0,
 ) -> None:
     """Write a Llama-shaped HF model and its (byte-level BPE) tokenizer as a llama.cpp-style
     GGUF of the GGUF architecture `arch`, with that family's declared tensor names, Q/K
     permutation and (1 + w) norms (models/family.py's GGUFSpec), and the keys llama.cpp's
     converter writes for what the config has (head_dim, sliding window, soft-caps: Gemma).
 
-    2-D projection weights are quantized to `qtype`, the embedding to Q8_0, norms stay F32.
+    2-D projection weights are quantized to `qtype`, the embedding to Q8_0, norms stay F32;
+    `type_of(hf_name)`, if given, chooses each matrix's type instead. A type gguf-py cannot
+    quantize gets random valid blocks (`random_blocks`) in place of the model's weights.
     `extra(writer)` adds the family's own metadata and tensors (e.g. Phi-3's long rope).
     """
     import gguf
@@ -248,7 +253,8 @@ def save_tiny_gguf(
 
     spec = gguf_spec(arch)
     cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), arch)
+    # split_max_tensors > 0: llama.cpp's split files, <stem>-0000i-of-0000n.gguf beside `path`.
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_name(f"tiny-{arch}")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -256,7 +262,8 @@ def save_tiny_gguf(
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(float(rope.get("rope_theta") or rope["full_attention"]["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "head_dim", None):
@@ -300,15 +307,59 @@ def save_tiny_gguf(
         if w.ndim == 1:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w))
             continue
-        qt = gguf.GGMLQuantizationType["Q8_0" if "embed" in name else qtype]
-        if qt == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gguf_name, w.astype(np.float16))
+        type_name = type_of(name) if type_of is not None else ("Q8_0" if "embed" in name else qtype)
+        qt = gguf.GGMLQuantizationType[type_name]
+        if qt in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
+            writer.add_tensor(gguf_name, w.astype(np.float16 if type_name == "F16" else np.float32))
             continue
-        writer.add_tensor(gguf_name, gguf.quants.quantize(w, qt), raw_dtype=qt)
+        try:
+            data = gguf.quants.quantize(w, qt)
+        except NotImplementedError:
+            data = random_blocks(type_name, w.shape[0], w.shape[1], seed=zlib.crc32(name.encode()))
+        writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Byte offsets of each block's fp16 scale fields (d, and dmin / m where the type has one), by
+# the ggml block layouts; MXFP4's one scale is an E8M0 exponent byte at 0.
+_FP16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,),
+    "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+}  # fmt: skip
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int = 0, std: float = 0.05) -> Any:
+    """uint8 [n, row bytes]: random valid ggml blocks of `type_name` (random codes and
+    sub-scales) whose fp16 scales are set so the dequantized weights have about `std`."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qt = GGMLQuantizationType[type_name]
+    elems, nbytes = GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
+    if type_name == "MXFP4":
+        blocks[:, 0] = 127
+        spread = dequantize(blocks.reshape(n, -1), qt).std()
+        blocks[:, 0] = 127 + int(round(np.log2(std / spread)))
+        return blocks.reshape(n, -1)
+    fields = _FP16_FIELDS[type_name]
+    for f in fields:  # zero scales must give zero weights: the field table is right
+        blocks[:, f : f + 2] = np.zeros(1, np.float16).view(np.uint8)
+    assert not dequantize(blocks.reshape(n, -1), qt).any(), type_name
+    unit = rng.uniform(0.5, 1.5, size=(blocks.shape[0], len(fields))).astype(np.float16)
+    for i, f in enumerate(fields):
+        blocks[:, f : f + 2] = unit[:, i : i + 1].view(np.uint8)
+    spread = float(dequantize(blocks.reshape(n, -1), qt).std())
+    for i, f in enumerate(fields):
+        blocks[:, f : f + 2] = (unit[:, i : i + 1] * np.float16(std / spread)).view(np.uint8)
+    return blocks.reshape(n, -1)
 
 
 def save_random_model(
