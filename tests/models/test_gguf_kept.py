@@ -1,8 +1,10 @@
 """GGUF matrices kept in their file's type (models/gguf_quant.py), on tiny Llama GGUFs of each
 type, against HF transformers reading the same file (`gguf_file=`: gguf-py dequantizes it).
 
-Bounds (float32 activations): |d logprob| <= 1e-4 for every kept type (the kept path
-dequantizes the same blocks to the same float32 values, so only summation order differs);
+Bounds (float32 activations): |d logprob| <= 1e-3 for every kept type, DESIGN.md's logprob
+rule (matmuls of 17+ rows dequantize the same blocks to the same float32 values, so only
+summation order differs; up to 16 rows the compiled kernel rounds the activations to int16 per
+group of 32, at most 1/65534 of the group's largest |x|: measured up to 2e-4 here);
 0.1 for the types dequantized to BF16 (IQ2_XXS, TQ2_0: bf16 rounding of each weight, 2^-9
 relative, correlated within a block that shares one scale). Greedy is equal by DESIGN.md's
 tie rule for the kept types; for the BF16 ones a first divergence must fall at a reference
@@ -32,7 +34,7 @@ from tests.utils import assert_greedy_match, hf_greedy
 KEPT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
         "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16"]  # fmt: skip
 DEQUANTIZED = ["IQ2_XXS", "TQ2_0"]
-BOUND = {t: 1e-4 for t in KEPT} | {t: 0.1 for t in DEQUANTIZED}
+BOUND = {t: 1e-3 for t in KEPT} | {t: 0.1 for t in DEQUANTIZED}
 NUM_STEPS = 8
 
 
@@ -96,7 +98,7 @@ def check_against_hf(path: Path, loaded: LoadedModel, bound: float) -> None:
     req = greedy_generate(loaded.model, PROMPT, NUM_STEPS)
     ref_tokens, gaps = hf_greedy(ref, PROMPT, NUM_STEPS)
     ours = req.token_ids[len(PROMPT):]
-    if bound <= 1e-4:
+    if bound <= 1e-3:
         assert_greedy_match(ours, ref_tokens, gaps, path.name)
         return
     # BF16-dequantized weights: the tie rule is for float32 weights; here a first divergence
@@ -156,7 +158,7 @@ def test_mixed_types_in_fused_projections(tiny_hf: tuple[Any, Path]) -> None:
     assert isinstance(gate_up.sections[0][1], QuantizedWeight) and gate_up.sections[1][1].type_name == "Q4_K"
     file_bytes = file_tensor_bytes(path)
     assert abs(loaded.weight_bytes - file_bytes) <= 0.03 * file_bytes
-    check_against_hf(path, loaded, 1e-4)
+    check_against_hf(path, loaded, 1e-3)
 
 
 def test_dequantize_and_requantize_per_tensor(tiny_hf: tuple[Any, Path]) -> None:
@@ -164,7 +166,7 @@ def test_dequantize_and_requantize_per_tensor(tiny_hf: tuple[Any, Path]) -> None
     path = write(tiny_hf, "mixed-none", _mixed_type)
     none = load_model(str(path), quantization="none")
     assert none.model.model.layers[0].self_attn.qkv_proj.weight.shape == (512, 256)
-    check_against_hf(path, none, 1e-4)
+    check_against_hf(path, none, 1e-3)
     int8 = load_model(str(path), quantization="int8")
     assert int8.model.model.layers[0].self_attn.qkv_proj.quant is not None
 

@@ -52,12 +52,12 @@ def test_quant_tag_and_file_name(hub: tuple[Path, Path]) -> None:
     # Case-insensitive; the projector file (mmproj) is not a model.
     assert resolve_checkpoint(f"{REPO}:q8_0", download_dir=str(cache))[0] == str(snapshot / "tiny-Q8_0.gguf")
     assert resolve_checkpoint(f"{REPO}:tiny.mmproj-Q8_0.gguf", download_dir=str(cache))[0].endswith("mmproj-Q8_0.gguf")
-    # --hf-file: normalised into the same form by EngineArgs.
-    args = EngineArgs(model=REPO, hf_file="tiny-Q8_0.gguf")
-    assert args.model == f"{REPO}:tiny-Q8_0.gguf"
-    assert resolve_checkpoint(args.model, download_dir=str(cache))[0] == str(snapshot / "tiny-Q8_0.gguf")
+    # --hf-file: folded into the same form by the configuration.
+    model = EngineArgs(model=REPO, hf_file="tiny-Q8_0.gguf").create_engine_config().load_config.model
+    assert model == f"{REPO}:tiny-Q8_0.gguf"
+    assert resolve_checkpoint(model, download_dir=str(cache))[0] == str(snapshot / "tiny-Q8_0.gguf")
     with pytest.raises(ValueError, match="must name a .gguf file"):
-        EngineArgs(model=f"{REPO}:Q8_0", hf_file="x.gguf")
+        EngineArgs(model=f"{REPO}:Q8_0", hf_file="x.gguf").create_engine_config()
 
 
 def test_no_match_names_the_files(hub: tuple[Path, Path]) -> None:
