@@ -3,7 +3,7 @@
 The index is built from the validated headers (gguf_header.py) of the file and of its splits:
 the tensor table (name, type, shape, byte offset, which split) and the architecture, plus
 each file's path, size and mtime; it is dropped when any of them no longer match. The tensor
-data is then read by offset from read-only memory maps of the files.
+data is then read by offset with positional reads of the files (GGUFData).
 """
 
 from __future__ import annotations
@@ -83,20 +83,46 @@ class GGUFIndex:
                 return False
         return True
 
-    def open_data(self) -> list[np.ndarray]:
-        """Each file as a read-only uint8 memory map (the first, then the splits); slice them
-        with `tensor_data`."""
+    def open_data(self) -> list[GGUFData]:
+        """Each file's tensor data (the first, then the splits), read with `tensor_data`."""
         paths = [self.path, *(s[0] for s in self.splits)]
-        return [np.memmap(p, dtype=np.uint8, mode="r") for p in paths]
+        return [GGUFData(p) for p in paths]
 
 
-def tensor_data(file_maps: list[np.ndarray], tensor: GGUFTensorInfo) -> np.ndarray:
-    """A tensor's raw data (a view into the map, no copy), shaped as gguf-py's `t.data`."""
-    file_map = file_maps[tensor.split]
+class GGUFData:
+    """A GGUF file read by offset with positional reads (os.pread), not a memory map: the bytes
+    land straight in the array that keeps them, and the file's pages stay in the page cache
+    instead of counting in the process's resident set while the model loads (a map's touched
+    pages do: a 0.75 GiB file peaked at 2.5x its size in RSS)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+
+    def read(self, offset: int, num_bytes: int) -> np.ndarray:
+        """uint8 [num_bytes] at `offset`; ValueError past the end of the file."""
+        if offset < 0 or offset + num_bytes > self.size:
+            raise ValueError(f"{self.path}: bytes [{offset}, {offset + num_bytes}) are past the file's end ({self.size})")
+        out = np.empty(num_bytes, dtype=np.uint8)
+        view = memoryview(out)
+        with open(self.path, "rb", buffering=0) as f:
+            done = 0
+            while done < num_bytes:  # preadv may return short counts (signals, > 2 GiB)
+                n = os.preadv(f.fileno(), [view[done : done + (1 << 30)]], offset + done)
+                if n <= 0:
+                    raise ValueError(f"{self.path}: the file ended at byte {offset + done} while reading a tensor")
+                done += n
+        return out
+
+
+def tensor_data(files: list[GGUFData], tensor: GGUFTensorInfo) -> np.ndarray:
+    """A tensor's raw data (read into an array of its own), shaped as gguf-py's `t.data`."""
+    file = files[tensor.split]
     end = tensor.offset + tensor.num_bytes
-    if end > file_map.shape[0]:
+    if end > file.size:
         raise ValueError(f"GGUF tensor {tensor.name} ends at byte {end}, past the file's end")
-    return file_map[tensor.offset : end].view(np.dtype(tensor.dtype)).reshape(tensor.data_shape)
+    return file.read(tensor.offset, tensor.num_bytes).view(np.dtype(tensor.dtype)).reshape(tensor.data_shape)
 
 
 # gguf-py's numpy dtypes of the plain types; every other type is uint8 blocks.

@@ -5,7 +5,7 @@ The first load of a file writes into `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm
 transformers' GGUF reader plus the family's `config_from_gguf`), the tokenizer files (with
 the GGUF's chat template) and gguf_index.json, the tensor table of the file and its splits
 (gguf_index.py), built from the validated headers (gguf_header.py). No weights are written:
-every load reads each tensor from a memory map of the file into its kept form
+every load reads each tensor with a positional read of the file into its kept form
 (gguf_quant.py), one tensor at a time, so no float copy of the model exists at any moment.
 """
 
@@ -214,7 +214,7 @@ def read_gguf_tensors(
     index: GGUFIndex, hf_config: PretrainedConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, KeptTensor]]:
     """(HF name, tensor in HF layout) for every loadable tensor of the file, read by offset
-    from memory maps of it (and its splits), one at a time.
+    with positional reads of it (and its splits), one at a time.
 
     keep_quantized: every matrix (2-D tensor, or a 3-D expert stack's 2-D slice) comes in its
     kept form (gguf_quant.kept_gguf_tensor: QuantizedWeight, GGUFBlocks, or F32 as float32);

@@ -57,7 +57,7 @@ def kept_gguf_tensor(data: np.ndarray, type_name: str, shape: tuple[int, int], r
     if type_name in QUANTIZED_WEIGHT_TYPES:
         return gguf_quantized_weight(raw.view(np.uint8), type_name, shape)
     if type_name in KEPT_GGUF_TYPES:
-        blocks = np.array(raw, copy=True).view(np.uint8).reshape(n, row_bytes(type_name, k))
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, row_bytes(type_name, k))
         return GGUFBlocks(torch.from_numpy(blocks), type_name, k)
     if type_name in DEQUANTIZED_TYPES:
         from gguf import GGMLQuantizationType

@@ -80,11 +80,14 @@ def check_memory_fits(model: str, weight_bytes: int, kv_bytes: int) -> None:
     available = available_memory()
     if available.bytes is None or weight_bytes + kv_bytes <= available.bytes:
         return
+    if kv_bytes >= weight_bytes:  # the context length is what does not fit: say that first
+        advice = "pass a smaller --max-model-len (the KV pool must hold one sequence of it), or free memory"
+    else:
+        advice = "use a smaller quant of the model, a smaller --max-model-len, or free memory"
     raise ValueError(
         f"{model} does not fit in memory: its weights take {_gib(weight_bytes)} and the smallest KV "
         f"pool (one sequence of the model's length) {_gib(kv_bytes)}, but only {_gib(available.bytes)} "
-        f"is available ({available.describe()}); use a smaller quant of the model (e.g. Q4_K_M), "
-        "a smaller --max-model-len, a smaller --kv-cache-memory-bytes, or free memory"
+        f"is available ({available.describe()}); {advice}"
     )
 
 
