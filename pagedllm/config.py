@@ -319,6 +319,10 @@ class QuantizationConfig:
     matmul_activations: str = "auto"
     """MATMUL_ACTIVATIONS: auto (the platform resolves it when the configuration is checked),
     float32, int8 or bf16 (docs/bfloat16.md)."""
+    bf16_copy_limit_bytes: int | None = None
+    """bf16 chosen by "auto": the most bytes of bf16 weight copies the model may take (more, and
+    it runs float32: a default never multiplies a large model's memory); None: no limit (bf16
+    asked for by name)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "matmul_activations", normalize_matmul_activations(self.matmul_activations))

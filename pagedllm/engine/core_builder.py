@@ -95,7 +95,18 @@ def _load_model(config: EngineConfig, platform: Platform, executor: Any) -> Any:
         quantization=load.quantization, revision=load.revision, download_dir=load.download_dir,
         device=config.device_config.device,
     )
-    activations = prefill_mode(config.quantization_config.matmul_activations)
+    quant = config.quantization_config
+    activations = prefill_mode(quant.matmul_activations)
+    if activations == "bf16" and quant.bf16_copy_limit_bytes is not None:
+        from pagedllm.layers.linear import bf16_copy_bytes_needed
+
+        needed = bf16_copy_bytes_needed(loaded.model)
+        if needed > quant.bf16_copy_limit_bytes:
+            logger.info("matmul activations float32: bf16 (what --matmul-activations auto picks on this CPU) "
+                        "would add %.1f MiB of bf16 weight copies, past auto's %.0f MiB; "
+                        "--matmul-activations bf16 makes them anyway", needed / 2**20,
+                        quant.bf16_copy_limit_bytes / 2**20)
+            activations = "float"
     if activations != "float":
         from pagedllm.kernels.bf16_activations import bf16_copy_bytes
         from pagedllm.layers.linear import set_prefill_activations

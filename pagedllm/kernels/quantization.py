@@ -274,21 +274,3 @@ def embedding_lookup(input_ids: torch.Tensor, weight: QuantizedWeight, dtype: to
             rows = ops.int4_gather_rows(weight.qweight, weight.scales, weight.zeros, input_ids)
         return rows if dtype == torch.float32 else rows.to(dtype)
     return weight.rows(input_ids).dequantize().to(dtype)
-
-
-def module_weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter, buffer and quantized weight of `module`."""
-    seen: set[int] = set()
-    total = 0
-    tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
-    for sub in module.modules():
-        qw = getattr(sub, "quant", None)
-        if isinstance(qw, QuantizedWeight):
-            tensors += [qw.qweight, qw.scales] + ([] if qw.zeros is None else [qw.zeros])
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key in seen or t.numel() == 0:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total

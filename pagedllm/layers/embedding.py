@@ -30,6 +30,7 @@ class _QuantizableTable(nn.Module):
         super().__init__()
         self.tp = current_tp()
         self.num_rows = rows
+        self.hidden_size = hidden_size
         if self.tp.size > 1:
             # This rank's vocabulary rows [vocab_start, vocab_start + rows).
             self.vocab_start, rows = shard_range(rows, self.tp)

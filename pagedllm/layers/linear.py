@@ -341,6 +341,18 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+def bf16_copy_bytes_needed(net: nn.Module) -> int:
+    """Bytes the bf16 weight copies of `set_prefill_activations(net, "bf16")` would take: 2 a
+    weight of every Linear and LM head (known before any copy is made)."""
+    total = 0
+    for module in net.modules():
+        if isinstance(module, Linear):
+            total += 2 * module.in_features * module.out_features
+        elif isinstance(module, LMHead):
+            total += 2 * module.vocab_size * module.hidden_size
+    return total
+
+
 def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = None) -> int:
     """Set how the matmuls of `net` with at least `min_rows` activation rows (prefill chunks,
     large decode batches) meet their weights; returns how many layers it concerns (float,

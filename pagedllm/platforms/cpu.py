@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+AUTO_BF16_COPY_LIMIT_BYTES = 1 << 30
+"""`--matmul-activations auto`'s bf16 keeps a bf16 copy of every weight (2 bytes a weight:
+256 MiB for the default model, 14 GiB for an 8B one): past this many bytes of copies the
+model runs float32 instead, so the default keeps a model near its file's size. `bf16` by name
+has no limit."""
+
 DEFAULT_KV_CACHE_BYTES = 4 << 30
 """As vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE unset)."""
 
@@ -56,7 +62,9 @@ class CpuPlatform(Platform):
         isa = self.isa(device.cpu_isa)
         quant = config.quantization_config
         if quant.matmul_activations == "auto":
-            quant = dataclasses.replace(quant, matmul_activations=self.auto_matmul_activations(config))
+            chosen = self.auto_matmul_activations(config)
+            limit = AUTO_BF16_COPY_LIMIT_BYTES if chosen == "bf16" else None
+            quant = dataclasses.replace(quant, matmul_activations=chosen, bf16_copy_limit_bytes=limit)
         return dataclasses.replace(
             config, device_config=dataclasses.replace(device, cpu_isa=isa), quantization_config=quant)
 

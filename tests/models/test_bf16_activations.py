@@ -216,3 +216,24 @@ def test_cuda_refuses_cpu_activation_modes(monkeypatch: pytest.MonkeyPatch) -> N
         args.create_engine_config()
     config = EngineArgs(model="m", device="cuda", attention_backend="triton").create_engine_config()
     assert config.quantization_config.matmul_activations == "float32"  # auto: float32 there
+
+
+def test_auto_keeps_float32_where_the_copies_would_pass_its_limit(
+    platform_matmul_activations: None, monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Any
+) -> None:
+    """auto's bf16 makes a bf16 copy of every weight (2 bytes a weight: 14 GiB for an 8B model);
+    past AUTO_BF16_COPY_LIMIT_BYTES of copies the model runs float32, while bf16 by name has no
+    limit."""
+    from pagedllm import LLM
+    from pagedllm.layers.linear import bf16_copy_bytes_needed
+    from pagedllm.platforms import cpu
+
+    monkeypatch.setattr("pagedllm.platforms.cpu.read_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu, "AUTO_BF16_COPY_LIMIT_BYTES", 1024)  # the tiny model's copies are more
+    small_limit = LLM(str(tiny_llama_dir), quantization="int4", kv_cache_memory_bytes="16MiB")
+    model = small_limit.llm_engine.engine_core.runner.model
+    assert bf16_copy_bytes_needed(model) > 1024
+    assert bf16_activations.bf16_copy_bytes(model) == 0
+    named = LLM(str(tiny_llama_dir), quantization="int4", kv_cache_memory_bytes="16MiB", matmul_activations="bf16")
+    model = named.llm_engine.engine_core.runner.model
+    assert bf16_activations.bf16_copy_bytes(model) == bf16_copy_bytes_needed(model)
