@@ -28,8 +28,7 @@ import torch.nn.functional as F
 
 from pagedllm.config import PrefillActivations
 from pagedllm.kernels.bf16 import native_bf16
-from pagedllm.kernels.build import quant_linear_ops
-from pagedllm.kernels.quantization import QuantizedWeight
+from pagedllm.kernels.quantization import QuantizedWeight, dequantize_rows_into
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +48,10 @@ def bf16_weight_copy(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         return weight.detach().to(torch.bfloat16).contiguous()
     n, k = weight.shape
     out = torch.empty(n, k, dtype=torch.bfloat16)
-    ops = quant_linear_ops()
     buf = torch.empty(min(_COPY_CHUNK_ROWS, n), k)  # float32
     for start in range(0, n, _COPY_CHUNK_ROWS):
         rows = buf[: min(_COPY_CHUNK_ROWS, n - start)]
-        if ops is None:
-            rows.copy_(weight.rows(torch.arange(start, start + rows.shape[0])).dequantize())
-        elif weight.bits == 8:
-            ops.int8_dequantize_rows(weight.qweight, weight.scales, start, rows)
-        else:
-            ops.int4_dequantize_rows(weight.qweight, weight.scales, weight.zeros, start, rows)
+        dequantize_rows_into(weight, start, rows)
         out[start : start + rows.shape[0]] = rows
     return out
 

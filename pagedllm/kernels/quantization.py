@@ -250,17 +250,19 @@ def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def _dequantize_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x: [M, K] float32 -> [M, N], dequantizing a chunk of weight rows at a time."""
+    return chunked_gemm(x, weight.shape[0], lambda start, buf: dequantize_rows_into(weight, start, buf))
+
+
+def dequantize_rows_into(weight: QuantizedWeight, start: int, buf: torch.Tensor) -> None:
+    """Rows [start, start + buf.shape[0]) of `weight` as float32 into buf ([rows, K]): the
+    compiled kernel, or the torch formulation where it is not built (the same values)."""
     ops = quant_linear_ops()
-
-    def fill_rows(start: int, buf: torch.Tensor) -> None:
-        if ops is None:
-            buf.copy_(weight.rows(torch.arange(start, start + buf.shape[0])).dequantize())
-        elif weight.bits == 8:
-            ops.int8_dequantize_rows(weight.qweight, weight.scales, start, buf)
-        else:
-            ops.int4_dequantize_rows(weight.qweight, weight.scales, weight.zeros, start, buf)
-
-    return chunked_gemm(x, weight.shape[0], fill_rows)
+    if ops is None:
+        buf.copy_(weight.rows(torch.arange(start, start + buf.shape[0])).dequantize())
+    elif weight.bits == 8:
+        ops.int8_dequantize_rows(weight.qweight, weight.scales, start, buf)
+    else:
+        ops.int4_dequantize_rows(weight.qweight, weight.scales, weight.zeros, start, buf)
 
 
 def embedding_lookup(input_ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

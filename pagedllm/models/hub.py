@@ -63,21 +63,11 @@ def hub_snapshot(
 ) -> str:
     """The local directory of the repo's snapshot at `revision` (default: main), downloaded
     unless offline (None: from HF_HUB_OFFLINE). ValueError saying why when there is none."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     offline = offline_from_env() if offline is None else offline
     cache_dir = hub_cache_dir(download_dir)
     where = f"revision {revision or 'main'} of {repo_id!r}"
-    try:
-        path = snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=ALLOW_PATTERNS
-        )
-    except LocalEntryNotFoundError:
-        how = "HF_HUB_OFFLINE=1: from the cache alone" if offline else "the hub could not be reached"
-        raise ValueError(f"the hub cache {cache_dir} has no complete snapshot of {where} ({how})") from None
-    except HfHubHTTPError as e:  # not found, gated, revision unknown
-        raise ValueError(f"the hub has no {where} in reach: {e}") from None
+    path = _snapshot(repo_id, revision, cache_dir, offline, ALLOW_PATTERNS, where, "complete snapshot")
     logger.info("%s: snapshot %s", where, path)
     return path
 
@@ -103,8 +93,6 @@ def hub_gguf_file(
     as a word of the file's path ("Q4_K_M" in "Qwen3-8B-Q4_K_M.gguf" or in
     "Q4_K_M/Qwen3-8B-Q4_K_M-00001-of-00002.gguf"). Only those files are downloaded (none
     under HF_HUB_OFFLINE=1). ValueError listing the repo's GGUF files when none or several match."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     offline = offline_from_env() if offline is None else offline
     cache_dir = hub_cache_dir(download_dir)
@@ -114,15 +102,7 @@ def hub_gguf_file(
         patterns = [every_split, f"*/{every_split}"]
     else:
         patterns = [f"*{tag}*.gguf", f"*{tag.lower()}*.gguf", f"*{tag.upper()}*.gguf"]
-    try:
-        snapshot = snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=patterns
-        )
-    except LocalEntryNotFoundError:
-        how = "HF_HUB_OFFLINE=1: from the cache alone" if offline else "the hub could not be reached"
-        raise ValueError(f"the hub cache {cache_dir} has no snapshot of {where} ({how})") from None
-    except HfHubHTTPError as e:
-        raise ValueError(f"the hub has no {where} in reach: {e}") from None
+    snapshot = _snapshot(repo_id, revision, cache_dir, offline, patterns, where, "snapshot")
     files = sorted(
         os.path.relpath(os.path.join(d, n), snapshot)
         for d, _, names in os.walk(snapshot, followlinks=True)
@@ -144,3 +124,22 @@ def hub_gguf_file(
     path = os.path.join(snapshot, firsts[0])
     logger.info("%s, %s: %s", where, tag, path)
     return path
+
+
+def _snapshot(
+    repo_id: str, revision: str | None, cache_dir: str, offline: bool, patterns: list[str], where: str, what: str
+) -> str:
+    """snapshot_download of the files matching `patterns`; ValueError naming the cache or the
+    hub's answer (not found, gated, revision unknown) where it cannot be had."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=patterns
+        )
+    except LocalEntryNotFoundError:
+        how = "HF_HUB_OFFLINE=1: from the cache alone" if offline else "the hub could not be reached"
+        raise ValueError(f"the hub cache {cache_dir} has no {what} of {where} ({how})") from None
+    except HfHubHTTPError as e:  # not found, gated, revision unknown
+        raise ValueError(f"the hub has no {where} in reach: {e}") from None

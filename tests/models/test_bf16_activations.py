@@ -87,7 +87,7 @@ def test_weight_copy_in_chunks_matches_dequantize(
     torch.manual_seed(2)
     q = quantize(torch.randn(1000, 64))  # more rows than one copy chunk, the last one partial
     if not compiled:  # the torch formulation, where the kernels are not built
-        monkeypatch.setattr(bf16_activations, "quant_linear_ops", lambda: None)
+        monkeypatch.setattr("pagedllm.kernels.quantization.quant_linear_ops", lambda: None)
     assert torch.equal(bf16_weight_copy(q), q.dequantize().bfloat16())
 
 
