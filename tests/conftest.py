@@ -33,6 +33,18 @@ def float32_matmul_activations():
         yield
 
 
+@pytest.fixture(autouse=True)
+def fresh_weight_caches():
+    """zentorch (AMD CPUs) caches packed weights by address (kernels/linear.py): a test's
+    module whose weight lands where an earlier test's freed weight was would be served that
+    stale copy. Engines write weights through loaders, which clear it; tests that build
+    modules by hand start from an empty cache."""
+    from pagedllm.kernels.linear import clear_weight_caches
+
+    clear_weight_caches()
+    yield
+
+
 @pytest.fixture
 def platform_matmul_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     """For one test, "auto" is the platform's choice again (platforms/cpu.py)."""

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from pagedllm.kernels.linear import clear_weight_caches
 from pagedllm.layers.moe import MoEConfig, SparseMoE
 from pagedllm.models.loader import load_model
 from tests.models.utils import (
@@ -97,6 +98,7 @@ def _random_moe(norm_topk_prob: bool = True) -> SparseMoE:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(0.2 * torch.randn_like(p))
+    clear_weight_caches()  # weights written in place (kernels/linear.py's contract)
     return moe
 
 
