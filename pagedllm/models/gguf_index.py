@@ -8,11 +8,12 @@ data is then read by offset with positional reads of the files (GGUFData).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -123,6 +124,26 @@ def tensor_data(files: list[GGUFData], tensor: GGUFTensorInfo) -> np.ndarray:
     if end > file.size:
         raise ValueError(f"GGUF tensor {tensor.name} ends at byte {end}, past the file's end")
     return file.read(tensor.offset, tensor.num_bytes).view(np.dtype(tensor.dtype)).reshape(tensor.data_shape)
+
+
+READ_AHEAD_MAX_BYTES = 256 << 20
+"""The largest tensor read ahead of its turn (layers' matrices are; an 8B model's embedding
+table and head, 0.3-0.6 GB, are read in turn, so the peak RSS grows by one layer matrix)."""
+
+
+def read_ahead(files: list[GGUFData], tensors: list[GGUFTensorInfo]) -> Iterator[tuple[GGUFTensorInfo, np.ndarray]]:
+    """(tensor, tensor_data) for each tensor in order, the next one's read (a positional
+    read, which releases the GIL) running on a second thread while the caller converts the
+    current one: a load is reading and converting at once instead of in turn."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gguf-read") as pool:
+        pending: concurrent.futures.Future[np.ndarray] | None = None
+        for i, t in enumerate(tensors):
+            data = pending.result() if pending is not None else tensor_data(files, t)
+            pending = None
+            following = tensors[i + 1] if i + 1 < len(tensors) else None
+            if following is not None and following.num_bytes <= READ_AHEAD_MAX_BYTES:
+                pending = pool.submit(tensor_data, files, following)
+            yield t, data
 
 
 # gguf-py's numpy dtypes of the plain types; every other type is uint8 blocks.

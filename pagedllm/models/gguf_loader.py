@@ -25,7 +25,7 @@ import torch
 
 from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES
 from pagedllm.models.family import GGUFSpec
-from pagedllm.models.gguf_index import GGUFIndex, index_from_headers, load_index, save_index, tensor_data
+from pagedllm.models.gguf_index import GGUFIndex, index_from_headers, load_index, read_ahead, save_index
 from pagedllm.models.gguf_quant import DEQUANTIZED_TYPES, KeptTensor, kept_bytes, kept_gguf_tensor
 from pagedllm.models.registry import gguf_family
 
@@ -225,19 +225,17 @@ def read_gguf_tensors(
     permute_qk, norm_plus_one = spec.permuted_qk, spec.norm_plus_one
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    file_maps = index.open_data()
+    wanted = [t for t in index.tensors if hf_tensor_name(t.name, arch) is not None]
     dequantized: list[str] = []
-    for t in index.tensors:
+    for t, data in read_ahead(index.open_data(), wanted):
         name = hf_tensor_name(t.name, arch)
-        if name is None:
-            continue
+        assert name is not None
         shape = t.shape
         heads = None
         if permute_qk and ".q_proj." in name:
             heads = num_heads
         elif permute_qk and ".k_proj." in name:
             heads = num_kv_heads
-        data = tensor_data(file_maps, t)
         if keep_quantized and t.type_name in DEQUANTIZED_TYPES and len(shape) >= 2:
             dequantized.append(f"{t.name} ({t.type_name})")
         if "{expert}" in name:  # a 3-D stack [E, rows, cols]: one 2-D tensor per expert
