@@ -57,14 +57,8 @@ def _linear_weights(model) -> tuple[int, int]:
             continue
         if id(module) in routed:
             continue
-        quant = getattr(module, "quant", None)
-        if quant is not None:
-            n, k = quant.shape
-            seen[quant.qweight.data_ptr()] = (n * k, quant.nbytes)
-            continue
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel():
-            seen[weight.data_ptr()] = (weight.numel(), weight.numel() * weight.element_size())
+        for key, numel, nbytes in _matmul_weights(module):
+            seen[key] = (numel, nbytes)
     return sum(n for n, _ in seen.values()), sum(b for _, b in seen.values())
 
 
@@ -89,15 +83,36 @@ def _expert_weights(model) -> tuple[int, int]:
 def _linear_weights_of(module) -> tuple[int, int]:
     numel = nbytes = 0
     for linear in module.modules():
-        quant = getattr(linear, "quant", None)
-        weight = getattr(linear, "weight", None)
-        if quant is not None:
-            numel += quant.shape[0] * quant.shape[1]
-            nbytes += quant.nbytes
-        elif weight is not None and weight.dim() == 2:
-            numel += weight.numel()
-            nbytes += weight.numel() * weight.element_size()
+        for _, n, b in _matmul_weights(linear):
+            numel += n
+            nbytes += b
     return numel, nbytes
+
+
+def _matmul_weights(module) -> list[tuple[int, int, int]]:
+    """(data pointer, logical weights, bytes) of each weight a module's own matmul reads: its
+    quantized weight (`quant`), its GGUF blocks (`blocks`, or the parts in `sections`: a
+    fused projection whose parts a file stores in different types), else a float `weight`."""
+    import torch
+
+    kept = []
+    if getattr(module, "quant", None) is not None:
+        kept = [module.quant]
+    elif getattr(module, "blocks", None) is not None:
+        kept = [module.blocks]
+    elif getattr(module, "sections", None):
+        kept = [w for _, w in module.sections]
+    if kept:
+        return [(_data_ptr(w), w.shape[0] * w.shape[1], w.nbytes) for w in kept]
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel():
+        return [(weight.data_ptr(), weight.numel(), weight.numel() * weight.element_size())]
+    return []
+
+
+def _data_ptr(weight) -> int:
+    # QuantizedWeight keeps its codes in `qweight`, GGUFBlocks its bytes in `data`.
+    return (weight.qweight if hasattr(weight, "qweight") else weight.data).data_ptr()
 
 
 def measure_decode(

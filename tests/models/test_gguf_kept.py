@@ -28,6 +28,7 @@ from pagedllm.layers.linear import Linear
 from pagedllm.models import gguf_loader, memory_check
 from pagedllm.models.loader import LoadedModel, load_model
 from tests.models.test_llama import PROMPT, hf_logprobs
+from pagedllm.benchmarks.latency import _linear_weights
 from tests.models.utils import bind_kv_caches, greedy_generate, prompt_logprobs, save_tiny_gguf, save_tiny_model
 from tests.utils import assert_greedy_match, hf_greedy
 
@@ -158,6 +159,10 @@ def test_mixed_types_in_fused_projections(tiny_hf: tuple[Any, Path]) -> None:
     assert isinstance(gate_up.sections[0][1], QuantizedWeight) and gate_up.sections[1][1].type_name == "Q4_K"
     file_bytes = file_tensor_bytes(path)
     assert abs(loaded.weight_bytes - file_bytes) <= 0.03 * file_bytes
+    # `bench latency`'s bytes a decode step reads: every matrix's kept bytes but the table.
+    index = gguf_loader.gguf_index(str(path))
+    matmul_bytes = sum(t.num_bytes for t in index.tensors if len(t.dims) == 2 and t.name != "token_embd.weight")
+    assert abs(_linear_weights(loaded.model)[1] - matmul_bytes) <= 0.03 * matmul_bytes
     check_against_hf(path, loaded, 1e-3)
 
 
