@@ -11,6 +11,7 @@ every load reads each tensor with a positional read of the file into its kept fo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -83,10 +84,6 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
 
 
 def _write_metadata(gguf_path: str, out_dir: str) -> None:
-    from transformers import AutoConfig, AutoTokenizer
-
-    from pagedllm.models.config_utils import architecture_of
-
     index = gguf_index(gguf_path)  # validates the header before transformers and gguf-py read it
     try:
         spec = gguf_family(index.architecture).gguf
@@ -102,23 +99,72 @@ def _write_metadata(gguf_path: str, out_dir: str) -> None:
     os.symlink(os.path.realpath(gguf_path), os.path.join(src_dir, basename))
     # The header is valid (gguf_index); its values may still be nonsense to transformers' reader.
     try:
-        hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
-        hf_config.architectures = [architecture_of(hf_config)]
-        # From the whole index: a split model's head may lie in a later split.
-        hf_config.tie_word_embeddings = all(t.name != "output.weight" for t in index.tensors)
-        if spec.config_from_gguf is not None:
-            import gguf
-
-            for key, value in spec.config_from_gguf(gguf.GGUFReader(index.path), hf_config).items():
-                setattr(hf_config, key, value)
-        check_config_matches(index, hf_config)
-        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=basename)
+        with _one_fast_reader():
+            hf_config, tokenizer = _config_and_tokenizer(index, spec, src_dir, basename)
     except _METADATA_ERRORS as e:
         raise ValueError(f"{gguf_path}: its metadata cannot be read as a model: {type(e).__name__}: {e}") from None
     hf_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     shutil.rmtree(src_dir)
     save_index(index, out_dir)
+
+
+def _config_and_tokenizer(index: GGUFIndex, spec: GGUFSpec, src_dir: str, basename: str) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pagedllm.models.config_utils import architecture_of
+
+    hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
+    hf_config.architectures = [architecture_of(hf_config)]
+    # From the whole index: a split model's head may lie in a later split.
+    hf_config.tie_word_embeddings = all(t.name != "output.weight" for t in index.tensors)
+    if spec.config_from_gguf is not None:
+        import gguf
+
+        for key, value in spec.config_from_gguf(gguf.GGUFReader(index.path), hf_config).items():
+            setattr(hf_config, key, value)
+    check_config_matches(index, hf_config)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=basename)
+    return hf_config, tokenizer
+
+
+@contextlib.contextmanager
+def _one_fast_reader() -> Iterator[None]:
+    """While the metadata is written, `gguf.GGUFReader` (which transformers' config and
+    tokenizer loaders and the families' config_from_gguf each construct) parses each file once
+    and over a plain array: gguf-py's reader slices a numpy memmap per value, and a memmap's
+    Python-level view hooks made a 49k-token vocabulary's parse ~10 s, three times over."""
+    import gguf
+
+    original = gguf.GGUFReader
+    parsed: dict[str, Any] = {}
+
+    class ArrayReader(original):  # type: ignore[misc, valid-type]
+        def __new__(cls, path: Any, mode: str = "r") -> Any:
+            key = f"{os.path.realpath(path)}\0{mode}"
+            if key not in parsed:
+                parsed[key] = reader = super().__new__(cls)
+                reader._parsed = False
+            return parsed[key]
+
+        def __init__(self, path: Any, mode: str = "r") -> None:
+            if not self._parsed:
+                super().__init__(path, mode)
+                self._parsed = True
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._array
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._array = value.view(np.ndarray)  # the memmap's buffer, without the subclass
+
+    gguf.GGUFReader = ArrayReader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 # Whatever transformers' GGUF reader raises on metadata it does not expect (wrong value
