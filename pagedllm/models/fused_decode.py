@@ -50,6 +50,7 @@ from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import Linear
 from pagedllm.lora.layers import active_mapping
 from pagedllm.models.family import ArchConfig
+from pagedllm.platforms.host import is_host_tensor
 from pagedllm.kernels import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,8 @@ class FusedDecoderLayers(nn.Module):
         rows = hidden_states.shape[0]
         if not self.enabled or self._unsupported is not None or not 0 < rows <= FUSED_MAX_ROWS:
             return False
-        if not hidden_states.is_cpu or hidden_states.dtype != torch.float32:
-            return False  # a CPU kernel: CUDA runs module by module through the Triton kernels
+        if not is_host_tensor(hidden_states) or hidden_states.dtype != torch.float32:
+            return False  # a host kernel: a device runs module by module (the Triton kernels)
         backend = layers[0].self_attn.attn.backend
         if backend is None or not backend.runs_fused_decode:
             return False

@@ -48,6 +48,7 @@ from pagedllm.models.hub import hub_gguf_file, hub_snapshot, is_hub_id, split_qu
 from pagedllm.models.memory_check import check_memory_fits, smallest_kv_pool_bytes
 from pagedllm.models.registry import family_of, tensor_parallel_families
 from pagedllm.models.weights import iter_safetensors, safetensors_files
+from pagedllm.platforms.registry import platform_of
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ def load_model(
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
     gguf_path, model_dir = resolve_checkpoint(model, revision, download_dir)
-    if device != "cpu":
+    platform = platform_of(device)
+    if not platform.supports_weight_quantization:
         if quantization not in (None, "none"):
             raise ValueError(
                 f"quantization={quantization!r} runs on the CPU only; on device={device!r} load "
@@ -156,7 +158,7 @@ def load_model(
         if finish is not None:
             finish()
     net.eval()
-    if device != "cpu":
+    if not platform.uses_host_memory:
         net.to(device)
     weight_bytes = resident_weight_bytes(net)
     bos_token_id = tokenizer.bos_token_id
