@@ -87,11 +87,10 @@ class ModelRunner:
         # Speculative decoding: every sampling request goes through the rejection sampler (a
         # request without drafts samples its one token there), so a seeded request's tokens
         # do not depend on whether others in the batch had drafts.
-        self.speculative_config = speculative_config
+        self.speculative_config = spec = speculative_config
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
-        spec = speculative_config
-        self.proposer: Proposer | None = build_proposer(spec, self) if spec is not None else None
-        self.draft_policy: DraftPolicy | None = DraftPolicy(spec) if spec is not None else None
+        self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self)
+        self.draft_policy: DraftPolicy | None = None if spec is None else DraftPolicy(spec)
         self.lora_manager = self._lora_manager(lora_config) if lora_config is not None else None
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
