@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.kernel_args import kernel_args
 from pagedllm.attention.layouts import BLOCK_TABLES, KVLayout
 from pagedllm.attention.metadata import AttentionMetadata, get_attention_metadata
 from pagedllm.attention.params import AttentionParams
@@ -219,14 +220,14 @@ class FusedDecoderLayers(nn.Module):
             bf16_min_rows = max(m.bf16_min_rows for m in modules)
             q_norm = a.q_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
             k_norm = a.k_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
+            attn_args = kernel_args(a.attn.params)
             decoder.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 q_norm,
                 k_norm,
                 a.attn.kv_cache,
-                a.attn.sliding_window or 0,
-                a.attn.logit_soft_cap or 0.0,
+                attn_args.sliding_window, attn_args.soft_cap,
                 bits, weights, scales, zeros, biases,
                 bf16, bf16_min_rows,
             )
