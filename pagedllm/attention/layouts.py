@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.attention.kernel_args import kernel_args
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.ops import attend, gather_context
 from pagedllm.attention.params import AttentionParams
@@ -102,18 +103,17 @@ class BlockTableLayout(KVLayout):
         mask = key_pos < seq_lens  # [nd, L]
         if window is not None:
             mask &= key_pos >= seq_lens - window
-        o = attend(q.unsqueeze(2), k, v, mask[:, None, None, :], params.scale, params.logit_soft_cap, sinks)
+        o = attend(q.unsqueeze(2), k, v, mask[:, None, None, :], params, sinks)
         return o.squeeze(2)
 
     def compiled_decode_enabled(self, config):
         return True
 
     def kernel_decode(self, ops, q, kv_cache, md, params):
-        # Reads K/V through the block table in place (no dense copy); window/cap 0 is none.
+        # Reads K/V through the block table in place (no dense copy).
         nd = q.shape[0]
         return ops.paged_decode_attention(
-            q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd], params.scale,
-            params.sliding_window or 0, params.logit_soft_cap or 0.0,
+            q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd], *kernel_args(params)
         )
 
     def kernel_slots(self, md, rows):
@@ -151,7 +151,7 @@ class ContiguousSlotsLayout(KVLayout):
             k = dequantize_rows(kv_cache[0, slot, start:seq_len], q.dtype).transpose(0, 1)  # [Hkv, S, D]
             v = dequantize_rows(kv_cache[1, slot, start:seq_len], q.dtype).transpose(0, 1)
             # The slice is the window: no mask.
-            out[i] = attend(q[i].unsqueeze(1), k, v, None, params.scale, params.logit_soft_cap, sinks).squeeze(1)
+            out[i] = attend(q[i].unsqueeze(1), k, v, None, params, sinks).squeeze(1)
         return out
 
     def compiled_decode_enabled(self, config):
@@ -160,8 +160,7 @@ class ContiguousSlotsLayout(KVLayout):
     def kernel_decode(self, ops, q, kv_cache, md, params):
         nd = q.shape[0]
         return ops.contiguous_decode_attention(
-            q.contiguous(), kv_cache, self.kernel_slots(md, nd), md.seq_lens[:nd], params.scale,
-            params.sliding_window or 0, params.logit_soft_cap or 0.0,
+            q.contiguous(), kv_cache, self.kernel_slots(md, nd), md.seq_lens[:nd], *kernel_args(params)
         )
 
     def kernel_slots(self, md, rows):

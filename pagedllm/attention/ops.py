@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.params import AttentionParams
 from pagedllm.layers.kv_quant import quant_format, quantize_rows
 
 
@@ -50,14 +51,16 @@ def gather_context(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    cap: float | None, sinks: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, params: AttentionParams,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(masked scores) @ v with grouped-query heads: q [..., H, Q, D], k/v
     [..., Hkv, S, D], mask [..., Q, S] bool (True = attend; None: every key) -> [..., H, Q, D].
     SDPA without a soft-cap or sinks; with either (SDPA has neither) explicit scores:
     cap * tanh(q.k * scale / cap), and each head's sink logit ([H]) as one more softmax
-    column with no value row."""
+    column with no value row. ``params``: the layer's scale and soft-cap (its other features
+    are in ``mask`` and ``sinks``)."""
+    scale, cap = params.scale, params.logit_soft_cap
     if cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]

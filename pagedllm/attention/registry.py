@@ -16,6 +16,7 @@ from pagedllm.attention.reference import ReferenceBackend
 from pagedllm.attention.torch_backend import CompiledBackend, TorchBackend
 from pagedllm.config import AttentionConfig
 from pagedllm.kernels import paged_attention_ops
+from pagedllm.platforms.registry import platform_of
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import Attention
@@ -24,9 +25,11 @@ if TYPE_CHECKING:
 def _torch(
     config: AttentionConfig, layout: KVLayout, device: torch.device, params: Sequence[AttentionParams]
 ) -> AttentionBackend:
-    # The compiled decode where it builds, the configuration allows it, and it runs every
-    # layer's features; else torch ops only (the same outputs, slower decodes).
-    if config.compiled_kernels and device.type == "cpu" and layout.compiled_decode_enabled(config):
+    # The compiled decode where the platform runs compiled kernels, it builds, the
+    # configuration allows it, and it runs every layer's features; else torch ops only (the
+    # same outputs, slower decodes).
+    runs_compiled = platform_of(device).runs_compiled_kernels
+    if config.compiled_kernels and runs_compiled and layout.compiled_decode_enabled(config):
         features = {f for p in params for f in p.features()}
         ops = paged_attention_ops() if features <= CompiledBackend.runs else None
         if ops is not None:

@@ -100,7 +100,7 @@ class TorchBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=p.causal, scale=p.scale, enable_gqa=True)
         else:
             mask = causal_mask(query_len, seq_len, p.sliding_window) if p.causal else None
-            o = attend(qi, ki, vi, mask, p.scale, p.logit_soft_cap, layer.sinks)
+            o = attend(qi, ki, vi, mask, p, layer.sinks)
         return o[0].transpose(0, 1)
 
     def _short_runs(
@@ -127,8 +127,7 @@ class TorchBackend(AttentionBackend):
         if p.sliding_window is not None:
             mask &= k_pos > q_pos.unsqueeze(2) - p.sliding_window
         o = attend(
-            qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask.unsqueeze(1), p.scale,
-            p.logit_soft_cap, layer.sinks,
+            qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask.unsqueeze(1), p, layer.sinks,
         ).transpose(1, 2)  # [R, Qmax, H, D]
         valid = offsets < lens_t  # [R, Qmax]
         out[index[valid]] = o[valid]

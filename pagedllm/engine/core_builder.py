@@ -5,6 +5,7 @@ function that takes the part of the configuration it needs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.generation_config import resolve_generation_defaults
 from pagedllm.kv_backends import get_kv_backend
 from pagedllm.kv_backends.base import KVBuild
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import MemoryProfile, Platform
 from pagedllm.platforms.registry import get_platform
 from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -146,9 +147,20 @@ def _with_model(config: EngineConfig, loaded: Any, platform: Platform) -> Engine
         config, model_config=model_config,
         scheduler_config=dataclasses.replace(config.scheduler_config, max_model_len=model_config.max_model_len),
     )
-    budget = platform.kv_cache_budget(config, loaded)
+    budget = platform.kv_cache_budget(config, functools.partial(_profile_memory, config, loaded))
     return dataclasses.replace(
         config, cache_config=dataclasses.replace(config.cache_config, kv_cache_memory_bytes=budget))
+
+
+def _profile_memory(config: EngineConfig, loaded: Any) -> MemoryProfile:
+    """One profiled forward at the step's largest shape, for a platform's budget rule."""
+    from pagedllm.worker.memory_profile import profile_device_memory
+
+    sched = config.scheduler_config
+    return profile_device_memory(
+        loaded.model, loaded.model_config, sched.max_num_batched_tokens, sched.max_num_seqs,
+        config.cache_config.block_size, config.attention_config, config.device_config.device,
+    )
 
 
 def _build_scheduler(config: EngineConfig, kv: KVBuild) -> Scheduler:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import DEFAULT_MODEL, EngineArgs
@@ -17,6 +18,10 @@ from pagedllm.entrypoints.vllm_flags import (
     kv_cache_bytes_from_env,
     runtime_lora_updating_from_env,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.api_server import ServerConfig
+    from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +122,24 @@ def cmd_chat_demo(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
     engine_args, engine_config = _engine_config(args, "serve")
+    tool_calls, allow_runtime_lora_updating = _check_serve_args(args, engine_args)
+    # Start-up: the core loads the model on one CPU while this process imports the server
+    # and the tokenizer classes (which unpickling the core's tokenizer needs) on the other.
+    from pagedllm import faults
+    from pagedllm.engine.core_client import start_engine_core
+
+    started_core = start_engine_core(engine_config)
+    faults.configure(engine_config.observability_config.inject_fault)  # the front end's sites
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
+
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    run_server(engine_args, _server_config(args, tool_calls, allow_runtime_lora_updating), started_core)
+
+
+def _check_serve_args(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[ToolCallConfig, bool]:
+    """(tool-call configuration, runtime LoRA updating allowed), checked before the model
+    loads, every --lora-modules adapter's files included; SystemExit naming what is wrong."""
     from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
     try:
@@ -131,18 +154,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
             check.add(module["name"], module["path"])
     except ValueError as e:
         raise SystemExit(f"pagedllm serve: {e}") from None
-    # Start-up: the core loads the model on one CPU while this process imports the server
-    # and the tokenizer classes (which unpickling the core's tokenizer needs) on the other.
-    from pagedllm import faults
-    from pagedllm.engine.core_client import start_engine_core
+    return tool_calls, allow_runtime_lora_updating
 
-    started_core = start_engine_core(engine_config)
-    faults.configure(engine_config.observability_config.inject_fault)  # the front end's sites
-    from transformers import PreTrainedTokenizerFast  # noqa: F401
 
-    from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template, run_server
+def _server_config(
+    args: argparse.Namespace, tool_calls: ToolCallConfig, allow_runtime_lora_updating: bool
+) -> ServerConfig:
+    """The HTTP front end's settings (api_server.ServerConfig) from the serve flags."""
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template
 
-    config = ServerConfig(
+    return ServerConfig(
         host=args.host,
         port=args.port,
         served_model_names=tuple(args.served_model_name or ()),
@@ -166,7 +187,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
         lora_modules=tuple(args.lora_modules or ()),
         allow_runtime_lora_updating=allow_runtime_lora_updating,
     )
-    run_server(engine_args, config, started_core)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:

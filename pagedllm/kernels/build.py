@@ -38,6 +38,7 @@ from pathlib import Path
 from types import ModuleType
 
 from pagedllm.kernels.isa import Isa, compiler_info, cpu_isa, isa_at_least, isa_cflags
+from pagedllm.platforms.host import is_host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ _layer_ops_dtypes: tuple | None = None  # (torch.float32, torch.bfloat16), set o
 
 
 def use_layer_ops(x) -> bool:
-    """Whether the fused layer ops take x: a CPU [rows, width] float32/bfloat16 tensor with
+    """Whether the fused layer ops take x: a host-memory [rows, width] float32/bfloat16 tensor with
     unit stride on width, and the extension built. Called per layer per step: kept cheap."""
     global _layer_ops_dtypes
     if _layer_ops_dtypes is None:
@@ -279,7 +280,7 @@ def use_layer_ops(x) -> bool:
     return (
         x.dtype in _layer_ops_dtypes
         and x.dim() == 2
-        and x.is_cpu
+        and is_host_tensor(x)
         and x.stride(-1) == 1
         and layer_ops() is not None
     )

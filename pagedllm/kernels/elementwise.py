@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from pagedllm.kernels.build import layer_ops, use_layer_ops
 from pagedllm.kernels.isa import cpu_isa, isa_at_least
 from pagedllm.kernels.triton import triton_available, triton_ops
+from pagedllm.platforms.host import is_host_tensor
 
 
 def _device_ops(x: torch.Tensor):
-    """The Triton launchers for a CUDA tensor of 2 dims with unit stride on the last, else None."""
-    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and triton_available():
+    """The Triton launchers for a device tensor (not in host memory) of 2 dims with unit
+    stride on the last, else None."""
+    if not is_host_tensor(x) and x.dim() == 2 and x.stride(-1) == 1 and triton_available():
         return triton_ops(x.device)
     return None
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.bf16 import bf16_linear, use_bf16_kernels
+from pagedllm.platforms.host import is_host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def linear_op(
     so kernels may cache a packed copy of it by address.
     """
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and use_bf16_kernels():
-        if weight.is_contiguous() and x.is_cpu:
+        if weight.is_contiguous() and is_host_tensor(x):
             return bf16_linear(x, weight, bias)
     if not persistent_weight:
         return F.linear(x, weight, bias)

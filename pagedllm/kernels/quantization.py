@@ -45,6 +45,7 @@ import torch
 
 from pagedllm.kernels.build import quant_linear_ops
 from pagedllm.kernels.gemm import chunked_gemm
+from pagedllm.platforms.host import is_host_tensor
 
 GROUP_SIZE = 32
 # Up to this many activation rows, the kernel with int16 activations (integer dot products).
@@ -269,7 +270,7 @@ def embedding_lookup(input_ids: torch.Tensor, weight: QuantizedWeight, dtype: to
     """input_ids: [T] -> [T, K]: only the looked-up rows are dequantized (compiled: one call
     instead of a dozen torch ops, 0.16 -> ~0.02 ms of a batch-1 decode step)."""
     ops = quant_linear_ops()
-    if ops is not None and input_ids.device.type == "cpu" and input_ids.dtype == torch.int64 and input_ids.dim() == 1:
+    if ops is not None and is_host_tensor(input_ids) and input_ids.dtype == torch.int64 and input_ids.dim() == 1:
         if weight.bits == 8:
             rows = ops.int8_gather_rows(weight.qweight, weight.scales, input_ids)
         else:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.kernel_args import kernel_args
 from pagedllm.attention.layouts import BLOCK_TABLES, KVLayout
 from pagedllm.attention.metadata import AttentionMetadata, get_attention_metadata
 from pagedllm.attention.params import AttentionParams
@@ -50,6 +51,7 @@ from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import Linear
 from pagedllm.lora.layers import active_mapping
 from pagedllm.models.family import ArchConfig
+from pagedllm.platforms.host import is_host_tensor
 from pagedllm.kernels import INT16_MAX_ROWS, PANEL_MAX_ROWS, TILE_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -168,8 +170,8 @@ class FusedDecoderLayers(nn.Module):
         rows = hidden_states.shape[0]
         if not self.enabled or self._unsupported is not None or not 0 < rows <= FUSED_MAX_ROWS:
             return False
-        if not hidden_states.is_cpu or hidden_states.dtype != torch.float32:
-            return False  # a CPU kernel: CUDA runs module by module through the Triton kernels
+        if not is_host_tensor(hidden_states) or hidden_states.dtype != torch.float32:
+            return False  # a host kernel: a device runs module by module (the Triton kernels)
         backend = layers[0].self_attn.attn.backend
         if backend is None or not backend.runs_fused_decode:
             return False
@@ -218,14 +220,14 @@ class FusedDecoderLayers(nn.Module):
             bf16_min_rows = max(m.bf16_min_rows for m in modules)
             q_norm = a.q_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
             k_norm = a.k_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
+            attn_args = kernel_args(a.attn.params)
             decoder.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 q_norm,
                 k_norm,
                 a.attn.kv_cache,
-                a.attn.sliding_window or 0,
-                a.attn.logit_soft_cap or 0.0,
+                attn_args.sliding_window, attn_args.soft_cap,
                 bits, weights, scales, zeros, biases,
                 bf16, bf16_min_rows,
             )

@@ -48,6 +48,7 @@ from pagedllm.models.hub import hub_gguf_file, hub_snapshot, is_hub_id, split_qu
 from pagedllm.models.memory_check import check_memory_fits, smallest_kv_pool_bytes
 from pagedllm.models.registry import family_of, tensor_parallel_families
 from pagedllm.models.weights import iter_safetensors, safetensors_files
+from pagedllm.platforms.registry import platform_of
 
 logger = logging.getLogger(__name__)
 
@@ -114,18 +115,7 @@ def load_model(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
-    gguf_path, model_dir = resolve_checkpoint(model, revision, download_dir)
-    if device != "cpu":
-        if quantization not in (None, "none"):
-            raise ValueError(
-                f"quantization={quantization!r} runs on the CPU only; on device={device!r} load "
-                "float weights (quantization='none', --quantization none)"
-            )
-        quantization = "none"
-    quantization = resolve_quantization(quantization, gguf_path)
-    if gguf_path is not None:
-        model_dir = gguf_to_hf_dir(gguf_path)
-    assert model_dir is not None
+    gguf_path, model_dir, quantization = _resolve_source(model, revision, download_dir, quantization, device)
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -136,35 +126,85 @@ def load_model(
     weight_files = safetensors_files(model_dir) if gguf_path is None else []
     tokenizer = _load_tokenizer(model_dir)
     if gguf_path is not None:  # refuse before any weight is read (never an OOM kill)
-        weight_estimate = estimated_weight_bytes(gguf_path, quantization, _DTYPES[dtype].itemsize)
-        check_memory_fits(model, weight_estimate, smallest_kv_pool_bytes(arch, model_len, _DTYPES[dtype].itemsize))
+        _check_gguf_fits(model, gguf_path, quantization, arch, model_len, _DTYPES[dtype].itemsize)
     net = family.model_class(arch, _DTYPES[dtype])
     _check_tensor_parallel(family, architecture, quantization)
     if on_built is not None:
         on_built()
     _prepare_quantization(net, quantization)
+    _load_weights(net, _weight_stream(quantization, gguf_path, hf_config, weight_files))
+    if not platform_of(device).uses_host_memory:
+        net.to(device)
+    weight_bytes = resident_weight_bytes(net)
+    model_config = _model_config(model, dtype, model_len, hf_config, arch, model_dir, tokenizer)
+    logger.info(
+        "loaded %s (%s, %s, quantization=%s, %.1f MiB of weights, on %s) in %.1f s",
+        model, architecture, dtype, quantization, weight_bytes / 2**20, device, time.perf_counter() - start,
+    )
+    return LoadedModel(
+        net, hf_config, tokenizer, model_config, model_dir, gguf_path, quantization, weight_bytes
+    )
+
+
+def _resolve_source(
+    model: str, revision: str | None, download_dir: str | None, quantization: str | None, device: str
+) -> tuple[str | None, str, str]:
+    """(GGUF file or None, HF-format directory, quantization) of ``model`` on ``device``: a
+    platform without quantized weights takes float ones (ValueError when others are asked for)."""
+    gguf_path, model_dir = resolve_checkpoint(model, revision, download_dir)
+    if not platform_of(device).supports_weight_quantization:
+        if quantization not in (None, "none"):
+            raise ValueError(
+                f"quantization={quantization!r} runs on the CPU only; on device={device!r} load "
+                "float weights (quantization='none', --quantization none)"
+            )
+        quantization = "none"
+    resolved = resolve_quantization(quantization, gguf_path)
+    if gguf_path is not None:
+        model_dir = gguf_to_hf_dir(gguf_path)
+    assert model_dir is not None
+    return gguf_path, model_dir, resolved
+
+
+def _check_gguf_fits(model: str, gguf_path: str, quantization: str, arch: Any, model_len: int, itemsize: int) -> None:
+    """ValueError (models/memory_check.py) when the weights and the smallest KV pool would not
+    fit in the memory available."""
+    weight_estimate = estimated_weight_bytes(gguf_path, quantization, itemsize)
+    check_memory_fits(model, weight_estimate, smallest_kv_pool_bytes(arch, model_len, itemsize))
+
+
+def _weight_stream(
+    quantization: str, gguf_path: str | None, hf_config: Any, weight_files: list[str]
+) -> Iterable[tuple[str, Any]]:
+    """(HF name, tensor or quantized block) pairs: GGUF blocks kept, GGUF dequantized, or safetensors."""
     if quantization == "gguf":
         assert gguf_path is not None
-        weights: Iterable[tuple[str, Any]] = read_gguf_quantized(gguf_path, hf_config)
-    elif gguf_path is not None:
-        weights = read_gguf_float(gguf_path, hf_config)
-    else:
-        weights = iter_safetensors(weight_files)
+        return read_gguf_quantized(gguf_path, hf_config)
+    if gguf_path is not None:
+        return read_gguf_float(gguf_path, hf_config)
+    return iter_safetensors(weight_files)
+
+
+def _load_weights(net: nn.Module, weights: Iterable[tuple[str, Any]]) -> None:
+    """Weights into ``net`` by HF name, then each module's post-load step (packing, copies)."""
     cast(Any, net).load_weights(weights)
     for module in net.modules():
         finish = getattr(module, "finish_loading", None)
         if finish is not None:
             finish()
     net.eval()
-    if device != "cpu":
-        net.to(device)
-    weight_bytes = resident_weight_bytes(net)
+
+
+def _model_config(
+    model: str, dtype: str, model_len: int, hf_config: Any, arch: Any, model_dir: str, tokenizer: Any
+) -> ModelConfig:
+    """The engine's description of the loaded model (BOS from the tokenizer, else the config)."""
     bos_token_id = tokenizer.bos_token_id
     if bos_token_id is None:
         bos_token_id = getattr(hf_config, "bos_token_id", None)
-    model_config = ModelConfig(
+    return ModelConfig(
         model=model,
-        architecture=architecture,
+        architecture=architecture_of(hf_config),
         dtype=cast(DType, dtype),
         max_model_len=model_len,
         vocab_size=hf_config.vocab_size,
@@ -174,13 +214,6 @@ def load_model(
         eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
         bos_token_id=bos_token_id,
         sliding_window=arch.model_sliding_window,
-    )
-    logger.info(
-        "loaded %s (%s, %s, quantization=%s, %.1f MiB of weights, on %s) in %.1f s",
-        model, architecture, dtype, quantization, weight_bytes / 2**20, device, time.perf_counter() - start,
-    )
-    return LoadedModel(
-        net, hf_config, tokenizer, model_config, model_dir, gguf_path, quantization, weight_bytes
     )
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import MemoryProfile, Platform
 from pagedllm.platforms.isa import Isa, detect_cpu_isa, read_cpu_flags, resolve_isa
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class CpuPlatform(Platform):
     default_attention_backend = "torch"
     supported_dtypes = ("float32", "bfloat16")
     supports_kv_quantization = True
+    runs_compiled_kernels = True
+    supports_weight_quantization = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -92,7 +95,7 @@ class CpuPlatform(Platform):
         logger.info("dtype=auto chose %s (native bf16: %s, quantized weights: %s)", chosen, native, quantized_weights)
         return chosen
 
-    def kv_cache_budget(self, config: EngineConfig, loaded: Any) -> int:
+    def kv_cache_budget(self, config: EngineConfig, measure: Callable[[], MemoryProfile]) -> int:
         given = config.cache_config.kv_cache_memory_bytes
         return DEFAULT_KV_CACHE_BYTES if given is None else given
 

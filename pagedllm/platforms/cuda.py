@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import MemoryProfile, Platform
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -36,6 +37,20 @@ def _refusals(config: EngineConfig) -> dict[str, bool]:
         f"attention_backend={backend!r} (its masks and kernels are host-side; cuda runs 'triton')":
             backend != "triton",
     }
+
+
+def kv_budget_from_utilization(profile: MemoryProfile, utilization: float) -> int:
+    """Bytes left for the KV pool: ``utilization * total - peak``; ValueError when none are."""
+    allowed = int(profile.total_bytes * utilization)
+    budget = allowed - profile.peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} allows {allowed / 2**20:.0f} MiB of the device's "
+            f"{profile.total_bytes / 2**20:.0f} MiB, but the weights and the profiled peak of a forward "
+            f"pass take {profile.peak_bytes / 2**20:.0f} MiB, leaving nothing for the KV cache; raise "
+            "--gpu-memory-utilization, or lower --max-num-batched-tokens / --max-num-seqs"
+        )
+    return budget
 
 
 class CudaPlatform(Platform):
@@ -78,21 +93,13 @@ class CudaPlatform(Platform):
             return "bfloat16"
         return requested
 
-    def kv_cache_budget(self, config: EngineConfig, loaded: Any) -> int:
+    def kv_cache_budget(self, config: EngineConfig, measure: Callable[[], MemoryProfile]) -> int:
         """The given budget, else what gpu_memory_utilization leaves after the weights and a
-        profiled forward at the step's largest shape (worker/memory_profile.py)."""
+        profiled forward at the step's largest shape (``measure``)."""
         given = config.cache_config.kv_cache_memory_bytes
         if given is not None:
             return given
-        import torch
-
-        from pagedllm.worker.memory_profile import kv_budget_from_utilization, profile_cuda_memory
-
-        sched = config.scheduler_config
-        profile = profile_cuda_memory(
-            loaded.model, loaded.model_config, sched.max_num_batched_tokens, sched.max_num_seqs,
-            config.cache_config.block_size, config.attention_config, torch.device("cuda"),
-        )
+        profile = measure()
         utilization = config.device_config.memory_utilization
         budget = kv_budget_from_utilization(profile, utilization)
         logger.info(

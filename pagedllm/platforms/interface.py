@@ -5,10 +5,19 @@ torch at import: the front end resolves the platform before the core process sta
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
+
+
+class MemoryProfile(NamedTuple):
+    total_bytes: int
+    """The device's memory."""
+    peak_bytes: int
+    """Weights + the profiled forward's peak + memory outside torch's allocator (the
+    profile's own small KV pool not included)."""
 
 
 class Platform(ABC):
@@ -23,7 +32,12 @@ class Platform(ABC):
     supports_graph_capture: ClassVar[bool] = False
     """Captures decode steps as graphs (--cuda-graph-sizes)."""
     uses_host_memory: ClassVar[bool] = True
-    """Its tensors live in host memory (no copies between host and device per step)."""
+    """Its tensors live in host memory: the step's inputs are built there with no copy, the KV
+    pool takes lazily zeroed host pages, the weights load in place."""
+    runs_compiled_kernels: ClassVar[bool] = False
+    """Runs the compiled C++/OpenMP kernels (kernels/csrc: the compiled attention decode)."""
+    supports_weight_quantization: ClassVar[bool] = False
+    """Runs 4/8-bit quantized weights (--quantization; the quantized GEMM kernels)."""
 
     @classmethod
     @abstractmethod
@@ -41,9 +55,10 @@ class Platform(ABC):
         that are (or are not) kept quantized."""
 
     @abstractmethod
-    def kv_cache_budget(self, config: EngineConfig, loaded: Any) -> int:
-        """The KV pool's byte budget with ``loaded`` (a LoadedModel) in memory: the given
-        ``kv_cache_memory_bytes``, else this platform's rule."""
+    def kv_cache_budget(self, config: EngineConfig, measure: Callable[[], MemoryProfile]) -> int:
+        """The KV pool's byte budget with the model in memory: the given
+        ``kv_cache_memory_bytes``, else this platform's rule. ``measure`` profiles one forward
+        at the step's largest shape (worker/memory_profile.py), for a rule that needs it."""
 
     @abstractmethod
     def free_memory_bytes(self) -> int:

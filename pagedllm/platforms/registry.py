@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.cuda import CudaPlatform
+from pagedllm.platforms.host import device_type
 from pagedllm.platforms.interface import Platform
 
 PLATFORMS: dict[str, Platform] = {p.device_type: p for p in (CpuPlatform(), CudaPlatform())}
@@ -28,6 +29,6 @@ def get_platform(device: str) -> Platform:
 
 
 def platform_of(tensor_device: object) -> Platform:
-    """The platform of a ``torch.device`` (or its name)."""
-    return PLATFORMS[getattr(tensor_device, "type", None) or str(tensor_device).split(":")[0]]
+    """The platform of a ``torch.device`` (or its name, "cuda:1" included)."""
+    return PLATFORMS[device_type(tensor_device)]
 

@@ -1,4 +1,5 @@
-"""Sizing the KV pool on CUDA from ``gpu_memory_utilization`` (vLLM's meaning).
+"""The memory profile behind the CUDA KV budget from ``gpu_memory_utilization`` (vLLM's
+meaning; the rule itself is platforms/cuda.py's ``kv_budget_from_utilization``).
 
 The process may use ``utilization * total`` bytes of the device. The weights are loaded; one
 forward pass at the step's largest shape (``max_num_batched_tokens`` tokens of prompts, then
@@ -10,7 +11,6 @@ context, cuBLAS workspaces) counts against the allowance too.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,37 +18,16 @@ from torch import nn
 from pagedllm.config import AttentionConfig, ModelConfig
 from pagedllm.attention.metadata import forward_context
 from pagedllm.attention.registry import bind_backend
+from pagedllm.platforms.interface import MemoryProfile
 from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers, kv_bytes_per_block, num_layer_slots
 from pagedllm.worker.kv_worker import StepIndex
 
 logger = logging.getLogger(__name__)
 
 
-class MemoryProfile(NamedTuple):
-    total_bytes: int
-    """The device's memory."""
-    peak_bytes: int
-    """Weights + the profiled forward's peak + memory outside torch's allocator (the
-    profile's own small KV pool not included)."""
-
-
-def kv_budget_from_utilization(profile: MemoryProfile, utilization: float) -> int:
-    """Bytes left for the KV pool: ``utilization * total - peak``; ValueError when none are."""
-    allowed = int(profile.total_bytes * utilization)
-    budget = allowed - profile.peak_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"gpu_memory_utilization={utilization} allows {allowed / 2**20:.0f} MiB of the device's "
-            f"{profile.total_bytes / 2**20:.0f} MiB, but the weights and the profiled peak of a forward "
-            f"pass take {profile.peak_bytes / 2**20:.0f} MiB, leaving nothing for the KV cache; raise "
-            "--gpu-memory-utilization, or lower --max-num-batched-tokens / --max-num-seqs"
-        )
-    return budget
-
-
 def profile_forward(
     model: nn.Module, model_config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-    block_size: int, attention_config: AttentionConfig, device: torch.device,
+    block_size: int, attention_config: AttentionConfig, device: torch.device | str,
 ) -> int:
     """One forward of ``max_num_batched_tokens`` prompt tokens (prompts of at most
     max_model_len) over a KV pool just large enough for them, then the logits of
@@ -89,11 +68,12 @@ def profile_forward(
     return kv_bytes_per_block(model_config, block_size, num_layer_slots(layers)) * (sum(blocks) + 1)
 
 
-def profile_cuda_memory(
+def profile_device_memory(
     model: nn.Module, model_config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-    block_size: int, attention_config: AttentionConfig, device: torch.device,
+    block_size: int, attention_config: AttentionConfig, device: torch.device | str,
 ) -> MemoryProfile:
-    """The device's total memory and the peak one profiled forward reaches (CUDA only)."""
+    """The device's total memory and the peak one profiled forward reaches (torch.cuda's
+    allocator statistics: a CUDA device; the platform's budget rule calls it)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

@@ -26,6 +26,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import lora_context
 from pagedllm.lora.request import LoRARequest
+from pagedllm.platforms.registry import platform_of
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
@@ -74,6 +75,7 @@ class ModelRunner:
             make_kv_worker(layers) if make_kv_worker else PagedKVWorker(layers, num_blocks, block_size, model_config.dtype)
         )
         self.device = self.kv_worker.device
+        self.platform = platform_of(self.device)
         # One backend for every layer (attention/registry.py; ValueError naming what it refuses).
         self.attn_backend = bind_backend(
             layers, attention_config or AttentionConfig(), self.kv_worker.layout, self.device
@@ -85,11 +87,10 @@ class ModelRunner:
         # Speculative decoding: every sampling request goes through the rejection sampler (a
         # request without drafts samples its one token there), so a seeded request's tokens
         # do not depend on whether others in the batch had drafts.
-        self.speculative_config = speculative_config
+        self.speculative_config = spec = speculative_config
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
-        spec = speculative_config
-        self.proposer: Proposer | None = build_proposer(spec, self) if spec is not None else None
-        self.draft_policy: DraftPolicy | None = DraftPolicy(spec) if spec is not None else None
+        self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self)
+        self.draft_policy: DraftPolicy | None = None if spec is None else DraftPolicy(spec)
         self.lora_manager = self._lora_manager(lora_config) if lora_config is not None else None
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
@@ -97,12 +98,13 @@ class ModelRunner:
     def _decode_graphs(self, sizes: Sequence[int]) -> DecodeGraphs:
         """Decode forwards captured at these batch sizes: CUDA graphs, which only a backend
         whose decode reads device tensors alone may take; elsewhere a re-run."""
-        if self.device.type == "cuda" and not self.attn_backend.graph_capturable:
+        graphs = self.platform.supports_graph_capture
+        if graphs and not self.attn_backend.graph_capturable:
             raise ValueError(
                 f"attention backend {self.attn_backend.name!r} cannot be captured in CUDA graphs "
                 "(its decode reads host values of the step); use attention_backend='triton' or no cuda_graph_sizes"
             )
-        capture = cuda_graph_capture() if self.device.type == "cuda" else eager_capture
+        capture = cuda_graph_capture() if graphs else eager_capture
         max_blocks = -(-self.model_config.max_model_len // self.block_size)
         return DecodeGraphs(self.model, sorted(set(sizes)), max_blocks, self.block_size, self.device, capture)
 
@@ -351,7 +353,7 @@ class ModelRunner:
         prepare = self.attn_backend.prepare_metadata
         md = [prepare(m) for m in md] if isinstance(md, list) else prepare(md)
         batch = build_batch(states, input_ids, positions, md, query_start, seq_lens, counts, num_drafts)
-        return batch if self.device.type == "cpu" else batch.to(self.device)
+        return batch if self.platform.uses_host_memory else batch.to(self.device)
 
 
 def _append_sampled(

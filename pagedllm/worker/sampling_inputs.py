@@ -13,6 +13,7 @@ import torch
 
 from pagedllm import faults
 from pagedllm.lora.request import LoRARequest
+from pagedllm.platforms.registry import platform_of
 from pagedllm.sample.penalties import PenaltyMetadata
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
@@ -52,7 +53,7 @@ def build_sampling_metadata(
     """The metadata of ``states``' rows, on ``device`` (built on the host, one copy per tensor,
     no read back)."""
     md = _host_sampling_metadata(states, vocab_size, eos_token_ids, torch.device(device))
-    return md if torch.device(device).type == "cpu" else _to_device(md, torch.device(device))
+    return md if platform_of(device).uses_host_memory else _to_device(md, torch.device(device))
 
 
 def _to_device(md: SamplingMetadata, device: torch.device) -> SamplingMetadata:

@@ -11,7 +11,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import AttentionConfig, DeviceConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kv_backends.paged.worker import attention_layers
-from pagedllm.worker.memory_profile import MemoryProfile, kv_budget_from_utilization, profile_forward
+from pagedllm.platforms.cuda import kv_budget_from_utilization
+from pagedllm.platforms.interface import MemoryProfile
+from pagedllm.worker.memory_profile import profile_forward
 from tests.kernels.interpreter import import_interpreted, interpreter  # noqa: F401 (fixture)
 from tests.utils import assert_greedy_match, hf_greedy
 

@@ -231,19 +231,27 @@ def sampling_params_from(
             f"length_penalty={req.length_penalty} applies only to beam search (use_beam_search=true)",
             "length_penalty",
         )
-    logit_bias = None
-    if req.logit_bias is not None:
-        try:
-            logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-    defaults = defaults or {}
+    kwargs = _sampling_kwargs(req, max_tokens, logprobs, defaults or {})
+    kwargs["structured_outputs"] = structured_outputs
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        match = re.match(r"(\w+)", str(e))
+        param = match.group(1) if match and match.group(1) in kwargs else None
+        raise bad_request(str(e), param) from None
+
+
+def _sampling_kwargs(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """SamplingParams' arguments from the body's sampling fields (the server's defaults for
+    those it leaves out), structured outputs aside."""
 
     def given_or_default(name: str, neutral: Any) -> Any:
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, neutral)
 
-    kwargs: dict[str, Any] = dict(
+    return dict(
         n=req.n,
         max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens"),
         min_tokens=req.min_tokens,
@@ -261,19 +269,22 @@ def sampling_params_from(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=req.prompt_logprobs,
-        logit_bias=logit_bias,
+        logit_bias=_logit_bias(req),
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
-        structured_outputs=structured_outputs,
     )
+
+
+def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """The body's logit_bias with token-id keys; a 400 for a key that is not one."""
+    if req.logit_bias is None:
+        return None
     try:
-        return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as e:
-        match = re.match(r"(\w+)", str(e))
-        param = match.group(1) if match and match.group(1) in kwargs else None
-        raise bad_request(str(e), param) from None
+        return {int(k): float(v) for k, v in req.logit_bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
 
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:

@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 
+from pagedllm.platforms.host import in_host_memory
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -44,7 +46,7 @@ def triton_ops(device: torch.device | str) -> SimpleNamespace:
     if not triton_available():
         raise RuntimeError("the Triton kernels need the triton package (pip install triton)")
     ops = _load()
-    if torch.device(device).type == "cpu" and not ops.INTERPRETED:
+    if in_host_memory(device) and not ops.INTERPRETED:
         raise RuntimeError(
             "the Triton kernels run on CPU tensors only under Triton's interpreter: set "
             "TRITON_INTERPRET=1 before triton is first imported (tests do), or use device='cuda'"

@@ -37,6 +37,36 @@ def check_kv_capacity(
         )
 
 
+def _group_specs(config: EngineConfig, layers: Sequence[Any]) -> list[KVCacheGroupSpec]:
+    """Equal-sized KV cache groups per attention type (full, sliding window); a block spans
+    one layer slice per layer of a group (worker.py). KV transfer needs one group."""
+    from pagedllm.kv_backends.paged.worker import kv_cache_groups
+
+    group_specs = [KVCacheGroupSpec(g.sliding_window) for g in kv_cache_groups(layers)]
+    if config.kv_transfer_config is not None and (
+        not config.cache_config.enable_prefix_caching or len(group_specs) != 1
+    ):
+        raise ValueError(
+            "--kv-transfer-config needs prefix caching (blocks travel under their prefix-cache "
+            "hashes) and a model with one KV cache group (no sliding-window layers)"
+        )
+    return group_specs
+
+
+def _summary(manager: KVCacheManager, layer_slots: int, storage: str, group_specs: list[KVCacheGroupSpec]) -> str:
+    """The start-up line: the pool, and the requests of max_model_len tokens (decoding) that
+    fit at once, over all KV groups."""
+    num_blocks, block_size, max_len = manager.num_blocks, manager.block_size, manager.max_model_len
+    max_concurrency = (num_blocks - 1) / manager.max_blocks_per_request(max_len)
+    return (
+        f"KV cache: {num_blocks - 1} blocks of {block_size} tokens "
+        f"({manager.bytes_per_block / 2**20:.1f} MiB per block over {layer_slots} layers, "
+        f"KV {storage}), group windows {[g.sliding_window for g in group_specs]}; "
+        f"{(num_blocks - 1) * block_size} token slots, max concurrency {max_concurrency:.1f}x "
+        f"at max_model_len={max_len}."
+    )
+
+
 class PagedBackend(KVBackend):
     name = "paged"
     capabilities = KVCacheManager.capabilities
@@ -47,35 +77,26 @@ class PagedBackend(KVBackend):
             PagedKVWorker,
             attention_layers,
             kv_bytes_per_block,
-            kv_cache_groups,
             num_blocks_for_budget,
             num_layer_slots,
         )
 
         model_config = loaded.model_config
-        budget_config = config.cache_config
-        block_size = budget_config.block_size
-        # Equal-sized KV cache groups per attention type (full, sliding window); a block
-        # spans one layer slice per layer of a group (worker.py).
+        cache = config.cache_config
+        block_size = cache.block_size
         layers = attention_layers(loaded.model)
-        group_specs = [KVCacheGroupSpec(g.sliding_window) for g in kv_cache_groups(layers)]
-        if config.kv_transfer_config is not None and (not budget_config.enable_prefix_caching or len(group_specs) != 1):
-            raise ValueError(
-                "--kv-transfer-config needs prefix caching (blocks travel under their prefix-cache "
-                "hashes) and a model with one KV cache group (no sliding-window layers)"
-            )
+        group_specs = _group_specs(config, layers)
         layer_slots = num_layer_slots(layers)
-        budget = budget_config.kv_cache_memory_bytes
+        budget = cache.kv_cache_memory_bytes
         assert budget is not None, "the platform sets the budget before the build"
-        kv_dtype = budget_config.kv_cache_dtype
-        storage = resolve_kv_cache_dtype(kv_dtype, model_config.dtype)
-        num_blocks = num_blocks_for_budget(model_config, block_size, budget, layer_slots, kv_dtype)
+        storage = resolve_kv_cache_dtype(cache.kv_cache_dtype, model_config.dtype)
+        num_blocks = num_blocks_for_budget(model_config, block_size, budget, layer_slots, cache.kv_cache_dtype)
         config = dataclasses.replace(config, num_blocks=num_blocks)
         manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=block_size,
             max_model_len=model_config.max_model_len,
-            enable_caching=budget_config.enable_prefix_caching,
+            enable_caching=cache.enable_prefix_caching,
             # The KV storage dtype: blocks of int8 codes are not blocks of floats.
             hash_extra_keys=(model_config.model, model_config.dtype, block_size, ("kv_cache_dtype", storage),
                              loaded.quantization),
@@ -84,26 +105,16 @@ class PagedBackend(KVBackend):
         max_len = model_config.max_model_len
         needed = manager.max_blocks_per_request(max_len, config.scheduler_config.max_num_batched_tokens)
         check_kv_capacity(num_blocks, needed, block_size, max_len, budget)
-        manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots, kv_dtype)
-        manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers), kv_dtype)
-        # Requests of max_model_len tokens (decoding) that fit at once, over all KV groups.
-        max_concurrency = (num_blocks - 1) / manager.max_blocks_per_request(max_len)
-        summary = (
-            f"KV cache: {num_blocks - 1} blocks of {block_size} tokens "
-            f"({manager.bytes_per_block / 2**20:.1f} MiB per block over {layer_slots} layers, "
-            f"KV {storage}), group windows {[g.sliding_window for g in group_specs]}; "
-            f"{(num_blocks - 1) * block_size} token slots, max concurrency {max_concurrency:.1f}x "
-            f"at max_model_len={max_len}."
-        )
+        manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots, cache.kv_cache_dtype)
+        manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers), cache.kv_cache_dtype)
+        device = config.device_config.device
         return KVBuild(
             manager=manager,
             config=config,
-            make_worker=lambda layers: PagedKVWorker(
-                layers, num_blocks, block_size, storage, config.device_config.device
-            ),
+            make_worker=lambda layers: PagedKVWorker(layers, num_blocks, block_size, storage, device),
             block_size=block_size,
             num_blocks=num_blocks,
-            summary=summary,
+            summary=_summary(manager, layer_slots, storage, group_specs),
         )
 
     def view(self, manager: KVManager, running: Sequence[Request]) -> PagedKVView:

@@ -28,6 +28,7 @@ from pagedllm.attention.layouts import BLOCK_TABLES
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.registry import bind_default_backend
 from pagedllm.layers.attention import Attention
+from pagedllm.platforms.registry import platform_of
 from pagedllm.layers.kv_quant import cache_torch_dtype, row_bytes, row_width
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 
@@ -95,7 +96,7 @@ def allocate_kv_caches(
     shape = (2, num_blocks, block_size, layers[0].num_kv_heads, row_width(dtype, head_dim))
     per_layer = int(np.prod(shape[:-1])) * row_bytes(dtype, head_dim)
     num_slots = num_layer_slots(layers)
-    if torch.device(device).type == "cpu":
+    if platform_of(device).uses_host_memory:
         raw = torch.from_numpy(np.zeros(per_layer * num_slots, dtype=np.uint8))
     else:
         raw = torch.zeros(per_layer * num_slots, dtype=torch.uint8, device=device)

@@ -23,6 +23,20 @@ if TYPE_CHECKING:
     from pagedllm.request import Request
 
 
+def _check_capacity(manager: VAttentionKVManager, budget: int) -> int:
+    """The pages one request of max_model_len needs; ValueError when the budget holds fewer."""
+    max_len = manager.max_model_len
+    needed = manager.max_blocks_per_request(max_len)
+    if manager.num_pages < needed:
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds {manager.num_pages} pages of {manager.page_bytes} "
+            f"bytes, fewer than the {needed} pages one request of max_model_len={max_len} needs with the "
+            f"vattention backend; raise kv_cache_memory_bytes (--kv-cache-memory-bytes) or lower "
+            f"max_model_len (--max-model-len)"
+        )
+    return needed
+
+
 class VAttentionBackend(KVBackend):
     name = "vattention"
     capabilities = VAttentionKVManager.capabilities
@@ -64,28 +78,20 @@ class VAttentionBackend(KVBackend):
             max_model_len=max_len,
             deferred_reclaim=cache.vattention_deferred_reclaim,
         )
-        needed = manager.max_blocks_per_request(max_len)
-        if num_pages < needed:
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes holds {num_pages} pages of {page_bytes} bytes, "
-                f"fewer than the {needed} pages one request of max_model_len={max_len} needs with the "
-                f"vattention backend; raise kv_cache_memory_bytes (--kv-cache-memory-bytes) or lower "
-                f"max_model_len (--max-model-len)"
-            )
-        summary = (
-            f"KV cache (vattention): {num_slots} slots x {capacity} tokens reserved "
-            f"({2 * len(layers) * num_slots * capacity * token_bytes / 2**30:.1f} GiB of address space "
-            f"over {len(layers)} layers, KV {storage}); budget {num_pages} pages of "
-            f"{page_bytes // 1024} KiB{' (transparent huge pages)' if hugepages else ''}, max "
-            f"concurrency {num_pages / needed:.1f}x at max_model_len={max_len}."
-        )
+        needed = _check_capacity(manager, budget)
         return KVBuild(
             manager=manager,
             config=config,
             make_worker=lambda layers: VAttentionKVCache(layers, num_slots, capacity, storage, hugepages),
             block_size=1,
             num_blocks=0,
-            summary=summary,
+            summary=(
+                f"KV cache (vattention): {num_slots} slots x {capacity} tokens reserved "
+                f"({2 * len(layers) * num_slots * capacity * token_bytes / 2**30:.1f} GiB of address space "
+                f"over {len(layers)} layers, KV {storage}); budget {num_pages} pages of "
+                f"{page_bytes // 1024} KiB{' (transparent huge pages)' if hugepages else ''}, max "
+                f"concurrency {num_pages / needed:.1f}x at max_model_len={max_len}."
+            ),
         )
 
     def view(self, manager: KVManager, running: Sequence[Request]) -> SlotKVView:
