@@ -12,6 +12,7 @@ tie rule.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,8 +30,10 @@ from tests.models.utils import (
     TINY_EOS_ID,
     add_tiny_vocab,
     bind_kv_caches,
+    convert_with_llama_cpp,
     greedy_generate,
     gguf_tensor_name,
+    llama_cpp_dir,
     prompt_logprobs,
     random_blocks,
     save_random_model,
@@ -183,3 +186,24 @@ def test_gpt2_gguf_through_the_engine(tmp_path: Path) -> None:
     out = llm.generate(["the theme of the thesis"], params, use_tqdm=False)[0]
     ref, gaps = hf_greedy(_hf_from_gguf(path), out.prompt_token_ids, NUM_STEPS)
     assert_greedy_match(out.outputs[0].token_ids, ref, gaps, "gpt2 gguf engine")
+
+
+@pytest.mark.slow  # the converter's own start (torch, transformers)
+@pytest.mark.skipif(llama_cpp_dir() is None, reason="PAGEDLLM_LLAMA_CPP_DIR names no llama.cpp tree")
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_gpt2_written_by_llama_cpp_converter(tmp_path: Path, outtype: str) -> None:
+    src = tmp_path / "src"
+    hf_model = save_random_model(src, tiny_gpt2_config(True))
+    config = json.loads((src / "config.json").read_text())
+    config.setdefault("n_ctx", config["n_positions"])  # the converter reads n_ctx, as OpenAI's config.json has it
+    (src / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "gguf" / f"tiny-gpt2-{outtype}.gguf"
+    path.parent.mkdir()
+    convert_with_llama_cpp(src, path, outtype)
+    loaded = load_model(str(path))
+    if outtype == "q8_0":
+        assert all(isinstance(m.quant, QuantizedWeight) for m in loaded.model.modules() if isinstance(m, Linear))
+    _check_against_hf(path, loaded.model)
+    if outtype == "f32":  # the file holds the source's weights exactly: HF's own GPT-2 agrees
+        bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
+        torch.testing.assert_close(prompt_logprobs(loaded.model, PROMPT), hf_logprobs(hf_model, PROMPT), atol=BOUND, rtol=0)

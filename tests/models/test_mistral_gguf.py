@@ -25,7 +25,9 @@ from tests.models.utils import (
     TINY_BOS_ID,
     TINY_EOS_ID,
     bind_kv_caches,
+    convert_with_llama_cpp,
     greedy_generate,
+    llama_cpp_dir,
     prompt_logprobs,
     save_random_model,
     save_tiny_gguf,
@@ -109,3 +111,19 @@ def test_mistral_sliding_window_is_not_in_the_file(tmp_path: Path) -> None:
     bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
     windowed = hf_logprobs(hf_model, PROMPT)
     assert float((prompt_logprobs(loaded.model, PROMPT) - windowed).abs().max()) > 0.1
+
+
+@pytest.mark.slow  # the converter's own start (torch, transformers)
+@pytest.mark.skipif(llama_cpp_dir() is None, reason="PAGEDLLM_LLAMA_CPP_DIR names no llama.cpp tree")
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_mistral_written_by_llama_cpp_converter(tmp_path: Path, outtype: str) -> None:
+    # The converter's own `llama` file of a windowed Mistral: what _write above assumes
+    # (Q/K permuted, rope.dimension_count = head_dim, no window key).
+    hf_model = save_random_model(tmp_path / "src", tiny_mistral_config(sliding_window=6))
+    path = tmp_path / "gguf" / f"tiny-mistral-{outtype}.gguf"
+    path.parent.mkdir()
+    convert_with_llama_cpp(tmp_path / "src", path, outtype)
+    loaded = load_model(str(path))
+    assert loaded.model_config.architecture == "LlamaForCausalLM"
+    assert (loaded.model_config.head_dim, loaded.model_config.sliding_window) == (48, None)
+    _check(loaded.model, _hf_from_gguf(path))

@@ -470,3 +470,35 @@ def router_choices(hf_model: Any) -> Iterator[list[torch.Tensor]]:
     finally:
         for h in handles:
             h.remove()
+
+
+def llama_cpp_dir() -> str | None:
+    """The llama.cpp source tree PAGEDLLM_LLAMA_CPP_DIR names, None if it names none."""
+    root = os.environ.get("PAGEDLLM_LLAMA_CPP_DIR")
+    return root if root and os.path.exists(os.path.join(root, "convert_hf_to_gguf.py")) else None
+
+
+# llama.cpp's converter in a child process, with one patch: it names a BPE tokenizer's
+# pre-tokenizer by a hash of known tokenizers' output, and the tiny tokenizer is none of them
+# (tensors and model metadata, what the tests check, do not depend on it).
+_CONVERT = """
+import runpy, sys
+root, src, out, outtype = sys.argv[1:]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", out, "--outtype", outtype]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert_with_llama_cpp(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], outtype: str) -> None:
+    """Write the HF checkpoint (with the tiny tokenizer) as a GGUF by llama.cpp's own
+    convert_hf_to_gguf.py (`outtype`: f32, q8_0, ...); llama_cpp_dir() must name a tree."""
+    import subprocess
+    import sys
+
+    root = llama_cpp_dir()
+    assert root is not None, "PAGEDLLM_LLAMA_CPP_DIR names no llama.cpp tree"
+    cmd = [sys.executable, "-c", _CONVERT, root, str(hf_dir), str(out), outtype]
+    subprocess.run(cmd, check=True, capture_output=True)
