@@ -107,7 +107,7 @@ class GGUFSpec:
     architecture: str
     """general.architecture in the file, e.g. "llama"."""
     block_names: Mapping[str, str]
-    """blk.N.<name> -> model.layers.N.<HF name> (without .weight / .bias)."""
+    """blk.N.<name> -> <block_prefix>.N.<HF name> (without .weight / .bias)."""
     optional_block_names: Mapping[str, str] = field(default_factory=dict)
     """Block tensors only some files of the architecture hold (Mixtral's experts in a `llama`
     file); a value with `{expert}` names a 3-D tensor split per expert at load."""
@@ -122,6 +122,13 @@ class GGUFSpec:
     config fields its GGUF reader leaves out or at their defaults (Phi-3's long rope and
     window, Gemma 2's soft-caps and attention scale), set on the config once, at conversion."""
     global_names: Mapping[str, str] = field(default_factory=lambda: dict(GGUF_GLOBAL_NAMES))
+    block_prefix: str = "model.layers"
+    """The HF name of the blocks' list ("transformer.h" in GPT-2)."""
+    hf_transposed: tuple[str, ...] = ()
+    """Block matrices HF checkpoints store transposed, [in, out] (GPT-2's Conv1D), where the
+    file has llama.cpp's [out, in]: the reader hands them over in HF's layout (a kept one as
+    gguf_quant.TransposedKept, whose .t() is the file's rows), so the family's own transpose
+    of HF checkpoints applies unchanged."""
 
 
 @dataclass(frozen=True)

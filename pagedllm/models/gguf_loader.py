@@ -27,7 +27,14 @@ import torch
 from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES
 from pagedllm.models.family import GGUFSpec
 from pagedllm.models.gguf_index import GGUFIndex, index_from_headers, load_index, read_ahead, save_index
-from pagedllm.models.gguf_quant import DEQUANTIZED_TYPES, KeptTensor, kept_bytes, kept_gguf_tensor
+from pagedllm.models.gguf_quant import (
+    DEQUANTIZED_TYPES,
+    KeptMatrix,
+    KeptTensor,
+    TransposedKept,
+    kept_bytes,
+    kept_gguf_tensor,
+)
 from pagedllm.models.registry import gguf_family
 
 if TYPE_CHECKING:
@@ -240,10 +247,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     legacy = _PER_EXPERT_RE.fullmatch(gguf_name)
     if legacy is not None and f"{legacy.group(2)}_exps" in block_names:
         part = block_names[f"{legacy.group(2)}_exps"].format(expert=legacy.group(3))
-        return f"model.layers.{legacy.group(1)}.{part}.weight"
+        return f"{spec.block_prefix}.{legacy.group(1)}.{part}.weight"
     if m is None or m.group(2) not in block_names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
-    return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
+    return f"{spec.block_prefix}.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -265,10 +272,13 @@ def read_gguf_tensors(
     keep_quantized: every matrix (2-D tensor, or a 3-D expert stack's 2-D slice) comes in its
     kept form (gguf_quant.kept_gguf_tensor: QuantizedWeight, GGUFBlocks, or F32 as float32);
     else, and for vectors (norms, biases), a float32 tensor dequantized from that tensor alone.
+    A matrix the family's HF checkpoints store transposed (GGUFSpec.hf_transposed) comes as
+    HF has it: a transposed view, or a kept one wrapped in gguf_quant.TransposedKept.
     """
     arch = index.architecture
     spec = gguf_spec(arch)
     permute_qk, norm_plus_one = spec.permuted_qk, spec.norm_plus_one
+    transposed = tuple(f".{spec.block_names[n]}.weight" for n in spec.hf_transposed)
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     wanted = [t for t in index.tensors if hf_tensor_name(t.name, arch) is not None]
@@ -290,7 +300,10 @@ def read_gguf_tensors(
             continue
         if len(shape) == 2:
             rows = None if heads is None else unpermute_qk(np.arange(shape[0]), heads)
-            yield name, _matrix(data, t.type_name, shape, rows, keep_quantized)
+            matrix = _matrix(data, t.type_name, shape, rows, keep_quantized)
+            if name.endswith(transposed):
+                matrix = matrix.t() if isinstance(matrix, torch.Tensor) else TransposedKept(matrix)
+            yield name, matrix
             continue
         w = _dequantize_raw(data, t.type_name).reshape(shape)
         if heads is not None:
@@ -304,7 +317,7 @@ def read_gguf_tensors(
 
 def _matrix(
     data: np.ndarray, type_name: str, shape: tuple[int, ...], rows: np.ndarray | None, keep_quantized: bool
-) -> KeptTensor:
+) -> KeptMatrix:
     # One matrix [N, K] (HF order), its rows reordered by `rows` if given.
     if keep_quantized:
         return kept_gguf_tensor(data, type_name, (shape[0], shape[1]), rows)

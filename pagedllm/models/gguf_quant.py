@@ -28,6 +28,8 @@ Q8_0's and Q4_1's fp16 d and m stay fp16, and so does Q4_0's -8 d wherever it is
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -40,10 +42,29 @@ GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 QUANTIZED_WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 # Types dequantized to BF16 per tensor (no kernel of their own): gguf-py dequantizes them.
 DEQUANTIZED_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
-KeptTensor = QuantizedWeight | GGUFBlocks | torch.Tensor
 
 
-def kept_gguf_tensor(data: np.ndarray, type_name: str, shape: tuple[int, int], rows: np.ndarray | None = None) -> KeptTensor:
+class TransposedKept(NamedTuple):
+    """A kept matrix handed over in the layout of a checkpoint that stores it transposed,
+    [in, out] (GPT-2's Conv1D; GGUFSpec.hf_transposed): `.t()` gives back the kept [out, in]
+    rows as the file holds them, so no quantized block is ever reordered."""
+
+    kept: QuantizedWeight | GGUFBlocks
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.kept.shape
+        return k, n
+
+    def t(self) -> QuantizedWeight | GGUFBlocks:
+        return self.kept
+
+
+KeptMatrix = QuantizedWeight | GGUFBlocks | torch.Tensor
+KeptTensor = KeptMatrix | TransposedKept
+
+
+def kept_gguf_tensor(data: np.ndarray, type_name: str, shape: tuple[int, int], rows: np.ndarray | None = None) -> KeptMatrix:
     """A matrix of the file in its kept form (the table in the module docstring); F32 stays a
     float32 tensor. data: the raw [N, bytes per row] (or [N, K] for F32/F16) from the map;
     shape: (N, K) in HF order; rows: a row order to apply (llama.cpp's Q/K interleave undone),

@@ -18,7 +18,7 @@ from pagedllm.layers.embedding import LearnedPositionEmbedding, LMHead, VocabEmb
 from pagedllm.layers.linear import ColumnParallelLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.utils import default_dtype
-from pagedllm.models.family import ArchConfig, ModelFamily
+from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.utils import load_named_weights
 
 # Conv1D weights, stored [in, out] in checkpoints.
@@ -149,6 +149,35 @@ def _gpt2_arch_config(hf: Any) -> ArchConfig:
     )
 
 
+def _gpt2_config_from_gguf(reader: Any, hf_config: Any) -> dict[str, Any]:
+    """Sizes transformers' `gpt2` GGUF reader leaves at GPT2Config's defaults: the context
+    (it sets `n_ctx`, which GPT2Config no longer reads; the position table's rows are the
+    truth) and the MLP width (the converter writes 4 * n_embd whatever `n_inner` was)."""
+    tensors = {t.name: t for t in reader.tensors}
+    # gguf-py's shapes are ggml's, fastest dimension first: [hidden, rows].
+    out: dict[str, Any] = {"n_positions": int(tensors["position_embd.weight"].shape[1])}
+    inner = int(tensors["blk.0.ffn_up.weight"].shape[1])
+    if inner != 4 * hf_config.hidden_size:
+        out["n_inner"] = inner
+    return out
+
+
+# llama.cpp's `gpt2` tensors -> HF's GPT2LMHeadModel names.
+_GPT2_GGUF_GLOBAL_NAMES = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",  # absent when tied, as in OpenAI's checkpoints
+}
+_GPT2_GGUF_BLOCK_NAMES = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+
 # The fused c_attn stays fused in checkpoints too: no packed modules.
 FAMILIES = (
     ModelFamily(
@@ -156,6 +185,16 @@ FAMILIES = (
         architectures=("GPT2LMHeadModel",),
         model_class=GPT2LMHeadModel,
         arch_config=_gpt2_arch_config,
+        # The file holds the Conv1D weights as [out, in] (the converter transposed them):
+        # handed over as HF's [in, out] so load_weights' transpose restores the file's rows.
+        gguf=GGUFSpec(
+            "gpt2",
+            _GPT2_GGUF_BLOCK_NAMES,
+            global_names=_GPT2_GGUF_GLOBAL_NAMES,
+            block_prefix="transformer.h",
+            hf_transposed=("attn_qkv", "attn_output", "ffn_up", "ffn_down"),
+            config_from_gguf=_gpt2_config_from_gguf,
+        ),
         supports_tensor_parallel=True,
     ),
 )

@@ -105,7 +105,7 @@ def test_declaration_matches_the_checkpoint(case: FamilyCase, tmp_path_factory: 
             # In some layer: a MoE family's dense layers and sparse ones hold different MLPs.
             part = hf_part.format(expert=0)
             layers = range(arch.num_layers)
-            assert any(f"model.layers.{i}.{part}.weight" in hf_names for i in layers), hf_part
+            assert any(f"{family.gguf.block_prefix}.{i}.{part}.weight" in hf_names for i in layers), hf_part
         assert {f"{n}.weight" for n in family.gguf.global_names.values()} <= hf_names
 
 

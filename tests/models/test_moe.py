@@ -27,7 +27,9 @@ from pagedllm.models.loader import load_model
 from tests.models.utils import (
     FamilyCase,
     bind_kv_caches,
+    convert_with_llama_cpp,
     greedy_generate,
+    llama_cpp_dir,
     router_margins,
     save_random_model,
     save_tiny_gguf,
@@ -389,6 +391,28 @@ def test_mixtral_gguf_as_llama_with_experts(per_expert: bool, tmp_path: Path, mo
         ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
     ref, gaps = hf_greedy_router_ties(reference, prompt_ids, NUM_STEPS)
     assert_greedy_match(ours, ref, gaps, "mixtral gguf")
+
+
+@pytest.mark.slow  # the converter's own start (torch, transformers)
+@pytest.mark.skipif(llama_cpp_dir() is None, reason="PAGEDLLM_LLAMA_CPP_DIR names no llama.cpp tree")
+def test_mixtral_written_by_llama_cpp_converter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # llama.cpp's own converter (F32: the file holds the source's weights exactly) writes the
+    # `llama` file with llama.expert_count and 3-D expert stacks; it loads as Mixtral and
+    # matches HF's Mixtral on the source directory.
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    hf_model = save_random_model(tmp_path / "src", CONFIGS["mixtral"]())
+    path = tmp_path / "gguf" / "tiny-mixtral.gguf"
+    path.parent.mkdir()
+    convert_with_llama_cpp(tmp_path / "src", path, "f32")
+    loaded = load_model(str(path))
+    assert loaded.model_config.architecture == "MixtralForCausalLM"
+    assert sum(isinstance(m, SparseMoE) for m in loaded.model.modules()) == 2
+    bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
+    prompt_ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
+    ref, gaps = hf_greedy_router_ties(hf_model, prompt_ids, NUM_STEPS)
+    assert_greedy_match(ours, ref, gaps, "mixtral by llama.cpp's converter")
 
 
 def test_int4_keeps_the_router_at_8_bits(tmp_path: Path) -> None:

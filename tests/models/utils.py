@@ -205,7 +205,7 @@ def save_tiny_model(
     return model
 
 
-def _gguf_name(hf_name: str, arch: str = "llama") -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """The llama.cpp name of an HF tensor, by the family's declared GGUF names (inverted)."""
     from pagedllm.models.gguf_loader import gguf_spec
 
@@ -214,7 +214,7 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     top = {hf: gguf for gguf, hf in spec.global_names.items()}
     if base in top:
         return f"{top[base]}.{kind}"
-    _, _, layer, part = base.split(".", 3)
+    layer, _, part = base.removeprefix(f"{spec.block_prefix}.").partition(".")
     block = {hf: gguf for gguf, hf in {**spec.block_names, **spec.optional_block_names}.items()}
     return f"blk.{layer}.{block[part]}.{kind}"
 
@@ -224,6 +224,28 @@ def _llama_cpp_permute(w: Any, num_heads: int) -> Any:
     rest = w.shape[1:]
     w4 = w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *rest)
     return w4.swapaxes(1, 2).reshape(w.shape)
+
+
+def add_tiny_vocab(writer: Any, tokenizer: Any, vocab_size: int) -> None:
+    """The tiny (byte-level BPE) tokenizer as llama.cpp's `gpt2` tokenizer metadata, padded
+    to `vocab_size` with unused tokens."""
+    import gguf
+
+    tokens = [f"<unused{i}>" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for token, token_id in tokenizer.get_vocab().items():
+        tokens[token_id] = token
+        special = token in tokenizer.added_tokens_encoder
+        types[token_id] = gguf.TokenType.CONTROL if special else gguf.TokenType.NORMAL
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([" ".join(m) for m in TINY_MERGES])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer.chat_template)
 
 
 def save_tiny_gguf(
@@ -275,22 +297,7 @@ def save_tiny_gguf(
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
     if getattr(cfg, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    vocab = tokenizer.get_vocab()
-    tokens = [f"<unused{i}>" for i in range(cfg.vocab_size)]
-    types = [gguf.TokenType.UNUSED] * cfg.vocab_size
-    for token, token_id in vocab.items():
-        tokens[token_id] = token
-        special = token in tokenizer.added_tokens_encoder
-        types[token_id] = gguf.TokenType.CONTROL if special else gguf.TokenType.NORMAL
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([" ".join(m) for m in TINY_MERGES])
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tokenizer.chat_template)
+    add_tiny_vocab(writer, tokenizer, cfg.vocab_size)
     if extra is not None:
         extra(writer)
     for name, tensor in hf_model.state_dict().items():
@@ -303,7 +310,7 @@ def save_tiny_gguf(
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
         elif spec.norm_plus_one and name.endswith("norm.weight"):
             w = w + 1.0  # llama.cpp stores Gemma's scales as (1 + weight)
-        gguf_name = _gguf_name(name, arch)
+        gguf_name = gguf_tensor_name(name, arch)
         if w.ndim == 1:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w))
             continue
@@ -463,3 +470,35 @@ def router_choices(hf_model: Any) -> Iterator[list[torch.Tensor]]:
     finally:
         for h in handles:
             h.remove()
+
+
+def llama_cpp_dir() -> str | None:
+    """The llama.cpp source tree PAGEDLLM_LLAMA_CPP_DIR names, None if it names none."""
+    root = os.environ.get("PAGEDLLM_LLAMA_CPP_DIR")
+    return root if root and os.path.exists(os.path.join(root, "convert_hf_to_gguf.py")) else None
+
+
+# llama.cpp's converter in a child process, with one patch: it names a BPE tokenizer's
+# pre-tokenizer by a hash of known tokenizers' output, and the tiny tokenizer is none of them
+# (tensors and model metadata, what the tests check, do not depend on it).
+_CONVERT = """
+import runpy, sys
+root, src, out, outtype = sys.argv[1:]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", out, "--outtype", outtype]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert_with_llama_cpp(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], outtype: str) -> None:
+    """Write the HF checkpoint (with the tiny tokenizer) as a GGUF by llama.cpp's own
+    convert_hf_to_gguf.py (`outtype`: f32, q8_0, ...); llama_cpp_dir() must name a tree."""
+    import subprocess
+    import sys
+
+    root = llama_cpp_dir()
+    assert root is not None, "PAGEDLLM_LLAMA_CPP_DIR names no llama.cpp tree"
+    cmd = [sys.executable, "-c", _CONVERT, root, str(hf_dir), str(out), outtype]
+    subprocess.run(cmd, check=True, capture_output=True)
