@@ -5,7 +5,8 @@ Both paths run the same kernels in the same order on the same floats: up to
 SMALL_M_MAX_ROWS rows gguf_matmul.h's small-M kernel, above it the same rows decoded to
 float32 and torch's GEMM on the same chunks. So the hidden states must be equal bit for bit
 (atol 0) at 1, 3 (small-M) and 23 rows (decode + GEMM), and every decode step must have run
-fused (the forward hook's count).
+fused (the forward hook's count). On a CPU above AVX2 the mixed model runs again with both
+extensions built for AVX2 (the float path in place of the int16 VNNI one).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.kernels import QuantizedWeight
+from pagedllm.kernels import QuantizedWeight, detect_cpu_isa, isa_at_least, set_cpu_isa
 from pagedllm.kernels.build import kernel_cache_root
 from pagedllm.kernels.gguf_blocks import SMALL_M_MAX_ROWS, GGUFBlocks
 from pagedllm.layers.linear import Linear
@@ -97,3 +98,17 @@ def test_fused_verification_on_mixed_sections(tiny_hf: tuple[Any, Path]) -> None
     bind_kv_caches(loaded.model, num_blocks=48, block_size=BLOCK_SIZE)
     steps = len(VERIFY_STEPS)
     assert compare_verify_steps(loaded, atol=0.0) == (steps, steps)
+
+
+@pytest.mark.skipif(not isa_at_least(detect_cpu_isa(), "avx512"), reason="the CPU's own level is AVX2 or lower")
+@pytest.mark.parametrize("num_reqs", [1, 23])
+def test_fused_decode_on_mixed_sections_at_avx2(tiny_hf: tuple[Any, Path], num_reqs: int) -> None:
+    path = write(tiny_hf, "fused-mixed-avx2", _mixed_type)
+    try:
+        assert set_cpu_isa("avx2") == "avx2"
+        loaded = load_model(str(path))
+        _assert_decodes_fused(loaded, num_reqs)
+        # The AVX2 build ran, though this process may hold the native level's too.
+        assert type(loaded.model.model.fused_layers._decoder).__module__ == "pagedllm_decode_layers_avx2"
+    finally:
+        set_cpu_isa(None)

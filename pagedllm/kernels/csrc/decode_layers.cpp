@@ -26,10 +26,10 @@
 #include <optional>
 #include <vector>
 
+#include "decode_gguf_linear.h"
 #include "layer_ops.h"
 #include "lora_delta.h"
 #include "paged_attention.h"
-#include "decode_gguf_linear.h"
 #include "quant_linear.h"
 #include "quant_scales.h"
 
@@ -133,7 +133,8 @@ struct DecodeLinear {
 
   // y [M, N] = x [M, K] @ W^T (+ bias), by quantization.quantized_linear's choice of kernel
   // for quantized weights (int16 activations up to int16_max_rows, then 8-row tiles up to
-  // tile_max_rows, then dequantized panels).
+  // tile_max_rows, then dequantized panels); GGUF blocks by gguf_blocks.gguf_linear's
+  // (GGUFDecodeWeight); sections part by part, as layers/linear.sectioned_linear.
   // With a bf16 copy and at least bf16_min_rows rows: torch's bf16 GEMM (oneDNN; AMX where the
   // CPU has it) on x rounded to bf16, its bf16 output widened into y, as
   // bf16_activations.bf16_activation_linear computes.
@@ -413,7 +414,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_type_names", [] { return std::vector<std::string>(std::begin(pagedllm::gguf::kTypeNames),
                                                                  std::end(pagedllm::gguf::kTypeNames)); },
         "the GGUF types the GGUF-blocks form takes, in the order of its type index");
-  pybind11::class_<DecodeLinear>(m, "DecodeLinear")
+  // module_local: each ISA level's build registers its own classes (a process may load two).
+  pybind11::class_<DecodeLinear>(m, "DecodeLinear", pybind11::module_local())
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           int64_t>(),
            "(bits 32/8/4, weight, scales, zeros, bias, bf16 copy, bf16_min_rows): float32 or int8/int4")
@@ -429,7 +431,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   "(parts, offsets, bias, bf16 copy, bf16_min_rows): part i's rows at offsets[i]")
       .def_readonly("N", &DecodeLinear::N)
       .def_readonly("K", &DecodeLinear::K);
-  pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers")
+  pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, double, int64_t,
                           int64_t>())
       .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
