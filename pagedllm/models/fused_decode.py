@@ -147,15 +147,16 @@ def _projections(layer: nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
     return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
-def _kept_form(ops: Any, weight: KeptWeight) -> Any:
-    """One kept weight (a whole layer's, or one section's) as a DecodeLinear without bias or
-    bf16 copy."""
+def _kept_form(
+    ops: Any, weight: KeptWeight, bias: torch.Tensor = _EMPTY, bf16: torch.Tensor = _EMPTY, bf16_min_rows: int = 0
+) -> Any:
+    """A kept weight (a whole layer's, or one section's: no bias or bf16 copy) as a DecodeLinear."""
     if isinstance(weight, GGUFBlocks):
         type_index = ops.gguf_type_names().index(weight.type_name)
         return ops.DecodeLinear.gguf(weight.data.contiguous(), type_index, weight.k, SMALL_M_MAX_ROWS, CHUNK_ROWS,
-                                     _EMPTY, _EMPTY, 0)
+                                     bias, bf16, bf16_min_rows)
     zeros = _EMPTY if weight.zeros is None else weight.zeros
-    return ops.DecodeLinear(weight.bits, weight.qweight, weight.scales, zeros, _EMPTY, _EMPTY, 0)
+    return ops.DecodeLinear(weight.bits, weight.qweight, weight.scales, zeros, bias, bf16, bf16_min_rows)
 
 
 def _decode_linear(ops: Any, linear: Linear, bf16_min_rows: int) -> Any:
@@ -168,15 +169,10 @@ def _decode_linear(ops: Any, linear: Linear, bf16_min_rows: int) -> Any:
         parts = [_kept_form(ops, weight) for _, weight in linear.sections]
         offsets = [offset for offset, _ in linear.sections]
         return ops.DecodeLinear.sections(parts, offsets, bias, bf16, bf16_min_rows)
-    if linear.blocks is not None:
-        type_index = ops.gguf_type_names().index(linear.blocks.type_name)
-        return ops.DecodeLinear.gguf(linear.blocks.data.contiguous(), type_index, linear.blocks.k, SMALL_M_MAX_ROWS,
-                                     CHUNK_ROWS, bias, bf16, bf16_min_rows)
-    q = linear.quant
-    if q is None:
+    kept = linear.quant if linear.quant is not None else linear.blocks
+    if kept is None:
         return ops.DecodeLinear(32, linear.weight.detach(), _EMPTY, _EMPTY, bias, bf16, bf16_min_rows)
-    zeros = _EMPTY if q.zeros is None else q.zeros
-    return ops.DecodeLinear(q.bits, q.qweight, q.scales, zeros, bias, bf16, bf16_min_rows)
+    return _kept_form(ops, kept, bias, bf16, bf16_min_rows)
 
 
 def _gguf_refusal(ops: Any, linear: Linear) -> str | None:
@@ -185,7 +181,8 @@ def _gguf_refusal(ops: Any, linear: Linear) -> str | None:
     compiled = set(ops.gguf_type_names())
     for weight in linear.kept_weights():
         if isinstance(weight, GGUFBlocks) and weight.type_name not in compiled:
-            return f"a projection keeps GGUF {weight.type_name} blocks ({linear.extra_repr()}), which the compiled layers do not run"
+            return (f"a projection keeps GGUF {weight.type_name} blocks ({linear.extra_repr()}), "
+                    "which the compiled layers do not run")
     return None
 
 
@@ -232,7 +229,8 @@ class FusedDecoderLayers(nn.Module):
         if reason is None and ops is None:
             reason = "the compiled extension is unavailable"
         if reason is None:
-            reason = next(filter(None, (_gguf_refusal(ops, m) for layer in layers for m in _projections(layer))), None)
+            refusals = (_gguf_refusal(ops, m) for layer in layers for m in _projections(layer))
+            reason = next(filter(None, refusals), None)
         if reason is not None:
             self._unsupported = reason
             logger.info("decode steps run module by module: %s", reason)

@@ -112,3 +112,17 @@ def test_fused_decode_on_mixed_sections_at_avx2(tiny_hf: tuple[Any, Path], num_r
         assert type(loaded.model.model.fused_layers._decoder).__module__ == "pagedllm_decode_layers_avx2"
     finally:
         set_cpu_isa(None)
+
+
+def test_fused_decode_takes_the_bf16_copies_of_block_layers(tiny_hf: tuple[Any, Path]) -> None:
+    # --prefill-activations bf16 from 8 rows: block and section layers' bf16 copies of their
+    # dequantized rows (the same oneDNN GEMM as the module path: equal) at 23 rows; at 3 rows
+    # below the threshold the blocks' own kernels.
+    from pagedllm.layers.linear import set_prefill_activations
+
+    loaded = load_model(str(write(tiny_hf, "fused-mixed-bf16", _mixed_type)))
+    assert set_prefill_activations(loaded.model, "bf16", min_rows=8) > 0
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.sections is not None
+    for num_reqs in (23, 3):
+        _assert_decodes_fused(loaded, num_reqs)
+    assert loaded.model.model.fused_layers._bound_bf16 is not None
