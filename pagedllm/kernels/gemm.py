@@ -1,5 +1,5 @@
 """Matmuls whose weight is stored compactly (quantized, or bf16 on a CPU without native bf16)
-on torch's float32 GEMM: up to `_CHUNK_ROWS` weight rows at a time are expanded into one
+on torch's float32 GEMM: up to `CHUNK_ROWS` weight rows at a time are expanded into one
 reused float32 buffer and multiplied. For larger M (prefill, big batches) this beats
 computing from the compact weight in registers, the expansion being paid once per M rows."""
 
@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 # Weight rows expanded at a time (a float32 buffer of at most 2048 x K).
-_CHUNK_ROWS = 2048
+CHUNK_ROWS = 2048
 
 _scratch: torch.Tensor | None = None  # the reused float32 buffer
 
@@ -22,7 +22,7 @@ def chunked_gemm(
     writes W's rows [start, start + buf.shape[0]) as float32 into buf ([rows, K])."""
     global _scratch
     k = x.shape[1]
-    rows = min(num_rows, _CHUNK_ROWS)
+    rows = min(num_rows, CHUNK_ROWS)
     if _scratch is None or _scratch.numel() < rows * k:
         # A normal tensor even when first needed under inference mode: the buffer outlives the
         # call, and an inference tensor could not be written by a later call outside it.

@@ -9,7 +9,12 @@ kernels of the per-module path (norms, rotary, attention, the quantized projecti
 vectorised silu (its exp within ~2 ulp) and, for float32 weights, an AVX2 matrix-vector
 kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of torch's GEMM:
 the results agree with the module path to float32 rounding, exactly for quantized weights
-(tests/models/test_fused_decode.py). With `--prefill-activations bf16` a step of at least
+(tests/models/test_fused_decode.py). A projection is passed in its kept form
+(`_decode_linear`): float32, `QuantizedWeight` int8/int4, GGUF blocks of any kept type
+(`Linear.blocks`: up to SMALL_M_MAX_ROWS rows the gguf_linear small-M kernel, above it rows
+decoded to float32 in chunked_gemm's chunks and torch's GEMM, csrc/decode_gguf_linear.h), or
+`Linear.sections` of those, each part into its output rows: the module path's floats exactly
+(tests/models/test_fused_decode_gguf.py). With `--prefill-activations bf16` a step of at least
 BF16_ACTIVATION_MIN_ROWS rows multiplies with the layers' bf16 weight copies through torch's
 bf16 GEMM, as the module path does (kernels/bf16_activations.py). A verification run's rows are decoded each as a one-token
 decode of its own context (`AttentionMetadata.row_decodes`: the row at position p reads its
@@ -26,7 +31,7 @@ does not run (`attention_refusal`: sinks, bidirectional), is not run. Either way
 module by module.
 
 Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16,
-projections kept as GGUF blocks (`Linear.blocks` / `sections`: types other than Q4_0, Q4_1, Q8_0), tensor
+GGUF blocks of a type the compiled build does not hold (`_gguf_refusal`, by name), tensor
 parallelism, an attention backend that does not `runs_fused_decode` (reference, Triton),
 several KV cache groups, or `AttentionConfig.fused_decode=False` (`--no-fused-decode`, e.g. to
 see the per-module breakdown in `bench latency --profile`).
@@ -47,8 +52,10 @@ from pagedllm.attention.metadata import AttentionMetadata, get_attention_metadat
 from pagedllm.attention.params import AttentionParams
 from pagedllm.attention.torch_backend import MAX_SHORT_RUN, CompiledBackend
 from pagedllm.kernels import decode_layers_ops
+from pagedllm.kernels.gemm import CHUNK_ROWS
+from pagedllm.kernels.gguf_blocks import SMALL_M_MAX_ROWS, GGUFBlocks
 from pagedllm.layers.kv_quant import quant_format
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import KeptWeight, Linear
 from pagedllm.lora.layers import active_mapping
 from pagedllm.models.family import ArchConfig
 from pagedllm.platforms.host import is_host_tensor
@@ -137,16 +144,48 @@ def declared_layout(layer: nn.Module) -> DecodeLayout | None:
     return None if declare is None else declare(layer)
 
 
-def _linear_args(linear: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bits, weight, scales, zeros, bias, bf16 copy) of a layer as the compiled forward takes
-    them (the copy: --prefill-activations bf16, empty without)."""
+def _projections(layer: nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
+    """A decoder layer's projections in the compiled forward's order: qkv, o, gate_up, down."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _kept_form(
+    ops: Any, weight: KeptWeight, bias: torch.Tensor = _EMPTY, bf16: torch.Tensor = _EMPTY, bf16_min_rows: int = 0
+) -> Any:
+    """A kept weight (a whole layer's, or one section's: no bias or bf16 copy) as a DecodeLinear."""
+    if isinstance(weight, GGUFBlocks):
+        type_index = ops.gguf_type_names().index(weight.type_name)
+        return ops.DecodeLinear.gguf(weight.data.contiguous(), type_index, weight.k, SMALL_M_MAX_ROWS, CHUNK_ROWS,
+                                     bias, bf16, bf16_min_rows)
+    zeros = _EMPTY if weight.zeros is None else weight.zeros
+    return ops.DecodeLinear(weight.bits, weight.qweight, weight.scales, zeros, bias, bf16, bf16_min_rows)
+
+
+def _decode_linear(ops: Any, linear: Linear, bf16_min_rows: int) -> Any:
+    """The layer as the compiled forward takes it: float32, int8/int4, GGUF blocks, or
+    sections of those (kernels/csrc/decode_layers.cpp's DecodeLinear), with its bias and its
+    bf16 copy (--prefill-activations bf16, used from bf16_min_rows rows up; empty without)."""
     bias = _EMPTY if linear.bias is None else linear.bias.detach()
     bf16 = _EMPTY if linear.bf16_weight is None else linear.bf16_weight
-    q = linear.quant
-    if q is None:
-        return 32, linear.weight.detach(), _EMPTY, _EMPTY, bias, bf16
-    zeros = _EMPTY if q.zeros is None else q.zeros
-    return q.bits, q.qweight, q.scales, zeros, bias, bf16
+    if linear.sections is not None:
+        parts = [_kept_form(ops, weight) for _, weight in linear.sections]
+        offsets = [offset for offset, _ in linear.sections]
+        return ops.DecodeLinear.sections(parts, offsets, bias, bf16, bf16_min_rows)
+    kept = linear.quant if linear.quant is not None else linear.blocks
+    if kept is None:
+        return ops.DecodeLinear(32, linear.weight.detach(), _EMPTY, _EMPTY, bias, bf16, bf16_min_rows)
+    return _kept_form(ops, kept, bias, bf16, bf16_min_rows)
+
+
+def _gguf_refusal(ops: Any, linear: Linear) -> str | None:
+    """Why the compiled forward cannot run a projection's GGUF blocks (a type its build does
+    not hold), None when it can."""
+    compiled = set(ops.gguf_type_names())
+    for weight in linear.kept_weights():
+        if isinstance(weight, GGUFBlocks) and weight.type_name not in compiled:
+            return (f"a projection keeps GGUF {weight.type_name} blocks ({linear.extra_repr()}), "
+                    "which the compiled layers do not run")
+    return None
 
 
 class FusedDecoderLayers(nn.Module):
@@ -191,6 +230,9 @@ class FusedDecoderLayers(nn.Module):
         ops = decode_layers_ops() if reason is None else None
         if reason is None and ops is None:
             reason = "the compiled extension is unavailable"
+        if reason is None:
+            refusals = (_gguf_refusal(ops, m) for layer in layers for m in _projections(layer))
+            reason = next(filter(None, refusals), None)
         if reason is not None:
             self._unsupported = reason
             logger.info("decode steps run module by module: %s", reason)
@@ -214,10 +256,10 @@ class FusedDecoderLayers(nn.Module):
         )
         for layer in layers:
             a = layer.self_attn
-            modules = (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            bits, weights, scales, zeros, biases, bf16 = (list(column) for column in zip(*map(_linear_args, modules)))
+            modules = _projections(layer)
             # --prefill-activations bf16: the copies are used from the layers' (one) min_rows up.
             bf16_min_rows = max(m.bf16_min_rows for m in modules)
+            linears = [_decode_linear(ops, m, bf16_min_rows) for m in modules]
             q_norm = a.q_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
             k_norm = a.k_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
             attn_args = kernel_args(a.attn.params)
@@ -228,8 +270,7 @@ class FusedDecoderLayers(nn.Module):
                 k_norm,
                 a.attn.kv_cache,
                 attn_args.sliding_window, attn_args.soft_cap,
-                bits, weights, scales, zeros, biases,
-                bf16, bf16_min_rows,
+                linears,
             )
         self._bind_lora(decoder, layers)
         self._decoder = decoder
@@ -274,10 +315,8 @@ class FusedDecoderLayers(nn.Module):
                 return "tensor parallelism"
             if layer.input_layernorm.weight.dtype != torch.float32:
                 return "the model is not float32"
-            for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if m.blocks is not None or m.sections is not None:
-                    return f"a projection keeps GGUF blocks ({m.extra_repr()}), which the compiled layers do not run"
-                if m.quant is None and m.weight.dtype != torch.float32:
+            for m in _projections(layer):
+                if not m.kept_weights() and m.weight.dtype != torch.float32:
                     return "the weights are neither float32 nor quantized"
         return None
 

@@ -58,19 +58,16 @@ def fused_steps_with_adapters(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def check_mixed_batch(llm: LLM, checkpoints: dict[str, Any], refs: dict[str | None, Any],
-                      monkeypatch: pytest.MonkeyPatch, fused_decode: bool = True) -> None:
+                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Every prompt under a, b and the base, interleaved in one generate call; the decode
-    steps run the compiled forward with the adapters' deltas (kernels/csrc/lora_delta.h), or
-    module by module where the layers keep GGUF blocks (fused_decode False)."""
+    steps run the compiled forward with the adapters' deltas (kernels/csrc/lora_delta.h),
+    whatever form the base's weights are kept in."""
     names = [None, "a", "b"]
     prompts = [p for p in PROMPTS for _ in names]
     loras = [None if n is None else lora(checkpoints, n) for _ in PROMPTS for n in names]
     fused = fused_steps_with_adapters(monkeypatch)
     outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
-    if fused_decode:
-        assert len(fused) >= MAX_TOKENS - 1, "the decode steps with adapters did not run fused"
-    else:
-        assert not fused
+    assert len(fused) >= MAX_TOKENS - 1, "the decode steps with adapters did not run fused"
     distinct = set()
     for out, request in zip(outs, loras):
         name = None if request is None else request.lora_name
@@ -129,7 +126,7 @@ def test_quantized_base_matches_hf_peft_on_the_dequantized_weights(
     assert layer.self_attn.qkv_proj.kept_weights() and layer.mlp.down_proj.kept_weights()
     assert (layer.self_attn.qkv_proj.blocks is not None) == (qtype == "Q5_0")
     refs = {n: reference(n) for n in (None, "a", "b")}
-    check_mixed_batch(llm, checkpoints, refs, monkeypatch, fused_decode=qtype != "Q5_0")
+    check_mixed_batch(llm, checkpoints, refs, monkeypatch)
 
 
 def test_a_request_waiting_for_a_slot_holds_no_one_behind(checkpoints: dict[str, Any]) -> None:

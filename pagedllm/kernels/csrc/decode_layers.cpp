@@ -23,8 +23,10 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <optional>
 #include <vector>
 
+#include "decode_gguf_linear.h"
 #include "layer_ops.h"
 #include "lora_delta.h"
 #include "paged_attention.h"
@@ -58,13 +60,20 @@ inline void rows4_dot_f32(const float* x, int64_t K, const float* w, float* y) {
   }
 }
 
-// A linear layer's weight as this forward reads it (tensors held so the pointers stay valid).
+// A linear layer's weight as this forward reads it (tensors held so the pointers stay valid),
+// in one of four forms: float32, quant_linear.h's int8/int4, a GGUF file's blocks
+// (decode_gguf_linear.h), or sections: parts of one fused projection in different forms, part
+// i writing output rows [offsets[i], offsets[i] + parts[i].N) (the bias and bf16 copy, if
+// any, are the whole layer's; parts carry none).
 struct DecodeLinear {
-  int64_t bits = 32;  // 32: float32 weight [N, K]; 8 or 4: quant_linear.h's layouts
+  int64_t bits = 32;  // 32: float32 weight [N, K]; 8 or 4: quant_linear.h's layouts; 0: gguf or sections
   torch::Tensor weight, scales, zeros, bias;
   torch::Tensor bf16;         // bf16 [N, K] copy of the weight for M >= bf16_min_rows, or empty
   int64_t bf16_min_rows = 0;  // (--prefill-activations bf16: kernels/bf16_activations.py)
   int64_t N = 0, K = 0;
+  std::optional<GGUFDecodeWeight> gguf;  // the GGUF-blocks form
+  std::vector<DecodeLinear> parts;       // the sections form (non-empty)
+  std::vector<int64_t> offsets;          // [parts]: each part's first output row
 
   DecodeLinear(int64_t bits_, torch::Tensor weight_, torch::Tensor scales_, torch::Tensor zeros_,
                torch::Tensor bias_, torch::Tensor bf16_, int64_t bf16_min_rows_)
@@ -82,16 +91,50 @@ struct DecodeLinear {
       check_scales(scales, zeros, bits == 4, N, K / kGroup);
       TORCH_CHECK(weight.size(1) == (bits == 4 ? K / 2 : K), "quantized weight shape does not match its scales");
     }
-    TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat32 &&
-                                      bias.is_contiguous()), "bias must be float32 [N] or empty");
-    TORCH_CHECK(bf16.numel() == 0 || (bf16.scalar_type() == torch::kBFloat16 && bf16.is_contiguous() &&
-                                      bf16.dim() == 2 && bf16.size(0) == N && bf16.size(1) == K),
-                "the bf16 weight copy must be bf16 [N, K] or empty");
+    check_bias_bf16();
+  }
+
+  // The GGUF-blocks form (decode_gguf_linear.h).
+  static DecodeLinear from_gguf(GGUFDecodeWeight g, torch::Tensor bias_, torch::Tensor bf16_, int64_t bf16_min_rows_) {
+    DecodeLinear d;
+    d.bits = 0;
+    d.N = g.N;
+    d.K = g.K;
+    d.gguf = std::move(g);
+    d.bias = bias_;
+    d.bf16 = bf16_;
+    d.bf16_min_rows = bf16_min_rows_;
+    d.check_bias_bf16();
+    return d;
+  }
+
+  // The sections form: parts in order of their offsets, which tile [0, N) without gaps.
+  static DecodeLinear from_sections(std::vector<DecodeLinear> parts_, std::vector<int64_t> offsets_,
+                                    torch::Tensor bias_, torch::Tensor bf16_, int64_t bf16_min_rows_) {
+    TORCH_CHECK(!parts_.empty() && parts_.size() == offsets_.size(), "sections need one offset per part");
+    DecodeLinear d;
+    d.bits = 0;
+    d.K = parts_[0].K;
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      TORCH_CHECK(offsets_[i] == d.N, "section ", i, " starts at row ", offsets_[i], ", expected ", d.N);
+      TORCH_CHECK(parts_[i].K == d.K, "sections of different input widths");
+      TORCH_CHECK(parts_[i].parts.empty() && parts_[i].bias.numel() == 0 && parts_[i].bf16.numel() == 0,
+                  "a section part carries no sections, bias or bf16 copy of its own");
+      d.N += parts_[i].N;
+    }
+    d.parts = std::move(parts_);
+    d.offsets = std::move(offsets_);
+    d.bias = bias_;
+    d.bf16 = bf16_;
+    d.bf16_min_rows = bf16_min_rows_;
+    d.check_bias_bf16();
+    return d;
   }
 
   // y [M, N] = x [M, K] @ W^T (+ bias), by quantization.quantized_linear's choice of kernel
   // for quantized weights (int16 activations up to int16_max_rows, then 8-row tiles up to
-  // tile_max_rows, then dequantized panels).
+  // tile_max_rows, then dequantized panels); GGUF blocks by gguf_blocks.gguf_linear's
+  // (GGUFDecodeWeight); sections part by part, as layers/linear.sectioned_linear.
   // With a bf16 copy and at least bf16_min_rows rows: torch's bf16 GEMM (oneDNN; AMX where the
   // CPU has it) on x rounded to bf16, its bf16 output widened into y, as
   // bf16_activations.bf16_activation_linear computes.
@@ -99,6 +142,10 @@ struct DecodeLinear {
     if (bf16.numel() && M >= bf16_min_rows) {
       const auto xb = torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32).to(torch::kBFloat16);
       torch::from_blob(y, {M, N}, torch::kFloat32).copy_(torch::mm(xb, bf16.t()));
+    } else if (gguf) {
+      (*gguf)(x, M, y);
+    } else if (!parts.empty()) {
+      run_sections(x, M, y, int16_max_rows, tile_max_rows);
     } else if (bits == 32 && M == 1) {  // single stream: four weight rows at a time
       const float* wp = weight.data_ptr<float>();
       const int64_t n_ = N, k_ = K, blocks = N / 4;
@@ -131,6 +178,30 @@ struct DecodeLinear {
       const float* b = bias.data_ptr<float>();
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
+    }
+  }
+
+ private:
+  DecodeLinear() = default;
+
+  void check_bias_bf16() const {
+    TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat32 &&
+                                      bias.is_contiguous()), "bias must be float32 [N] or empty");
+    TORCH_CHECK(bf16.numel() == 0 || (bf16.scalar_type() == torch::kBFloat16 && bf16.is_contiguous() &&
+                                      bf16.dim() == 2 && bf16.size(0) == N && bf16.size(1) == K),
+                "the bf16 weight copy must be bf16 [N, K] or empty");
+  }
+
+  // Each part into its own [M, part N] buffer (the module path's sectioned_linear computes
+  // each part's output alone), then into its columns of y [M, N].
+  void run_sections(const float* x, int64_t M, float* y, int64_t int16_max_rows, int64_t tile_max_rows) const {
+    static thread_local std::vector<float> part_out;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const DecodeLinear& p = parts[i];
+      part_out.resize(M * p.N);
+      p(x, M, part_out.data(), int16_max_rows, tile_max_rows);
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(y + m * N + offsets[i], part_out.data() + m * p.N, sizeof(float) * p.N);
     }
   }
 };
@@ -187,18 +258,13 @@ class LlamaDecodeLayers {
                 "cos_sin_cache must be float32 [max_position, head_dim]");
   }
 
-  // Linears in order qkv, o, gate_up, down: bits (32, 8 or 4), weight (float32 or quantized
-  // qweight), scales and zeros (empty where the format has none), bias (empty for none).
-  // q_norm, k_norm: the per-head RMSNorm weights [head_dim], or both empty for none.
-  // window: the sliding window (0: full attention); softcap: the attention logit soft-cap (0: none).
-  // bf16_weights: each linear's bf16 copy (empty: none), used from bf16_min_rows rows up.
+  // linears: qkv, o, gate_up, down (DecodeLinear's forms, built in Python by the bound
+  // DecodeLinear factories). q_norm, k_norm: the per-head RMSNorm weights [head_dim], or both
+  // empty for none. window: the sliding window (0: full attention); softcap: the attention logit
+  // soft-cap (0: none).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
-                 torch::Tensor kv_cache, int64_t window, double softcap,
-                 std::vector<int64_t> bits, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
-                 std::vector<torch::Tensor> zeros, std::vector<torch::Tensor> biases,
-                 std::vector<torch::Tensor> bf16_weights, int64_t bf16_min_rows) {
-    TORCH_CHECK(bits.size() == 4 && weights.size() == 4 && scales.size() == 4 && zeros.size() == 4 &&
-                    biases.size() == 4 && bf16_weights.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
+                 torch::Tensor kv_cache, int64_t window, double softcap, std::vector<DecodeLinear> lin) {
+    TORCH_CHECK(lin.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
     for (const auto& w : {input_norm, post_norm})
       TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == hidden_,
                   "norm weights must be float32 [hidden]");
@@ -211,9 +277,6 @@ class LlamaDecodeLayers {
     TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
                     kv_cache.size(3) == hkv_ && kv_cache.size(4) == row,
                 "kv_cache must be [2, blocks, block_size, num_kv_heads, head_dim] (8-bit codes: head_dim + 4)");
-    std::vector<DecodeLinear> lin;
-    for (int i = 0; i < 4; ++i)
-      lin.emplace_back(bits[i], weights[i], scales[i], zeros[i], biases[i], bf16_weights[i], bf16_min_rows);
     const int64_t qkv_width = (hq_ + 2 * hkv_) * d_;
     TORCH_CHECK(lin[0].N == qkv_width && lin[0].K == hidden_, "qkv_proj must be [", qkv_width, ", ", hidden_, "]");
     TORCH_CHECK(lin[1].N == hidden_ && lin[1].K == hq_ * d_, "o_proj shape");
@@ -346,7 +409,29 @@ class LlamaDecodeLayers {
 }  // namespace pagedllm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers")
+  using pagedllm::DecodeLinear;
+  using pagedllm::GGUFDecodeWeight;
+  m.def("gguf_type_names", [] { return std::vector<std::string>(std::begin(pagedllm::gguf::kTypeNames),
+                                                                 std::end(pagedllm::gguf::kTypeNames)); },
+        "the GGUF types the GGUF-blocks form takes, in the order of its type index");
+  // module_local: each ISA level's build registers its own classes (a process may load two).
+  pybind11::class_<DecodeLinear>(m, "DecodeLinear", pybind11::module_local())
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          int64_t>(),
+           "(bits 32/8/4, weight, scales, zeros, bias, bf16 copy, bf16_min_rows): float32 or int8/int4")
+      .def_static("gguf",
+                  [](torch::Tensor data, int64_t type, int64_t K, int64_t small_max_rows, int64_t chunk_rows,
+                     torch::Tensor bias, torch::Tensor bf16, int64_t bf16_min_rows) {
+                    return DecodeLinear::from_gguf(GGUFDecodeWeight(data, type, K, small_max_rows, chunk_rows), bias,
+                                                   bf16, bf16_min_rows);
+                  },
+                  "(blocks uint8 [N, row bytes], type index, K, small_max_rows, chunk_rows, bias, bf16 copy, "
+                  "bf16_min_rows)")
+      .def_static("sections", &DecodeLinear::from_sections,
+                  "(parts, offsets, bias, bf16 copy, bf16_min_rows): part i's rows at offsets[i]")
+      .def_readonly("N", &DecodeLinear::N)
+      .def_readonly("K", &DecodeLinear::K);
+  pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, double, int64_t,
                           int64_t>())
       .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
