@@ -42,6 +42,24 @@ def build_batch(
     )
 
 
+def gather_input_ids(
+    states: list[CachedRequestState], drafts: list[list[int]], computed: np.ndarray, counts: np.ndarray,
+    query_start: np.ndarray, num_decodes: int,
+) -> np.ndarray:
+    """The step's token ids [T]: row i's ``counts[i]`` tokens from ``computed[i]`` on (its
+    drafts after its known tokens). The leading decodes (one token, no drafts) are one list
+    built in a comprehension and one copy, not a slice assignment per row."""
+    input_ids = np.empty(int(query_start[-1]), dtype=np.int64)
+    first = 0 if any(drafts[:num_decodes]) else num_decodes  # rows up to `first`: one known token
+    at = computed[:first].tolist()
+    input_ids[:first] = [s.token_ids[c] for s, c in zip(states, at)]
+    for i in range(first, len(states)):
+        s = states[i]
+        tokens = s.token_ids + drafts[i] if drafts[i] else s.token_ids
+        input_ids[query_start[i] : query_start[i + 1]] = tokens[computed[i] : computed[i] + counts[i]]
+    return input_ids
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [T]

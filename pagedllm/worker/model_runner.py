@@ -37,7 +37,7 @@ from pagedllm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_
 from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
-from pagedllm.worker.batch import Batch, build_batch
+from pagedllm.worker.batch import Batch, build_batch, gather_input_ids
 from pagedllm.worker.sampling_inputs import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -335,12 +335,9 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(query_start[:-1] - computed, counts)
         drafts = drafts or [[] for _ in states]
         num_drafts = np.asarray([len(d) for d in drafts], dtype=np.int64)  # [R]
-        input_ids = np.empty(total, dtype=np.int64)
-        for i, s in enumerate(states):
-            tokens = s.token_ids + drafts[i] if drafts[i] else s.token_ids
-            input_ids[query_start[i] : query_start[i + 1]] = tokens[computed[i] : computed[i] + counts[i]]
         seq_lens = computed + counts
         num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else len(states)
+        input_ids = gather_input_ids(states, drafts, computed, counts, query_start, num_decodes)
         step = StepIndex(
             positions=torch.from_numpy(positions),
             req_of_token=torch.from_numpy(req_of_token),
