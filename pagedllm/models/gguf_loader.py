@@ -144,6 +144,9 @@ def _one_fast_reader() -> Iterator[None]:
     import gguf
 
     original = gguf.GGUFReader
+    if not isinstance(original, type):  # replaced by something else (a test's stand-in): use it as is
+        yield
+        return
     parsed: dict[str, Any] = {}
 
     class ArrayReader(original):  # type: ignore[misc, valid-type]
