@@ -385,12 +385,18 @@ def test_mixtral_gguf_as_llama_with_experts(per_expert: bool, tmp_path: Path, mo
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
     assert len(moes) == 2 and all(e.gate_up_proj.quant is not None for m in moes for e in m.experts)
     reference = _quantized_round_trip(hf_model, "Q8_0")
+    assert_greedy_matches_router_ties(loaded, reference, "mixtral gguf")
+
+
+def assert_greedy_matches_router_ties(loaded: Any, reference: Any, label: str) -> None:
+    """Our greedy tokens on a fixed random prompt equal HF's `reference` by the tie rule
+    extended to the router (hf_greedy_router_ties)."""
     bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
     prompt_ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():
         ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
     ref, gaps = hf_greedy_router_ties(reference, prompt_ids, NUM_STEPS)
-    assert_greedy_match(ours, ref, gaps, "mixtral gguf")
+    assert_greedy_match(ours, ref, gaps, label)
 
 
 @pytest.mark.slow  # the converter's own start (torch, transformers)
@@ -407,12 +413,7 @@ def test_mixtral_written_by_llama_cpp_converter(tmp_path: Path, monkeypatch: pyt
     loaded = load_model(str(path))
     assert loaded.model_config.architecture == "MixtralForCausalLM"
     assert sum(isinstance(m, SparseMoE) for m in loaded.model.modules()) == 2
-    bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
-    prompt_ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.inference_mode():
-        ours = greedy_generate(loaded.model, prompt_ids, NUM_STEPS).token_ids[len(prompt_ids) :]
-    ref, gaps = hf_greedy_router_ties(hf_model, prompt_ids, NUM_STEPS)
-    assert_greedy_match(ours, ref, gaps, "mixtral by llama.cpp's converter")
+    assert_greedy_matches_router_ties(loaded, hf_model, "mixtral by llama.cpp's converter")
 
 
 def test_int4_keeps_the_router_at_8_bits(tmp_path: Path) -> None:
