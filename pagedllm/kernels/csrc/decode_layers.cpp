@@ -101,10 +101,7 @@ struct DecodeLinear {
     d.N = g.N;
     d.K = g.K;
     d.gguf = std::move(g);
-    d.bias = bias_;
-    d.bf16 = bf16_;
-    d.bf16_min_rows = bf16_min_rows_;
-    d.check_bias_bf16();
+    d.set_bias_bf16(bias_, bf16_, bf16_min_rows_);
     return d;
   }
 
@@ -124,10 +121,7 @@ struct DecodeLinear {
     }
     d.parts = std::move(parts_);
     d.offsets = std::move(offsets_);
-    d.bias = bias_;
-    d.bf16 = bf16_;
-    d.bf16_min_rows = bf16_min_rows_;
-    d.check_bias_bf16();
+    d.set_bias_bf16(bias_, bf16_, bf16_min_rows_);
     return d;
   }
 
@@ -183,6 +177,14 @@ struct DecodeLinear {
 
  private:
   DecodeLinear() = default;
+
+  // The layer's bias and bf16 copy (either may be empty), checked against [N, K].
+  void set_bias_bf16(torch::Tensor bias_, torch::Tensor bf16_, int64_t bf16_min_rows_) {
+    bias = bias_;
+    bf16 = bf16_;
+    bf16_min_rows = bf16_min_rows_;
+    check_bias_bf16();
+  }
 
   void check_bias_bf16() const {
     TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat32 &&
