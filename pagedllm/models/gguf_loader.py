@@ -284,10 +284,11 @@ def read_gguf_tensors(
     transposed = tuple(f".{spec.block_names[n]}.weight" for n in spec.hf_transposed)
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    wanted = [t for t in index.tensors if hf_tensor_name(t.name, arch) is not None]
+    names = {t.name: hf_tensor_name(t.name, arch) for t in index.tensors}
+    wanted = [t for t in index.tensors if names[t.name] is not None]
     dequantized: list[str] = []
     for t, data in read_ahead(index.open_data(), wanted):
-        name = hf_tensor_name(t.name, arch)
+        name = names[t.name]
         assert name is not None
         shape = t.shape
         heads = None
