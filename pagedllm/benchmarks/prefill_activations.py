@@ -3,6 +3,10 @@ prefill activations (`--matmul-activations`) on the same weights, alternated on 
 
     pagedllm bench prefill-activations [--input-len 512] [--rounds 6] [--modes float,int8,bf16] [--model M]
 
+Mode `bf16-panels` is bf16 without weight copies: kept weights (GGUF blocks, quantized) through
+bf16 panels decoded per call (what `auto` runs where the copies would pass its limit), against
+`bf16`'s copies.
+
 Each run prefills one new random `--input-len`-token prompt (max_tokens=1, prefix caching
 off) and reports prompt tokens / s; the modes alternate (forward, then reversed, per round)
 after one warm-up each, and the per-round ratio to float is the figure to read on a shared
@@ -22,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default="float,int8,bf16",
-                        help="comma-separated --matmul-activations modes (float: float32); float first (the base)")
+                        help="comma-separated --matmul-activations modes (float: float32; bf16-panels: bf16 with "
+                             "no weight copies, kept weights in panels); float first (the base)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -42,7 +47,8 @@ def run(args: argparse.Namespace) -> None:
     prompts = iter(random_prompts(len(modes) * (args.rounds + 1), args.input_len, args.input_len, vocab, seed=0))
 
     def once(mode: str) -> float:
-        set_prefill_activations(model, mode)  # before the clock: bf16 makes its weight copies here
+        # before the clock: bf16 makes its weight copies here
+        set_prefill_activations(model, "bf16" if mode == "bf16-panels" else mode, copies=mode != "bf16-panels")
         prompt = next(prompts)
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)

@@ -73,6 +73,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZE_FLAGS: dict[str, tuple[str, ...]] = {
     "Q4_0": ("--output-tensor-type", "q8_0"),
     "Q8_0": (),
+    "Q4_K_M": (),  # llama-quantize's own mix (Q4_K, Q6_K for v/down in some layers and the head)
 }
 
 
@@ -162,8 +163,12 @@ def quantize(src: str, dst: str, qtype: str, llama_quantize: str, threads: int) 
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def prepare_files(out_dir: str, llama_cpp: str, formats: list[str], threads: int, seed: int) -> dict[str, str]:
-    """The GGUF file of each format under out_dir, made by the steps the docstring names."""
+def prepare_files(
+    out_dir: str, llama_cpp: str, formats: list[str], threads: int, seed: int, bin_dir: str | None = None
+) -> dict[str, str]:
+    """The GGUF file of each format under out_dir, made by the steps the docstring names
+    (llama-quantize from bin_dir, default LLAMA_CPP/build2/bin)."""
+    bin_dir = bin_dir or os.path.join(llama_cpp, "build2", "bin")
     hf_dir = os.path.join(out_dir, "hf")
     if not os.path.exists(os.path.join(hf_dir, "config.json")):
         print(f"writing the random checkpoint to {hf_dir}", flush=True)
@@ -177,7 +182,7 @@ def prepare_files(out_dir: str, llama_cpp: str, formats: list[str], threads: int
         path = os.path.join(out_dir, f"llama-1b-random-{qtype}.gguf")
         if not os.path.exists(path):
             print(f"llama-quantize {qtype}", flush=True)
-            quantize(bf16, path, qtype, os.path.join(llama_cpp, "build2", "bin", "llama-quantize"), threads)
+            quantize(bf16, path, qtype, os.path.join(bin_dir, "llama-quantize"), threads)
         files[qtype] = path
     return files
 
@@ -260,7 +265,7 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams
 
     bin_dir = args.llama_cpp_bin or os.path.join(args.llama_cpp, "build2", "bin")
-    files = prepare_files(args.out, args.llama_cpp, args.formats, args.threads, args.seed)
+    files = prepare_files(args.out, args.llama_cpp, args.formats, args.threads, args.seed, bin_dir)
     if args.prepare_only:
         return
     bandwidth = memcpy_bandwidth()

@@ -98,23 +98,26 @@ def _load_model(config: EngineConfig, platform: Platform, executor: Any) -> Any:
     )
     quant = config.quantization_config
     activations = prefill_mode(quant.matmul_activations)
+    copies = True
     if activations == "bf16" and quant.bf16_copy_limit_bytes is not None:
         from pagedllm.layers.linear import bf16_copy_bytes_needed
 
         needed = bf16_copy_bytes_needed(loaded.model)
         if needed > quant.bf16_copy_limit_bytes:
-            logger.info("matmul activations float32: bf16 (what --matmul-activations auto picks on this CPU) "
-                        "would add %.1f MiB of bf16 weight copies, past auto's %.0f MiB; "
-                        "--matmul-activations bf16 makes them anyway", needed / 2**20,
+            logger.info("bf16 weight copies would take %.1f MiB, past --matmul-activations auto's %.0f MiB: "
+                        "kept weights multiply through bf16 panels decoded per call instead, float32 ones in "
+                        "float32 (--matmul-activations bf16 makes the copies anyway)", needed / 2**20,
                         quant.bf16_copy_limit_bytes / 2**20)
-            activations = "float"
+            copies = False
     if activations != "float":
         from pagedllm.kernels.bf16_activations import bf16_copy_bytes
         from pagedllm.layers.linear import set_prefill_activations
 
-        layers = set_prefill_activations(loaded.model, activations)
-        logger.info("matmul activations %s on %d layers; bf16 weight copies %.1f MiB (2 bytes a weight) "
-                    "beside the weights", activations, layers, bf16_copy_bytes(loaded.model) / 2**20)
+        layers = set_prefill_activations(loaded.model, activations, copies=copies)
+        panels = sum(bool(getattr(m, "bf16_panels", False)) for m in loaded.model.modules())
+        logger.info("matmul activations %s on %d layers (%d through bf16 panels, no copy); bf16 weight copies "
+                    "%.1f MiB (2 bytes a weight) beside the weights", activations, layers, panels,
+                    bf16_copy_bytes(loaded.model) / 2**20)
     else:
         logger.info("matmul activations float32")
     _set_fused_decode(loaded.model, config.attention_config.fused_decode)

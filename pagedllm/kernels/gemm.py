@@ -1,7 +1,12 @@
 """Matmuls whose weight is stored compactly (quantized, or bf16 on a CPU without native bf16)
 on torch's float32 GEMM: up to `CHUNK_ROWS` weight rows at a time are expanded into one
 reused float32 buffer and multiplied. For larger M (prefill, big batches) this beats
-computing from the compact weight in registers, the expansion being paid once per M rows."""
+computing from the compact weight in registers, the expansion being paid once per M rows.
+
+`chunked_bf16_gemm` is the same with bf16 panels and torch's bf16 GEMM (bf16 matmul
+activations on a CPU that computes bf16 natively): the activations rounded to bf16 once, each
+chunk of rows expanded to bf16, the output in bf16 (as a bf16 model's matmul), widened at the
+end. Neither keeps a copy of the weight: the buffers are CHUNK_ROWS x K."""
 
 from __future__ import annotations
 
@@ -35,3 +40,27 @@ def chunked_gemm(
         fill_rows(start, buf)
         torch.mm(x, buf.t(), out=y[:, start : start + size])
     return y
+
+
+_panel: torch.Tensor | None = None  # the reused bf16 panel buffer
+
+
+def chunked_bf16_gemm(
+    x: torch.Tensor, num_rows: int, fill_rows: Callable[[int, torch.Tensor], None]
+) -> torch.Tensor:
+    """x: [M, K] float32 -> float32 [M, num_rows]: widen(bf16(x) @ W.T in bf16), where
+    `fill_rows(start, buf)` writes W's rows [start, start + buf.shape[0]) as bf16 into buf."""
+    global _panel
+    k = x.shape[1]
+    rows = min(num_rows, CHUNK_ROWS)
+    if _panel is None or _panel.numel() < rows * k:
+        with torch.inference_mode(False):  # outlives the call (as _scratch)
+            _panel = torch.empty(rows * k, dtype=torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    yb = torch.empty(x.shape[0], num_rows, dtype=torch.bfloat16)
+    for start in range(0, num_rows, rows):
+        size = min(rows, num_rows - start)
+        buf = _panel[: size * k].view(size, k)
+        fill_rows(start, buf)
+        torch.mm(xb, buf.t(), out=yb[:, start : start + size])
+    return yb.float()

@@ -10,7 +10,11 @@ with the compiled kernels of csrc/gguf_blocks.cpp (the `gguf_linear` extension, 
 - M <= SMALL_M_MAX_ROWS (decode): the small-M kernel, threads over output rows, each weight
   row read once per call for all M activation rows (csrc/gguf_matmul.h);
 - larger M (prefill): `chunked_gemm`, a chunk of rows decoded to float32 at a time
-  (`dequantize_rows`) and torch's GEMM;
+  (`dequantize_rows`) and torch's GEMM; with bf16 matmul activations (`bf16_min_rows`, what
+  `--matmul-activations auto` picks where the CPU computes bf16 natively) from that many rows
+  up `bf16_panel_gemm`: a chunk of rows decoded to a bf16 panel (`dequantize_rows_bf16`) and
+  torch's bf16 GEMM (oneDNN) on the activations rounded to bf16 (gemm.chunked_bf16_gemm). No
+  copy of the weight is kept either way;
 - the extension unavailable: gguf-py's numpy dequantizer (`reference_dequantize`) and the
   same GEMM; build.py says so once in the log.
 """
@@ -23,7 +27,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.build import gguf_linear_ops
-from pagedllm.kernels.gemm import chunked_gemm
+from pagedllm.kernels.gemm import chunked_bf16_gemm, chunked_gemm
 
 # Up to this many activation rows the small-M kernel runs; above, decode + torch's GEMM.
 SMALL_M_MAX_ROWS = 16
@@ -145,17 +149,24 @@ def _type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
     return names[type_name]
 
 
-def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(
+    x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None, bf16_min_rows: int | None = None
+) -> torch.Tensor:
     """x: [..., K] -> [..., N] in float32 arithmetic, returned in x's dtype. Up to
     SMALL_M_MAX_ROWS rows, where the build has AVX-512 VNNI (`small_m_kernels()`), the activations
-    are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|)."""
+    are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|). From
+    `bf16_min_rows` rows up (above SMALL_M_MAX_ROWS; None: never) bf16 panels
+    (`bf16_panel_gemm`): the error of a bf16 model's matmul."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
     data = weight.data.contiguous()
-    if ops is not None and x2.shape[0] <= SMALL_M_MAX_ROWS:
+    m = x2.shape[0]
+    if ops is not None and m <= SMALL_M_MAX_ROWS:
         y = ops.linear(x2, data, _type_index(ops, weight.type_name), "")
+    elif ops is not None and bf16_min_rows is not None and m >= bf16_min_rows:
+        y = bf16_panel_gemm(ops, x2, data, weight.type_name, k)
     else:
 
         def fill_rows(start: int, buf: torch.Tensor) -> None:
@@ -168,6 +179,14 @@ def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None =
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).view(*lead, n)
+
+
+def bf16_panel_gemm(ops, x: torch.Tensor, data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """x: float32 [M, K] -> float32 [M, N] by `chunked_bf16_gemm`, CHUNK_ROWS weight rows at a
+    time decoded straight to bf16 (round to nearest even; csrc/decode_gguf_linear.h's
+    bf16_panels does the same, so the fused decode gives the same floats)."""
+    type_index = _type_index(ops, type_name)
+    return chunked_bf16_gemm(x, data.shape[0], lambda start, buf: ops.dequantize_rows_bf16(data, type_index, start, buf))
 
 
 def gguf_embedding_lookup(input_ids: torch.Tensor, weight: GGUFBlocks, dtype: torch.dtype) -> torch.Tensor:

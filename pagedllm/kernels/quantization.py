@@ -44,7 +44,7 @@ from typing import Literal
 import torch
 
 from pagedllm.kernels.build import quant_linear_ops
-from pagedllm.kernels.gemm import chunked_gemm
+from pagedllm.kernels.gemm import chunked_bf16_gemm, chunked_gemm
 from pagedllm.platforms.host import is_host_tensor
 
 GROUP_SIZE = 32
@@ -194,11 +194,15 @@ def quantized_linear(
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,
     int8_min_rows: int | None = None,
+    bf16_panel_rows: int | None = None,
 ) -> torch.Tensor:
     """x: [..., K] -> [..., N]; computed in float32, returned in x's dtype.
 
     int8_min_rows: from this many activation rows up (None: never), the activations are
-    rounded to int8 per group of 32 and multiplied in integers (`int8_activation_linear`)."""
+    rounded to int8 per group of 32 and multiplied in integers (`int8_activation_linear`).
+    bf16_panel_rows: from this many rows up, past PANEL_MAX_ROWS (where the compiled kernels
+    and the fused decode take the weight as stored), bf16 panels and torch's bf16 GEMM
+    (`bf16_panel_gemm`; None: never)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
@@ -215,6 +219,8 @@ def quantized_linear(
             y = ops.int8_linear(x2, weight.qweight, weight.scales, INT16_MAX_ROWS, TILE_MAX_ROWS)
         else:
             y = ops.int4_linear(x2, weight.qweight, weight.scales, weight.zeros, INT16_MAX_ROWS, TILE_MAX_ROWS)
+    elif bf16_panel_rows is not None and rows >= bf16_panel_rows:
+        y = bf16_panel_gemm(x2, weight)
     else:
         y = _dequantize_gemm(x2, weight)
     if bias is not None:
@@ -252,6 +258,26 @@ def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def _dequantize_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x: [M, K] float32 -> [M, N], dequantizing a chunk of weight rows at a time."""
     return chunked_gemm(x, weight.shape[0], lambda start, buf: dequantize_rows_into(weight, start, buf))
+
+
+# Rows widened to float32 at a time on their way into a bf16 panel (576 KiB at K = 576 x 256:
+# in L2).
+_PANEL_STEP_ROWS = 256
+
+
+def bf16_panel_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x: float32 [M, K] -> float32 [M, N] by gemm.chunked_bf16_gemm: each panel's rows
+    dequantized to float32 a few at a time and rounded to bf16 (no copy of the weight kept)."""
+    k = weight.shape[1]
+    step = torch.empty(_PANEL_STEP_ROWS, k)
+
+    def fill(start: int, buf: torch.Tensor) -> None:
+        for s in range(0, buf.shape[0], _PANEL_STEP_ROWS):
+            rows = step[: min(_PANEL_STEP_ROWS, buf.shape[0] - s)]
+            dequantize_rows_into(weight, start + s, rows)
+            buf[s : s + rows.shape[0]].copy_(rows)
+
+    return chunked_bf16_gemm(x, weight.shape[0], fill)
 
 
 def dequantize_rows_into(weight: QuantizedWeight, start: int, buf: torch.Tensor) -> None:

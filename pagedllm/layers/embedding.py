@@ -113,8 +113,9 @@ class LMHead(_QuantizableTable):
         self._tied: list[VocabEmbedding] = []  # a list: not registered as a submodule
         self.bf16_weight: torch.Tensor | None = None
         self.bf16_min_rows = 0
-        """--prefill-activations bf16: a bf16 copy of the (tied) table for at least
-        bf16_min_rows rows (kernels/bf16_activations.py)"""
+        """--matmul-activations bf16: at least bf16_min_rows rows in bf16, through a bf16 copy
+        of the (tied) float32 table (kernels/bf16_activations.py) or bf16 panels of a kept one"""
+        self.bf16_panels = False
 
     def tie(self, embedding: VocabEmbedding) -> None:
         # One tensor for both: the checkpoint stores it once (as the embedding).
@@ -131,15 +132,22 @@ class LMHead(_QuantizableTable):
         tied embedding, or the head itself."""
         return self._tied[0] if self._tied else self
 
-    def use_bf16_activations(self, min_rows: int | None) -> bool:
+    def use_bf16_activations(self, min_rows: int | None, copies: bool = True) -> bool:
         """Keep a bf16 copy of the table for at least `min_rows` rows (None: drop it); False
-        where it is neither float32 nor quantized, or split over tensor-parallel ranks."""
+        where it is neither float32 nor quantized, or split over tensor-parallel ranks.
+        `copies` False: no copy, a kept table (GGUF blocks, quantized) through bf16 panels."""
         owner = self.table_owner()
+        min_rows = None if self.tp.size > 1 else min_rows
+        self.bf16_min_rows = min_rows or 0
+        kept = owner.blocks is not None or owner.quant is not None
+        self.bf16_panels = not copies and min_rows is not None and kept
+        if not copies:
+            self.bf16_weight = None
+            return self.bf16_panels
         source = owner.quant if owner.quant is not None else owner.weight
         if owner.blocks is not None:  # a bf16 copy of the dequantized table
             source = owner.blocks.dequantize()
-        self.bf16_weight = bf16_copy_for(source, None if self.tp.size > 1 else min_rows)
-        self.bf16_min_rows = min_rows or 0
+        self.bf16_weight = bf16_copy_for(source, min_rows)
         return self.bf16_weight is not None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -147,10 +155,11 @@ class LMHead(_QuantizableTable):
         owner = self.table_owner()
         if self.bf16_weight is not None and hidden_states.shape[0] >= self.bf16_min_rows:
             return bf16_activation_linear(hidden_states, self.bf16_weight).to(hidden_states.dtype)
+        panel_rows = self.bf16_min_rows if self.bf16_panels else None
         if owner.quant is not None:
-            return quantized_linear(hidden_states, owner.quant)
+            return quantized_linear(hidden_states, owner.quant, None, None, panel_rows)
         if owner.blocks is not None:
-            return gguf_linear(hidden_states, owner.blocks)
+            return gguf_linear(hidden_states, owner.blocks, None, panel_rows)
         logits = linear_op(hidden_states, owner.weight, persistent_weight=True)
         if self.tp.size > 1:
             # [N, vocab / size] per rank -> [N, vocab] (the padding rows cut off)

@@ -56,23 +56,25 @@ KeptWeight = QuantizedWeight | GGUFBlocks
 
 
 def kept_linear(
-    x: torch.Tensor, weight: KeptWeight, bias: torch.Tensor | None, int8_min_rows: int | None = None
+    x: torch.Tensor, weight: KeptWeight, bias: torch.Tensor | None, int8_min_rows: int | None = None,
+    bf16_panel_rows: int | None = None,
 ) -> torch.Tensor:
-    # x: [..., K] -> [..., N]
+    # x: [..., K] -> [..., N]; bf16_panel_rows: from this many rows up bf16 panels (None: never)
     if isinstance(weight, GGUFBlocks):
-        return gguf_linear(x, weight, bias)
-    return quantized_linear(x, weight, bias, int8_min_rows)
+        return gguf_linear(x, weight, bias, bf16_panel_rows)
+    return quantized_linear(x, weight, bias, int8_min_rows, bf16_panel_rows)
 
 
 def sectioned_linear(
-    x: torch.Tensor, sections: tuple[tuple[int, KeptWeight], ...], bias: torch.Tensor | None, int8_min_rows: int | None
+    x: torch.Tensor, sections: tuple[tuple[int, KeptWeight], ...], bias: torch.Tensor | None, int8_min_rows: int | None,
+    bf16_panel_rows: int | None = None,
 ) -> torch.Tensor:
     """x: [T, K] -> [T, N], output rows [offset, offset + rows) from each section's weight."""
     n = sum(w.shape[0] for _, w in sections)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     for offset, weight in sections:
         part_bias = None if bias is None else bias[offset : offset + weight.shape[0]]
-        y[..., offset : offset + weight.shape[0]] = kept_linear(x, weight, part_bias, int8_min_rows)
+        y[..., offset : offset + weight.shape[0]] = kept_linear(x, weight, part_bias, int8_min_rows, bf16_panel_rows)
     return y
 
 
@@ -101,8 +103,11 @@ class Linear(nn.Module):
         set_prefill_activations)"""
         self.bf16_weight: torch.Tensor | None = None
         self.bf16_min_rows = 0
-        """--prefill-activations bf16: a bf16 copy of the weight for matmuls of at least
-        bf16_min_rows rows (kernels/bf16_activations.py; set_prefill_activations)"""
+        """--matmul-activations bf16: matmuls of at least bf16_min_rows rows in bf16, with a
+        bf16 copy of the weight (kernels/bf16_activations.py; set_prefill_activations) or, for
+        a kept (quantized or GGUF-block) weight, bf16 panels decoded per call (`bf16_panels`:
+        no copy; kernels/gemm.py's chunked_bf16_gemm)"""
+        self.bf16_panels = False
         self._quant_parts: dict[int, KeptWeight] = {}  # row offset -> rows loaded so far
         self.lora_slots: LinearLoRASlots | None = None
         """--enable-lora: the adapters' stacked weights, added to the output (lora/layers.py)."""
@@ -173,24 +178,34 @@ class Linear(nn.Module):
         if self.bf16_weight is not None and x.dim() == 2 and x.shape[0] >= self.bf16_min_rows:
             y = bf16_activation_linear(x, self.bf16_weight, self.bias).to(x.dtype)
         elif self.quant is not None:
-            y = quantized_linear(x, self.quant, self.bias, self.int8_min_rows)
+            y = quantized_linear(x, self.quant, self.bias, self.int8_min_rows, self.bf16_panel_rows())
         elif self.blocks is not None:
-            y = gguf_linear(x, self.blocks, self.bias)
+            y = gguf_linear(x, self.blocks, self.bias, self.bf16_panel_rows())
         elif self.sections is not None:
-            y = sectioned_linear(x, self.sections, self.bias, self.int8_min_rows)
+            y = sectioned_linear(x, self.sections, self.bias, self.int8_min_rows, self.bf16_panel_rows())
         else:
             y = linear_op(x, self.weight, self.bias, persistent_weight=True)
         return y if self.lora_slots is None else add_lora_delta(self.lora_slots, x, y)
 
-    def use_bf16_activations(self, min_rows: int | None) -> bool:
-        """Keep a bf16 copy of the weight for matmuls of at least `min_rows` rows (None: drop
-        it); False where the layer has no float32 or quantized weight (a bf16 model)."""
+    def use_bf16_activations(self, min_rows: int | None, copies: bool = True) -> bool:
+        """Multiply in bf16 from `min_rows` rows up (None: never) with a bf16 copy of the weight
+        kept beside it; False where the layer has no float32 or kept weight (a bf16 model).
+        `copies` False makes no copy: a kept weight (quantized, GGUF blocks, sections of those)
+        multiplies through bf16 panels decoded per call, a float32 one stays float32 (False)."""
+        self.bf16_min_rows = min_rows or 0
+        self.bf16_panels = not copies and min_rows is not None and bool(self.kept_weights())
+        if not copies:
+            self.bf16_weight = None
+            return self.bf16_panels
         source: torch.Tensor | QuantizedWeight = self.quant if self.quant is not None else self.weight
         if self.blocks is not None or self.sections is not None:  # a bf16 copy of the dequantized rows
             source = torch.cat([w.dequantize() for w in self.kept_weights()])
         self.bf16_weight = bf16_copy_for(source, min_rows)
-        self.bf16_min_rows = min_rows or 0
         return self.bf16_weight is not None
+
+    def bf16_panel_rows(self) -> int | None:
+        """A kept weight: from this many rows the bf16 panels (None: never)."""
+        return self.bf16_min_rows if self.bf16_panels else None
 
     def kept_weights(self) -> list[KeptWeight]:
         """The quantized / GGUF-block weights this layer holds (for counting resident bytes)."""
@@ -353,7 +368,7 @@ def bf16_copy_bytes_needed(net: nn.Module) -> int:
     return total
 
 
-def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = None) -> int:
+def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = None, copies: bool = True) -> int:
     """Set how the matmuls of `net` with at least `min_rows` activation rows (prefill chunks,
     large decode batches) meet their weights; returns how many layers it concerns (float,
     int8: the quantized Linears; bf16: the layers that took a bf16 copy):
@@ -362,7 +377,10 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
       `min_rows` (default INT8_ACTIVATION_MIN_ROWS) rows up;
     - "bf16": every Linear and LM head with a float32 or quantized weight keeps a bf16 copy
       of it and multiplies in bf16 from `min_rows` (default BF16_ACTIVATION_MIN_ROWS) up, and
-      first prompt chunks of that many tokens run their attention (SDPA) in bf16."""
+      first prompt chunks of that many tokens run their attention (SDPA) in bf16; with
+      `copies=False` (auto's choice where the copies would pass its limit) no copy is made:
+      kept weights (quantized, GGUF blocks) multiply through bf16 panels decoded per call
+      (kernels/gemm.py's chunked_bf16_gemm), float32 ones stay float32."""
     if mode not in PREFILL_ACTIVATIONS:
         raise ValueError(f"prefill_activations={mode!r} is not one of {', '.join(PREFILL_ACTIVATIONS)}")
     if mode == "bf16":
@@ -376,7 +394,7 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
             # float, int8: the layers with a QuantizedWeight (whole, or a section of it)
             count += mode != "bf16" and any(isinstance(w, QuantizedWeight) for w in module.kept_weights())
         if isinstance(module, (Linear, LMHead)):
-            count += module.use_bf16_activations(bf16_rows)
+            count += module.use_bf16_activations(bf16_rows, copies)
         if isinstance(module, Attention):
             module.bf16_min_rows = bf16_rows
     return count

@@ -278,3 +278,38 @@ def test_avx2_only_build_compiles_and_agrees(tmp_path) -> None:  # type: ignore[
     assert built.returncode == 0, built.stderr[-3000:]
     ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0 and ran.stdout.strip().endswith("OK avx2"), ran.stdout[-2000:]
+
+
+@pytest.mark.parametrize("type_name", KEPT_GGUF_TYPES)
+def test_bf16_panels_round_the_decoded_rows_to_nearest_even(ops, type_name: str) -> None:  # type: ignore[no-untyped-def]
+    # A prefill's bf16 panel is the float32 decode rounded as torch rounds float32 -> bf16.
+    idx = list(ops.type_names()).index(type_name)
+    for k in _k_values(type_name):
+        w = random_blocks(type_name, 9, k, seed=k + 3)
+        f32 = torch.empty(5, k)
+        ops.dequantize_rows(w.data, idx, 3, f32)
+        panel = torch.full((5, k), float("nan"), dtype=torch.bfloat16)
+        ops.dequantize_rows_bf16(w.data, idx, 3, panel)
+        assert torch.equal(panel, f32.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out of"):
+        ops.dequantize_rows_bf16(w.data, idx, 5, panel)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "IQ4_XS", "MXFP4"])
+def test_bf16_panel_linear_is_a_bf16_matmul(ops, type_name: str) -> None:  # type: ignore[no-untyped-def]
+    """From bf16_min_rows rows up (past the small-M kernel) gguf_linear multiplies x rounded to
+    bf16 with the rows rounded to bf16 (float32 accumulation), its output rounded to bf16 once:
+    against float64 math over the rounded operands, at most half a bf16 step of the output plus
+    float32 summation. Below bf16_min_rows it is the float32 path, bit for bit."""
+    k = 512
+    w = random_blocks(type_name, 37, k, seed=5)
+    w_b = gguf_py_dequantize(w).float().to(torch.bfloat16).double()
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(40, k, generator=gen)
+    y = gguf_linear(x, w, bf16_min_rows=24)
+    ref = x.to(torch.bfloat16).double() @ w_b.T
+    bound = 2.0**-8 * ref.abs() + 1e-5 * (x.double().abs() @ w_b.abs().T) + 1e-30
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    assert not torch.equal(y, gguf_linear(x, w))  # not the float32 path
+    small = x[:20]  # 20 rows < 24: float32
+    assert torch.equal(gguf_linear(small, w, bf16_min_rows=24), gguf_linear(small, w))

@@ -237,3 +237,75 @@ def test_auto_keeps_float32_where_the_copies_would_pass_its_limit(
     named = LLM(str(tiny_llama_dir), quantization="int4", kv_cache_memory_bytes="16MiB", matmul_activations="bf16")
     model = named.llm_engine.engine_core.runner.model
     assert bf16_activations.bf16_copy_bytes(model) == bf16_copy_bytes_needed(model)
+
+
+@pytest.mark.parametrize("weight", ["int8", "int4", "Q4_K", "float32"])
+def test_no_copies_runs_kept_weights_in_bf16_panels(weight: str) -> None:
+    """copies=False (auto past its copy limit): no bf16 copy anywhere; a kept weight multiplies
+    in bf16 through panels decoded per call (GGUF blocks from min_rows rows up and past the
+    small-M kernel's SMALL_M_MAX_ROWS, a QuantizedWeight past PANEL_MAX_ROWS, where its
+    compiled kernels stop), with the copy's floats; a float32 weight stays float32."""
+    from pagedllm.kernels.gguf_blocks import SMALL_M_MAX_ROWS
+    from pagedllm.kernels.quantization import PANEL_MAX_ROWS
+    from tests.kernels.test_gguf_kernels import random_blocks
+
+    torch.manual_seed(3)
+    layer = Linear(256, 96, bias=True)
+    layer.bias.data.normal_()
+    if weight == "Q4_K":
+        layer.blocks = random_blocks("Q4_K", 96, 256, seed=4)
+        dense, first_bf16 = layer.blocks.dequantize(), SMALL_M_MAX_ROWS + 1  # past the small-M kernel
+    elif weight == "float32":
+        layer.weight.data.normal_()
+        dense, first_bf16 = layer.weight.data, None
+    else:
+        layer.quant = (quantize_int8 if weight == "int8" else quantize_int4)(torch.randn(96, 256))
+        dense, first_bf16 = layer.quant.dequantize(), PANEL_MAX_ROWS + 1
+    x = torch.randn(PANEL_MAX_ROWS + 40, 256)
+    float_out = layer(x)
+    below = x[: (first_bf16 or 2) - 1]
+    float_below = layer(below)
+    assert layer.use_bf16_activations(BF16_ACTIVATION_MIN_ROWS, copies=False) == (weight != "float32")
+    assert layer.bf16_weight is None
+    if first_bf16 is None:
+        assert torch.equal(layer(x), float_out)
+        return
+    assert layer.bf16_panel_rows() == BF16_ACTIVATION_MIN_ROWS
+    torch.testing.assert_close(layer(x[:first_bf16]), _reference(x[:first_bf16], dense) + layer.bias, atol=0, rtol=0)
+    assert torch.equal(layer(below), float_below)
+    # The same layer with a copy gives the same floats.
+    assert layer.use_bf16_activations(BF16_ACTIVATION_MIN_ROWS) and layer.bf16_weight is not None
+    assert torch.equal(layer(x[:first_bf16]), _reference(x[:first_bf16], dense) + layer.bias)
+
+
+def test_auto_past_its_copy_limit_runs_gguf_blocks_in_bf16_panels(
+    platform_matmul_activations: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Past auto's copy limit (a 1B model and up) a GGUF model makes no copies but multiplies
+    its blocks in bf16 panels (before the panels it fell back to float32): its prompt
+    logprobs are the bf16 matmuls', near float32's and not equal to them."""
+    from transformers import AutoTokenizer
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.platforms import cpu
+    from tests.models.test_gguf_kept import tiny_kquant_config
+    from tests.models.utils import save_tiny_gguf
+
+    hf = save_tiny_model(tmp_path / "hf", tiny_kquant_config())
+    path = tmp_path / "tiny-q4k.gguf"
+    save_tiny_gguf(path, hf, AutoTokenizer.from_pretrained(tmp_path / "hf"), type_of=lambda name: "Q4_K")
+    monkeypatch.setattr("pagedllm.platforms.cpu.read_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu, "AUTO_BF16_COPY_LIMIT_BYTES", 1024)
+    kwargs: dict[str, Any] = dict(kv_cache_memory_bytes="16MiB", enable_prefix_caching=False)
+    auto = LLM(str(path), **kwargs)
+    model = auto.llm_engine.engine_core.runner.model
+    assert auto.llm_engine.config.quantization_config.matmul_activations == "bf16"
+    assert bf16_activations.bf16_copy_bytes(model) == 0
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.bf16_panel_rows() == BF16_ACTIVATION_MIN_ROWS for m in linears)
+    f32 = LLM(str(path), matmul_activations="float32", **kwargs)
+    prompt = {"prompt_token_ids": list(range(3, 3 + 2 * BF16_ACTIVATION_MIN_ROWS))}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    a, b = (llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:] for llm in (auto, f32))
+    drift = [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob) for x, y in zip(a, b)]
+    assert 0 < max(drift) < 0.5  # bf16 arithmetic: close to float32, not equal

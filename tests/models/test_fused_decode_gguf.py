@@ -126,3 +126,18 @@ def test_fused_decode_takes_the_bf16_copies_of_block_layers(tiny_hf: tuple[Any, 
     for num_reqs in (23, 3):
         _assert_decodes_fused(loaded, num_reqs)
     assert loaded.model.model.fused_layers._bound_bf16 is not None
+
+
+def test_fused_decode_takes_the_bf16_panels_of_block_layers(tiny_hf: tuple[Any, Path]) -> None:
+    # bf16 without copies (auto past its copy limit) from 8 rows: GGUF block layers (whole and
+    # sections) decode bf16 panels per call in both paths, equal at 23 rows; the QuantizedWeight
+    # section's panels start past PANEL_MAX_ROWS, beyond a fused step: its own kernels in both.
+    from pagedllm.layers.linear import set_prefill_activations
+
+    loaded = load_model(str(write(tiny_hf, "fused-mixed-panels", _mixed_type)))
+    assert set_prefill_activations(loaded.model, "bf16", min_rows=8, copies=False) > 0
+    layer0 = loaded.model.model.layers[0]
+    assert layer0.self_attn.qkv_proj.bf16_panel_rows() == 8 and layer0.self_attn.qkv_proj.bf16_weight is None
+    for num_reqs in (23, 3):
+        _assert_decodes_fused(loaded, num_reqs)
+    assert loaded.model.model.fused_layers._bound_panel_rows == 8

@@ -39,6 +39,21 @@ void dequantize_rows(const torch::Tensor& data, int64_t type, int64_t start, tor
   });
 }
 
+// Rows [start, start + buf.size(0)) of the weight as bfloat16 into buf [R, K] (a prefill's
+// bf16 panel: the weight is never copied whole).
+void dequantize_rows_bf16(const torch::Tensor& data, int64_t type, int64_t start, torch::Tensor buf) {
+  TORCH_CHECK(buf.scalar_type() == torch::kBFloat16 && buf.dim() == 2 && buf.is_contiguous(),
+              "buf must be a contiguous bfloat16 [rows, K] tensor");
+  const int64_t K = buf.size(1), R = buf.size(0);
+  const Type t = check_weight(data, type, K);
+  TORCH_CHECK(start >= 0 && start + R <= data.size(0), "rows [", start, ", ", start + R, ") out of [0, ",
+              data.size(0), ")");
+  with_type(t, [&](auto tag) {
+    decode_rows_bf16<decltype(tag)::value>(data.data_ptr<uint8_t>(), data.size(1), K, start, R,
+                                           reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>()));
+  });
+}
+
 // Rows `ids` of the weight as float32 [T, K] (the embedding lookup).
 torch::Tensor gather_rows(const torch::Tensor& data, int64_t type, const torch::Tensor& ids) {
   TORCH_CHECK(type >= 0 && type < int64_t(Type::kCount) && data.dim() == 2, "unknown GGUF type index ", type);
@@ -93,6 +108,8 @@ std::vector<std::string> small_m_kernels() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("type_names", &type_names, "the kept GGUF types, in the order of the type index");
   m.def("dequantize_rows", &dequantize_rows, "(data, type, start, buf): rows [start, start + len(buf)) as float32");
+  m.def("dequantize_rows_bf16", &dequantize_rows_bf16,
+        "(data, type, start, buf): rows [start, start + len(buf)) as bfloat16 (a prefill's panel)");
   m.def("gather_rows", &gather_rows, "(data, type, ids) -> float32 [T, K]: rows ids (embedding lookup)");
   m.def("linear", &linear, "(x [M, K], data, type, path) -> x @ W.T [M, N]: the small-M kernel");
   m.def("small_m_kernels", &small_m_kernels, "per type (type_names order): the kernel linear runs");

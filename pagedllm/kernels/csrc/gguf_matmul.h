@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "gguf_decode.h"
 #include "gguf_dot_avx512.h"
@@ -80,6 +81,29 @@ void decode_rows(const uint8_t* data, int64_t row_bytes, int64_t K, int64_t R, R
                  float* out) {
 #pragma omp parallel for schedule(static) if (R >= min_parallel)
   for (int64_t r = 0; r < R; ++r) decode_elements<T>(data + row_of(r) * row_bytes, 0, K, out + r * K);
+}
+
+// Rows [start, start + R) of the weight -> out [R, K] as bfloat16 (round to nearest even, as
+// torch's float -> bf16 conversion): the panels a prefill's bf16 GEMM multiplies, decoded a
+// 256-element span at a time through a float32 tile in L1; threads over rows.
+template <Type T>
+void decode_rows_bf16(const uint8_t* data, int64_t row_bytes, int64_t K, int64_t start, int64_t R, uint16_t* out) {
+#pragma omp parallel for schedule(static) if (R >= 16)
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(64) float tile[kSpan];
+    const uint8_t* row = data + (start + r) * row_bytes;
+    uint16_t* dst = out + r * K;
+    for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
+      const int64_t len = std::min(kSpan, K - k0);
+      decode_elements<T>(row, k0, len, tile);
+      for (int64_t i = 0; i < len; ++i) {
+        uint32_t u;
+        std::memcpy(&u, &tile[i], 4);
+        u += 0x7fffu + ((u >> 16) & 1u);  // weights are finite: no NaN case
+        dst[k0 + i] = uint16_t(u >> 16);
+      }
+    }
+  }
 }
 
 // y [M, N] = x [M, K] @ W.T through the float path.
