@@ -100,7 +100,12 @@ class CpuPlatform(Platform):
         return DEFAULT_KV_CACHE_BYTES if given is None else given
 
     def free_memory_bytes(self) -> int:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        # MemAvailable (within a cgroup's limit), as the load-time memory check reads it: free
+        # pages alone leave out the page cache (a GGUF file just read), which the kernel gives back.
+        from pagedllm.models.memory_check import available_memory
+
+        available = available_memory().bytes
+        return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def prepare_process(self) -> None:
         from pagedllm.malloc_policy import keep_freed_memory
