@@ -47,6 +47,7 @@ from pagedllm.models.family import ModelFamily
 from pagedllm.models.hub import hub_gguf_file, hub_snapshot, is_hub_id, split_quant_tag
 from pagedllm.models.memory_check import check_memory_fits, smallest_kv_pool_bytes
 from pagedllm.models.registry import family_of, tensor_parallel_families
+from pagedllm.models.tokenizer_snapshot import load_snapshot, write_snapshot
 from pagedllm.models.weights import iter_safetensors, safetensors_files
 from pagedllm.platforms.registry import platform_of
 
@@ -80,9 +81,10 @@ class LoadedModel:
     model: nn.Module
     """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> float32 logits."""
     hf_config: Any
-    """The transformers PretrainedConfig."""
+    """The transformers PretrainedConfig (a GGUF cache's SnapshotConfig of it on warm loads)."""
     tokenizer: Any
-    """A transformers PreTrainedTokenizerFast, with the checkpoint's chat template if any."""
+    """A transformers PreTrainedTokenizerFast, with the checkpoint's chat template if any (a
+    GGUF cache's SnapshotTokenizer on warm loads, which answers as it does)."""
     model_config: ModelConfig
     model_dir: str
     """The HF-format directory the weights were read from (the cache directory for GGUF)."""
@@ -116,15 +118,12 @@ def load_model(
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
     gguf_path, model_dir, quantization = _resolve_source(model, revision, download_dir, quantization, device)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config, tokenizer = _config_and_tokenizer(model_dir, gguf_path is not None)
     architecture = architecture_of(hf_config)
     family = family_of(architecture)
     arch = family.arch_config(hf_config)
     model_len = _max_model_len(hf_config, max_model_len)
     weight_files = safetensors_files(model_dir) if gguf_path is None else []
-    tokenizer = _load_tokenizer(model_dir)
     if gguf_path is not None:  # refuse before any weight is read (never an OOM kill)
         _check_gguf_fits(model, gguf_path, quantization, arch, model_len, _DTYPES[dtype].itemsize)
     net = family.model_class(arch, _DTYPES[dtype])
@@ -287,6 +286,15 @@ def keeps_quantized_weights(model: str, quantization: str | None) -> bool:
         return False
 
 
+def is_gguf_source(model: str) -> bool:
+    """Whether `model` names a GGUF file (a path, a packaged or assembled name, a hub GGUF
+    tag), found without reading or downloading anything."""
+    if os.path.exists(model):
+        local = _local_checkpoint(model)
+        return local is not None and local[0] is not None
+    return model in PACKAGED_MODELS or model in ASSEMBLED_MODELS or split_quant_tag(model) is not None
+
+
 def _check_tensor_parallel(family: ModelFamily, architecture: str, quantization: str) -> None:
     """Models built for several tensor-parallel ranks (distributed/parallel_state.py): only
     families that declare sharded layers, with float weights."""
@@ -401,6 +409,23 @@ def _assembled_gguf(name: str) -> str:
         module.assemble(tmp, overwrite=True)
         os.replace(tmp, target)
     return target
+
+
+def _config_and_tokenizer(model_dir: str, from_gguf: bool) -> tuple[Any, Any]:
+    """The HF config and tokenizer of `model_dir`. A GGUF file's cache directory answers from
+    its snapshot without importing transformers (tokenizer_snapshot.py); the first load that
+    builds them with transformers writes that snapshot."""
+    if from_gguf:
+        snapshot = load_snapshot(model_dir)
+        if snapshot is not None:
+            return snapshot
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = _load_tokenizer(model_dir)
+    if from_gguf:
+        write_snapshot(hf_config, tokenizer, model_dir)
+    return hf_config, tokenizer
 
 
 def _load_tokenizer(model_dir: str) -> Any:
