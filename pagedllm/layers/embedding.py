@@ -137,7 +137,7 @@ class LMHead(_QuantizableTable):
         owner = self.table_owner()
         source = owner.quant if owner.quant is not None else owner.weight
         if owner.blocks is not None:  # a bf16 copy of the dequantized table
-            source = owner.blocks.dequantize()
+            source = [owner.blocks]
         self.bf16_weight = bf16_copy_for(source, None if self.tp.size > 1 else min_rows)
         self.bf16_min_rows = min_rows or 0
         return self.bf16_weight is not None

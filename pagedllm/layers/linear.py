@@ -185,9 +185,10 @@ class Linear(nn.Module):
     def use_bf16_activations(self, min_rows: int | None) -> bool:
         """Keep a bf16 copy of the weight for matmuls of at least `min_rows` rows (None: drop
         it); False where the layer has no float32 or quantized weight (a bf16 model)."""
-        source: torch.Tensor | QuantizedWeight = self.quant if self.quant is not None else self.weight
+        source: torch.Tensor | QuantizedWeight | list[QuantizedWeight | GGUFBlocks] = (
+            self.quant if self.quant is not None else self.weight)
         if self.blocks is not None or self.sections is not None:  # a bf16 copy of the dequantized rows
-            source = torch.cat([w.dequantize() for w in self.kept_weights()])
+            source = self.kept_weights()
         self.bf16_weight = bf16_copy_for(source, min_rows)
         self.bf16_min_rows = min_rows or 0
         return self.bf16_weight is not None
