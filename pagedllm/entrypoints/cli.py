@@ -129,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # any other transformers' (seconds to import).
     from pagedllm import faults
     from pagedllm.engine.core_client import start_engine_core
-    from pagedllm.models.loader import is_gguf_source
+    from pagedllm.models.sources import is_gguf_source
 
     started_core = start_engine_core(engine_config)
     faults.configure(engine_config.observability_config.inject_fault)  # the front end's sites

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from pagedllm.models.gguf_loader import gguf_to_hf_dir
-from pagedllm.models.loader import _config_and_tokenizer, resolve_checkpoint
+from pagedllm.models.loader import _load_config, _load_tokenizer, resolve_checkpoint
 from pagedllm.models.tokenizer_snapshot import SNAPSHOT_FILE, SnapshotTokenizer, load_snapshot
 from tests.conftest import DEFAULT_MODEL
 
@@ -59,7 +59,8 @@ def model_dir() -> str:
     gguf_path, _ = resolve_checkpoint(DEFAULT_MODEL)
     assert gguf_path is not None
     directory = gguf_to_hf_dir(gguf_path)
-    _config_and_tokenizer(directory, from_gguf=True)  # writes the snapshot where it is missing
+    if load_snapshot(directory) is None:  # the loader's first load writes it
+        _load_tokenizer(directory, _load_config(directory, from_gguf=False)[0])
     return directory
 
 
