@@ -160,6 +160,9 @@ class SnapshotTokenizer:
             self._hf = AutoTokenizer.from_pretrained(self.source_dir)
         return self._hf
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hf_tokenizer()(*args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -191,7 +194,8 @@ def write_snapshot(hf_config: Any, hf_tokenizer: Any, out_dir: str) -> bool:
     (nothing written) where the snapshot could not answer as they do: a config with nested
     configs, a tokenizer not backed by `tokenizers`, or an unwritable directory."""
     backend = getattr(hf_tokenizer, "_tokenizer", None)
-    if getattr(hf_config, "sub_configs", None) or backend is None or not hasattr(backend, "to_str"):
+    if (getattr(hf_config, "sub_configs", None) or backend is None or not hasattr(backend, "to_str")
+            or not _answers_from_backend(type(hf_tokenizer))):
         return False
     model_kind = type(backend.model).__name__
     force_clean = getattr(hf_tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
@@ -221,6 +225,19 @@ def write_snapshot(hf_config: Any, hf_tokenizer: Any, out_dir: str) -> bool:
         logger.info("no config/tokenizer snapshot in %s: %s", out_dir, e)
         return False
     return True
+
+
+# The methods whose answers the snapshot reproduces from the backend's state.
+_SNAPSHOT_METHODS = ("encode", "decode", "_decode", "batch_decode", "_encode_plus", "apply_chat_template",
+                     "get_added_vocab", "convert_tokens_to_string")
+
+
+def _answers_from_backend(cls: type) -> bool:
+    """Whether a transformers tokenizer class encodes, decodes and renders as its
+    `tokenizers`-backed base does (the families' classes only build the backend in
+    __init__); a class that overrides one of those gets no snapshot."""
+    base = next((c for c in cls.__mro__ if c.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")), None)
+    return base is not None and all(getattr(cls, m, None) is getattr(base, m, None) for m in _SNAPSHOT_METHODS)
 
 
 def load_snapshot(model_dir: str) -> tuple[SnapshotConfig, SnapshotTokenizer] | None:

@@ -120,6 +120,7 @@ def test_vocabulary_facts_match_transformers(pair: tuple[Any, SnapshotTokenizer]
     assert len(ours) == len(hf)
     # Not written here: answered by transformers' tokenizer of the same directory.
     assert ours.convert_ids_to_tokens([1, 2, 300]) == hf.convert_ids_to_tokens([1, 2, 300])
+    assert ours(TEXTS[0])["input_ids"] == hf(TEXTS[0])["input_ids"]
 
 
 @pytest.mark.parametrize("template", [None, PROBE_TEMPLATE], ids=["model", "probe"])
@@ -181,3 +182,24 @@ def test_warm_start_of_the_default_model_imports_no_transformers(model_dir: str)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TRANSFORMERS False" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_no_snapshot_for_a_tokenizer_class_with_its_own_decoding(tmp_path: Path, model_dir: str) -> None:
+    """A transformers class that overrides how it decodes (or encodes, renders) is not what
+    the backend's state alone answers: no snapshot, transformers keeps answering."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pagedllm.models.tokenizer_snapshot import write_snapshot
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+
+    class Shouting(type(hf)):  # type: ignore[misc]
+        def _decode(self, *args: Any, **kwargs: Any) -> str:
+            return super()._decode(*args, **kwargs).upper()
+
+    hf.__class__ = Shouting
+    assert not write_snapshot(config, hf, str(tmp_path))
+    assert load_snapshot(str(tmp_path)) is None
+    hf.__class__ = Shouting.__mro__[1]
+    assert write_snapshot(config, hf, str(tmp_path)) and load_snapshot(str(tmp_path)) is not None
