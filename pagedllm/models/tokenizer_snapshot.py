@@ -6,7 +6,8 @@ with transformers anyway, writes a snapshot of them beside its metadata: `snapsh
 holding the config's full `to_dict()` and what the tokenizer's answers depend on (special
 tokens and ids, added vocabulary, vocabulary size, clean-up setting, chat template), and
 `snapshot_tokenizer.json`, the `tokenizers` state the transformers tokenizer runs on. Later
-loads build `SnapshotConfig` and `SnapshotTokenizer` from these:
+loads (with the same snapshot format and transformers version) build `SnapshotConfig` and
+`SnapshotTokenizer` from these:
 - encoding and decoding run on the same `tokenizers.Tokenizer` state as transformers' does,
   with its defaults (special tokens added, cleaned-up spaces where it would clean them);
 - chat templates render as transformers renders them (chat_template.py) for plain data;
@@ -213,7 +214,8 @@ def write_snapshot(hf_config: Any, hf_tokenizer: Any, out_dir: str) -> bool:
         "clean_up_applies": model_kind != "BPE" or bool(force_clean),
         "chat_template": hf_tokenizer.chat_template,
     }
-    snapshot = {"version": _SNAPSHOT_VERSION, "config": hf_config.to_dict(), "tokenizer": meta}
+    snapshot = {"version": _SNAPSHOT_VERSION, "transformers": _transformers_version(), "config": hf_config.to_dict(),
+                "tokenizer": meta}
     try:
         text = json.dumps(snapshot)
     except (TypeError, ValueError):  # a config value that is not JSON: keep transformers' path
@@ -248,12 +250,22 @@ def load_snapshot(model_dir: str) -> tuple[SnapshotConfig, SnapshotTokenizer] | 
             snapshot = json.load(f)
     except (OSError, ValueError):
         return None
-    if snapshot.get("version") != _SNAPSHOT_VERSION:
-        return None
+    if snapshot.get("version") != _SNAPSHOT_VERSION or snapshot.get("transformers") != _transformers_version():
+        return None  # written by other code: transformers answers, and the snapshot is rewritten
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_file(os.path.join(model_dir, TOKENIZER_FILE))
     return SnapshotConfig(snapshot["config"]), SnapshotTokenizer(backend, snapshot["tokenizer"], model_dir)
+
+
+def _transformers_version() -> str | None:
+    """The installed transformers' version, read from its package metadata (no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
 
 
 def _write_atomically(path: str, text: str) -> None:

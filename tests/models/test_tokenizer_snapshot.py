@@ -203,3 +203,16 @@ def test_no_snapshot_for_a_tokenizer_class_with_its_own_decoding(tmp_path: Path,
     assert load_snapshot(str(tmp_path)) is None
     hf.__class__ = Shouting.__mro__[1]
     assert write_snapshot(config, hf, str(tmp_path)) and load_snapshot(str(tmp_path)) is not None
+
+
+def test_a_snapshot_from_another_transformers_version_is_not_used(tmp_path: Path, model_dir: str) -> None:
+    import json
+    import shutil
+
+    for name in (SNAPSHOT_FILE, "snapshot_tokenizer.json"):
+        shutil.copy(os.path.join(model_dir, name), tmp_path / name)
+    assert load_snapshot(str(tmp_path)) is not None
+    snapshot = json.loads((tmp_path / SNAPSHOT_FILE).read_text())
+    snapshot["transformers"] = "0.0.1"
+    (tmp_path / SNAPSHOT_FILE).write_text(json.dumps(snapshot))
+    assert load_snapshot(str(tmp_path)) is None
