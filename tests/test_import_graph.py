@@ -238,3 +238,18 @@ def test_control_plane_imports_run_without_torch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False", f"importing {modules} loads torch"
+
+
+def test_server_front_end_imports_run_without_torch_or_transformers():
+    """`pagedllm serve`'s own process (the CLI, the core's spawner, the OpenAI server, the
+    tokenizer snapshot it unpickles) loads neither torch nor transformers: both cost seconds
+    of a start, and only the engine core needs torch (docs/architecture.md)."""
+    modules = ["pagedllm.entrypoints.cli", "pagedllm.engine.core_client", "pagedllm.models.sources",
+               "pagedllm.entrypoints.openai.api_server", "pagedllm.models.tokenizer_snapshot"]
+    code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False False", f"importing {modules}: torch, transformers loaded: {result.stdout}"

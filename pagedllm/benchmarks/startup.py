@@ -9,7 +9,9 @@ directories the runs alternate between them (PYTHONPATH set to each), so a befor
 comparison is measured side by side in one run.
 
 Extra arguments after the options go to `pagedllm serve`, e.g.
-`pagedllm bench startup -- --max-model-len 2048`.
+`pagedllm bench startup -- --max-model-len 2048`. `--offline` times the other start instead:
+`LLM(model)` and one generated token in a fresh interpreter (the engine built stands for
+healthy; the phase is the end of `from pagedllm import LLM`).
 """
 
 from __future__ import annotations
@@ -145,6 +147,41 @@ def run_once(checkout: str, model: str, serve_args: list[str], timeout_s: float)
     return StartupResult(checkout, healthy_s, first_token_s, cpu_s, phases)
 
 
+# The offline start: a fresh interpreter builds LLM(model) and generates one token from a
+# short prompt, printing the wall-clock time at each step (the clock the parent reads).
+_OFFLINE_CODE = """
+import sys, time
+from pagedllm import LLM, SamplingParams
+print("imported", time.time(), flush=True)
+llm = LLM(sys.argv[1])
+print("LLM built", time.time(), flush=True)
+llm.generate(["Hello, my name is"], SamplingParams(max_tokens=1), use_tqdm=False)
+print("first token", time.time(), flush=True)
+print("cpu", time.process_time(), flush=True)
+"""
+
+
+def run_offline_once(checkout: str, model: str, timeout_s: float) -> StartupResult:
+    """`LLM(model)` and one generated token in a fresh process: healthy_s is the engine
+    built, first_token_s the token back; cpu_s the process's CPU seconds by then."""
+    env = dict(os.environ, PYTHONPATH=checkout)
+    spawn_time = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", _OFFLINE_CODE, model], env=env, cwd=checkout,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"the offline start did not finish within {timeout_s:.0f} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"the offline start exited with code {proc.returncode}:\n{out[-3000:]}")
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in out.splitlines() if line.startswith(("imported ", "LLM built ", "first token ", "cpu "))}
+    return StartupResult(checkout, values["LLM built"] - spawn_time, values["first token"] - spawn_time,
+                         values["cpu"], {"imported": values["imported"] - spawn_time})
+
+
 def run(args: argparse.Namespace) -> None:
     import logging
 
@@ -154,7 +191,10 @@ def run(args: argparse.Namespace) -> None:
     results: list[StartupResult] = []
     for _ in range(args.num_runs):
         for checkout in checkouts:
-            result = run_once(checkout, args.model, serve_args, args.timeout)
+            if args.offline:
+                result = run_offline_once(checkout, args.model, args.timeout)
+            else:
+                result = run_once(checkout, args.model, serve_args, args.timeout)
             print(result.summary(), flush=True)
             results.append(result)
     for checkout in checkouts:
@@ -176,5 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a pagedllm checkout to run (repeatable; runs alternate); default: this one")
     p.add_argument("--num-runs", type=int, default=1, help="runs per checkout")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /health")
+    p.add_argument("--offline", action="store_true",
+                   help="time `LLM(model)` and one token in a fresh process instead of a server "
+                        "(healthy: the engine built)")
     p.add_argument("--save-json", default=None)
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments for `pagedllm serve`")

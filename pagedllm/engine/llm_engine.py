@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.engine.core_builder import build_engine_core
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
 from pagedllm.lora.request import LoRARequest
@@ -22,6 +21,10 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        # Here, not at the top: the server's front end imports this module's request helpers
+        # and never builds an engine (torch stays out of its imports).
+        from pagedllm.engine.core_builder import build_engine_core
+
         built = build_engine_core(config)
         self.config = built.config
         self.scheduler = built.scheduler

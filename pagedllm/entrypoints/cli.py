@@ -124,13 +124,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine_args, engine_config = _engine_config(args, "serve")
     tool_calls, allow_runtime_lora_updating = _check_serve_args(args, engine_args)
     # Start-up: the core loads the model on one CPU while this process imports the server
-    # and the tokenizer classes (which unpickling the core's tokenizer needs) on the other.
+    # and the tokenizer classes (which unpickling the core's tokenizer needs) on the other:
+    # a GGUF model's tokenizer is a snapshot over `tokenizers` (models/tokenizer_snapshot.py),
+    # any other transformers' (seconds to import).
     from pagedllm import faults
     from pagedllm.engine.core_client import start_engine_core
+    from pagedllm.models.sources import is_gguf_source
 
     started_core = start_engine_core(engine_config)
     faults.configure(engine_config.observability_config.inject_fault)  # the front end's sites
-    from transformers import PreTrainedTokenizerFast  # noqa: F401
+    import tokenizers  # noqa: F401
+
+    load = engine_config.load_config
+    if load.tokenizer is not None or not is_gguf_source(load.model):
+        from transformers import PreTrainedTokenizerFast  # noqa: F401
 
     from pagedllm.entrypoints.openai.api_server import run_server
 

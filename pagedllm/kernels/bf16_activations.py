@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from pagedllm.config import PrefillActivations
 from pagedllm.kernels.bf16 import native_bf16
+from pagedllm.kernels.gguf_blocks import GGUFBlocks
+from pagedllm.kernels.gguf_blocks import dequantize_rows_into as dequantize_gguf_rows_into
 from pagedllm.kernels.quantization import QuantizedWeight, dequantize_rows_into
 
 logger = logging.getLogger(__name__)
@@ -40,26 +42,40 @@ BF16_ACTIVATION_MIN_ROWS = 16
 _COPY_CHUNK_ROWS = 256
 
 
-def bf16_weight_copy(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """bf16 [N, K] copy of a float weight or of a quantized one's dequantized values (the
-    compiled dequantizer where built: one pass, 3-7x the torch formulation's several, measured
-    over the default model's 121 weights; a start-up cost of the bf16 default)."""
+def bf16_weight_copy(weight: torch.Tensor | QuantizedWeight | list[QuantizedWeight | GGUFBlocks]) -> torch.Tensor:
+    """bf16 [N, K] copy of a float weight or of a quantized one's dequantized values (GGUF
+    blocks: the rows of the parts, stacked). Kept weights are dequantized a chunk of rows at a
+    time into one float32 buffer that stays in L2 (the compiled dequantizer where built: one
+    pass, 3-7x the torch formulation's several, measured over the default model's 121
+    weights), never into a float32 copy of the whole matrix: a start-up cost of the bf16
+    default."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().to(torch.bfloat16).contiguous()
-    n, k = weight.shape
-    out = torch.empty(n, k, dtype=torch.bfloat16)
-    buf = torch.empty(min(_COPY_CHUNK_ROWS, n), k)  # float32
-    for start in range(0, n, _COPY_CHUNK_ROWS):
-        rows = buf[: min(_COPY_CHUNK_ROWS, n - start)]
-        dequantize_rows_into(weight, start, rows)
-        out[start : start + rows.shape[0]] = rows
+    parts: list[QuantizedWeight | GGUFBlocks] = list(weight) if isinstance(weight, list) else [weight]
+    k = parts[0].shape[1]
+    assert all(p.shape[1] == k for p in parts), [p.shape for p in parts]
+    out = torch.empty(sum(p.shape[0] for p in parts), k, dtype=torch.bfloat16)
+    buf = torch.empty(min(_COPY_CHUNK_ROWS, out.shape[0]), k)  # float32
+    row = 0
+    for part in parts:
+        n = part.shape[0]
+        for start in range(0, n, _COPY_CHUNK_ROWS):
+            rows = buf[: min(_COPY_CHUNK_ROWS, n - start)]
+            if isinstance(part, GGUFBlocks):
+                dequantize_gguf_rows_into(part, start, rows)
+            else:
+                dequantize_rows_into(part, start, rows)
+            out[row + start : row + start + rows.shape[0]] = rows
+        row += n
     return out
 
 
-def bf16_copy_for(source: torch.Tensor | QuantizedWeight, min_rows: int | None) -> torch.Tensor | None:
+def bf16_copy_for(
+    source: torch.Tensor | QuantizedWeight | list[QuantizedWeight | GGUFBlocks], min_rows: int | None
+) -> torch.Tensor | None:
     """The bf16 copy a layer keeps for bf16 activations from `min_rows` rows up: None where
-    min_rows is None (the mode is off) or the weight is neither quantized nor a non-empty
-    float32 tensor (a bf16 model's weights are already bf16)."""
+    min_rows is None (the mode is off) or the weight is neither quantized (GGUF blocks: the
+    layer's parts) nor a non-empty float32 tensor (a bf16 model's weights are already bf16)."""
     if min_rows is None:
         return None
     if isinstance(source, torch.Tensor) and (source.dtype != torch.float32 or source.numel() == 0):

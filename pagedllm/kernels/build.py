@@ -20,8 +20,9 @@ The build is cached under `kernel_cache_root()`/<isa>-<key> ($PAGEDLLM_KERNEL_CA
 $PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions). The key
 hashes the sources, the ISA with its compile flags and the instruction-set macros the compiler
 defines under them, the compiler (path and version), torch's version and the Python ABI: a
-cache shared between machines never loads a binary built for another CPU or toolchain. A
-finished build is imported without ninja (`_load_locked`). If the build fails (no compiler),
+cache shared between machines never loads a binary built for another CPU or toolchain (what
+the compiler says is itself cached by its binary and flags, isa.compiler_info, so a start
+runs no compiler). A finished build is imported without ninja (`_load_locked`). If the build fails (no compiler),
 callers fall back to the torch formulation and say so once in the log.
 """
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from pagedllm.kernels.isa import Isa, compiler_info, cpu_isa, isa_at_least, isa_cflags
+from pagedllm.kernels.isa import Isa, compiler_info, cpu_isa, isa_at_least, isa_cflags, kernel_cache_root
 from pagedllm.platforms.host import is_host_tensor
 
 logger = logging.getLogger(__name__)
@@ -83,13 +84,6 @@ EXTENSIONS: dict[str, Extension] = {
 
 # (extension name, ISA) -> the loaded module, or None once it failed to build (or is off).
 _loaded: dict[tuple[str, Isa], ModuleType | None] = {}
-
-
-def kernel_cache_root() -> str:
-    """Where builds live: $PAGEDLLM_KERNEL_CACHE_DIR, else $PAGEDLLM_CACHE_DIR/torch_extensions
-    (default ~/.cache/pagedllm/torch_extensions)."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
-    return os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR") or os.path.join(root, "torch_extensions")
 
 
 def module_name(ext: Extension, isa: Isa) -> str:

@@ -120,6 +120,15 @@ def dequantize_blocks(data: torch.Tensor, type_name: str, k: int) -> torch.Tenso
     return out
 
 
+def dequantize_rows_into(weight: GGUFBlocks, start: int, buf: torch.Tensor) -> None:
+    """Rows [start, start + buf.shape[0]) of `weight` as float32 into buf ([rows, K])."""
+    ops = gguf_linear_ops()
+    if ops is None or weight.type_name not in KEPT_GGUF_TYPES:
+        buf.copy_(reference_dequantize(weight.data[start : start + buf.shape[0]], weight.type_name, weight.k))
+    else:
+        ops.dequantize_rows(weight.data.contiguous(), _type_index(ops, weight.type_name), start, buf)
+
+
 def reference_dequantize(data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
     """uint8 [N, row bytes] of `type_name` -> float32 [N, k] (gguf-py's numpy dequantizer)."""
     n = data.shape[0]

@@ -11,6 +11,7 @@ has that level; -mtune=native only schedules. The level in use is the engine's
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -81,16 +82,45 @@ class CompilerInfo:
     """the instruction-set macros it defines under the ISA's flags (e.g. __AVX2__, __FMA__)"""
 
 
+def kernel_cache_root() -> str:
+    """Where compiled kernels are cached ($PAGEDLLM_KERNEL_CACHE_DIR, else
+    $PAGEDLLM_CACHE_DIR/torch_extensions, default ~/.cache/pagedllm/torch_extensions)."""
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
+    return os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR") or os.path.join(root, "torch_extensions")
+
+
+# What a compiler said, by its binary (path, size, mtime) and flags, under kernel_cache_root():
+# asking it costs two compiler runs (0.1 s, more on a loaded machine) at every start.
+_COMPILERS_FILE = "compilers.json"
+
+
 @functools.cache
 def compiler_info(isa: Isa) -> CompilerInfo:
-    """The compiler and what it targets under `isa`'s flags (part of every build key)."""
+    """The compiler and what it targets under `isa`'s flags (part of every build key); read
+    from the kernel cache when this binary was asked with these flags before."""
     found = shutil.which(os.environ.get("CXX", "c++"))
     if found is None:
         return CompilerInfo(None, "", ())
     path = os.path.realpath(found)
+    flags = [f for f in isa_cflags(isa) if f != "-fopenmp"]
+    try:
+        st = os.stat(path)
+    except OSError:
+        return CompilerInfo(path, "", ())
+    key = "\0".join([path, str(st.st_size), str(st.st_mtime_ns), *flags])
+    known = _read_compilers()
+    if key in known:
+        version, macros = known[key]
+        return CompilerInfo(path, version, tuple(macros))
+    info = _ask_compiler(path, flags)
+    if info.version:  # a compiler that answered: keep what it said
+        _write_compilers({**_read_compilers(), key: [info.version, list(info.isa_macros)]})
+    return info
+
+
+def _ask_compiler(path: str, flags: list[str]) -> CompilerInfo:
     try:
         banner = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
-        flags = [f for f in isa_cflags(isa) if f != "-fopenmp"]
         macros = subprocess.run(
             [path, *flags, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True, timeout=60
         ).stdout
@@ -98,3 +128,25 @@ def compiler_info(isa: Isa) -> CompilerInfo:
         return CompilerInfo(path, "", ())
     version = banner.splitlines()[0] if banner else ""
     return CompilerInfo(path, version, tuple(sorted(set(_ISA_MACRO.findall(macros)))))
+
+
+def _read_compilers() -> dict[str, list]:
+    try:
+        with open(os.path.join(kernel_cache_root(), _COMPILERS_FILE)) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_compilers(known: dict[str, list]) -> None:
+    """Replace the file whole (a reader never sees half of it); a read-only cache: skip."""
+    root = kernel_cache_root()
+    tmp = os.path.join(root, f"{_COMPILERS_FILE}.tmp.{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(known, f, indent=1, sort_keys=True)
+        os.replace(tmp, os.path.join(root, _COMPILERS_FILE))
+    except OSError:
+        pass

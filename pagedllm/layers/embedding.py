@@ -146,7 +146,7 @@ class LMHead(_QuantizableTable):
             return self.bf16_panels
         source = owner.quant if owner.quant is not None else owner.weight
         if owner.blocks is not None:  # a bf16 copy of the dequantized table
-            source = owner.blocks.dequantize()
+            source = [owner.blocks]
         self.bf16_weight = bf16_copy_for(source, min_rows)
         return self.bf16_weight is not None
 

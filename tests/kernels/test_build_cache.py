@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,3 +56,31 @@ def test_a_fresh_process_loads_a_finished_build_without_recompiling() -> None:
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[-1] == module.__file__
     assert {f: os.stat(f).st_mtime_ns for f in outputs} == before
+
+
+def test_the_compiler_is_asked_once_per_binary_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A build key needs the compiler's banner and ISA macros (two compiler runs); a later
+    process reads them from the kernel cache, and a changed compiler binary is asked again."""
+    from pagedllm.kernels import isa
+
+    if isa.shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CACHE_DIR", str(tmp_path))
+    isa.compiler_info.cache_clear()
+    first = isa.compiler_info("avx2")
+    assert first.version and (tmp_path / "compilers.json").is_file()
+    runs: list[list[str]] = []
+    real_run = isa.subprocess.run
+    monkeypatch.setattr(isa.subprocess, "run", lambda cmd, **kw: runs.append(cmd) or real_run(cmd, **kw))
+    isa.compiler_info.cache_clear()  # as a fresh process
+    assert isa.compiler_info("avx2") == first and runs == []
+    isa.compiler_info.cache_clear()
+    assert isa.compiler_info("generic").version and len(runs) == 2  # other flags: asked
+    # Another binary at the same path (an upgraded compiler): asked again.
+    assert first.path is not None
+    real_stat = os.stat
+    newer = SimpleNamespace(st_size=real_stat(first.path).st_size, st_mtime_ns=real_stat(first.path).st_mtime_ns + 1)
+    monkeypatch.setattr(isa.os, "stat", lambda p, *a, **k: newer if p == first.path else real_stat(p, *a, **k))
+    isa.compiler_info.cache_clear()
+    assert isa.compiler_info("avx2") == first and len(runs) == 4
+    isa.compiler_info.cache_clear()

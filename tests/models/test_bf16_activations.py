@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,31 @@ def test_weight_copy_in_chunks_matches_dequantize(
     if not compiled:  # the torch formulation, where the kernels are not built
         monkeypatch.setattr("pagedllm.kernels.quantization.quant_linear_ops", lambda: None)
     assert torch.equal(bf16_weight_copy(q), q.dequantize().bfloat16())
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_weight_copy_of_gguf_parts_matches_their_stacked_dequantized_rows(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """A layer's GGUF parts (a fused projection's sections of two types, or a whole weight)
+    are copied chunk by chunk into one bf16 matrix: the rows of each part's dequantize()."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pagedllm.kernels.gguf_blocks import GGUFBlocks
+
+    rng = np.random.default_rng(3)
+    parts = []
+    for type_name, rows in (("Q4_0", 700), ("Q8_0", 300), ("Q5_1", 20)):
+        w = rng.standard_normal((rows, 256)).astype(np.float32)
+        parts.append(GGUFBlocks(torch.from_numpy(quantize(w, GGMLQuantizationType[type_name])), type_name, 256))
+    q = quantize_int8(torch.randn(40, 256))
+    if not compiled:  # the reference dequantizers, where the kernels are not built
+        monkeypatch.setattr("pagedllm.kernels.gguf_blocks.gguf_linear_ops", lambda: None)
+        monkeypatch.setattr("pagedllm.kernels.quantization.quant_linear_ops", lambda: None)
+    want = torch.cat([p.dequantize() for p in parts] + [q.dequantize()]).bfloat16()
+    assert torch.equal(bf16_weight_copy([*parts, q]), want)
+    assert torch.equal(bf16_weight_copy([parts[0]]), parts[0].dequantize().bfloat16())
 
 
 @pytest.fixture(scope="module")
