@@ -112,7 +112,7 @@ def dequantize_blocks(data: torch.Tensor, type_name: str, k: int) -> torch.Tenso
     if ops is None or type_name not in KEPT_GGUF_TYPES:
         return reference_dequantize(data, type_name, k)
     out = torch.empty(data.shape[0], k)
-    ops.dequantize_rows(data.contiguous(), _type_index(ops, type_name), 0, out)
+    ops.dequantize_rows(data.contiguous(), type_index(ops, type_name), 0, out)
     return out
 
 
@@ -138,7 +138,8 @@ def reference_dequantize(data: torch.Tensor, type_name: str, k: int) -> torch.Te
 _type_indices: dict[int, dict[str, int]] = {}
 
 
-def _type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
+def type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
+    """The extension's index of a kept type (its `type_names()` order)."""
     names = _type_indices.get(id(ops))
     if names is None:
         names = _type_indices[id(ops)] = {name: i for i, name in enumerate(ops.type_names())}
@@ -155,14 +156,14 @@ def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None =
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
     data = weight.data.contiguous()
     if ops is not None and x2.shape[0] <= SMALL_M_MAX_ROWS:
-        y = ops.linear(x2, data, _type_index(ops, weight.type_name), "")
+        y = ops.linear(x2, data, type_index(ops, weight.type_name), "")
     else:
 
         def fill_rows(start: int, buf: torch.Tensor) -> None:
             if ops is None:
                 buf.copy_(reference_dequantize(data[start : start + buf.shape[0]], weight.type_name, k))
             else:
-                ops.dequantize_rows(data, _type_index(ops, weight.type_name), start, buf)
+                ops.dequantize_rows(data, type_index(ops, weight.type_name), start, buf)
 
         y = chunked_gemm(x2, n, fill_rows)
     if bias is not None:
@@ -175,5 +176,5 @@ def gguf_embedding_lookup(input_ids: torch.Tensor, weight: GGUFBlocks, dtype: to
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
     if ops is None or input_ids.dim() != 1:
         return weight.rows(input_ids).dequantize(dtype)
-    rows = ops.gather_rows(weight.data.contiguous(), _type_index(ops, weight.type_name), input_ids.long())
+    rows = ops.gather_rows(weight.data.contiguous(), type_index(ops, weight.type_name), input_ids.long())
     return rows if dtype == torch.float32 else rows.to(dtype)
