@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import current_tp
-from pagedllm.kernels.gguf_blocks import GGUFBlocks
-from pagedllm.kernels.gguf_moe import (
+from pagedllm.kernels import (
     GROUPED_MAX_TOKENS,
     ExpertStacks,
+    GGUFBlocks,
     grouped_experts,
     grouped_experts_available,
     stack_expert_blocks,
