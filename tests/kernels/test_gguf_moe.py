@@ -1,7 +1,7 @@
 """The grouped-expert call (csrc/gguf_moe.h, kernels/gguf_moe.py) against the per-expert loop
 of layers/moe.py's formulation (gguf_linear per expert, silu-and-mul, weighted index_add in
-expert order), for every kept type, under the CPU's ISA (the int16 path where it has one) and
-the generic build (the float path).
+expert order), for every kept type, under the CPU's ISA (the int16 path where it has one), the
+avx2 and the generic builds (the float path).
 
 Both sides round activations alike (gguf_linear's rounding of each row, per group of 32) and
 sum each dot in the same order, so they differ only where silu's exp differs by an ulp and
@@ -23,9 +23,14 @@ E, H, I = 8, 256, 256  # K of every projection a whole number of 256-element blo
 RTOL = 1e-4
 
 
-@pytest.fixture(params=["native", "generic"])
+@pytest.fixture(params=["native", "avx2", "generic"])
 def ops(request):  # type: ignore[no-untyped-def]
-    chosen = isa.detect_cpu_isa() if request.param == "native" else "generic"
+    """The extension at the CPU's level (the int16 path where built), at avx2 and generic (the
+    float path's AVX2 and scalar dots), selected for gguf_linear's lookups too."""
+    native = isa.detect_cpu_isa()
+    chosen = native if request.param == "native" else request.param
+    if not isa.isa_at_least(native, chosen):
+        pytest.skip(f"the CPU has no {chosen}")
     isa.set_cpu_isa(chosen)
     module = build.gguf_linear_ops()
     if module is None:
