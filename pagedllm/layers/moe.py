@@ -180,8 +180,11 @@ class SparseMoE(nn.Module):
         stacks = self.expert_stacks
         if stacks is None or not self.use_grouped or x.dim() != 2 or x.shape[0] > GROUPED_MAX_TOKENS:
             return False
-        bf16 = self.experts[0].gate_up_proj  # a bf16 copy for such rows (set_prefill_activations) wins
-        return (bf16.bf16_weight is None or x.shape[0] < bf16.bf16_min_rows) and grouped_experts_available(stacks)
+        first = self.experts[0].gate_up_proj  # what the loader and LoRA set, they set on every expert
+        if first.lora_slots is not None:  # --enable-lora: adapters' deltas on the experts' outputs
+            return False
+        # A bf16 copy for such rows (set_prefill_activations) wins, as in Linear.forward.
+        return (first.bf16_weight is None or x.shape[0] < first.bf16_min_rows) and grouped_experts_available(stacks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

@@ -3,7 +3,7 @@
   of the stacks (no second copy);
 - steps of up to 16 tokens take the grouped call (no expert Linear is called), 17 the loop;
   both agree within 1e-4 of the output's largest magnitude (tests/kernels/test_gguf_moe.py);
-- the loop is the path for experts of mixed types and without the extension;
+- the loop is the path for experts of mixed types, with LoRA slots and without the extension;
 - end to end, a small random Qwen3-MoE GGUF (Q8_0, Q4_0, and Q4_K experts with Q6_K down)
   decodes greedy-equal to the loop path (DESIGN.md's tie rule on the loop's logprobs).
 """
@@ -101,6 +101,26 @@ def test_mixed_expert_types_and_no_extension_run_the_loop(monkeypatch: pytest.Mo
     assert calls[0] > 0
     # float32 activations on that path, int16-rounded ones on the grouped call's.
     assert (grouped - without).abs().max() <= 2e-3 * without.abs().max()
+
+
+def test_lora_slots_on_the_experts_run_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # LoRAManager gives every decoder-layer Linear slots after loading: their deltas are the
+    # Linears' to add, so the grouped call steps aside.
+    import pagedllm.layers.linear as linear
+
+    moe = gguf_moe(["Q4_K"] * E)
+    deltas = [0]
+
+    def add_lora_delta(slots: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        deltas[0] += 1
+        return y
+
+    monkeypatch.setattr(linear, "add_lora_delta", add_lora_delta)
+    for expert in moe.experts:
+        for m in (expert.gate_up_proj, expert.down_proj):
+            m.lora_slots = object()  # type: ignore[assignment]
+    run(moe, torch.randn(1, H), True)
+    assert deltas[0] == 2 * moe.top_k
 
 
 def _random_k_quants(quantize: Any) -> Any:
