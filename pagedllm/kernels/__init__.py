@@ -31,7 +31,6 @@ from pagedllm.kernels.gguf_blocks import (
     gguf_linear,
 )
 from pagedllm.kernels.gguf_moe import (
-    GROUPED_MAX_TOKENS,
     ExpertStacks,
     grouped_experts,
     grouped_experts_available,
@@ -60,7 +59,6 @@ from pagedllm.kernels.quantization import (
 __all__ = [
     "EXTENSIONS",
     "ExpertStacks",
-    "GROUPED_MAX_TOKENS",
     "GGUF_BLOCK_GEOMETRY",
     "GGUFBlocks",
     "KEPT_GGUF_TYPES",

@@ -1,5 +1,6 @@
 """The grouped-expert MLP over GGUF blocks: every active expert of a sparse MoE layer in one
-compiled call (csrc/gguf_moe.h, in the `gguf_linear` extension) for a few tokens.
+compiled call (csrc/gguf_moe.h, in the `gguf_linear` extension), for decode steps and, where
+the build has the int16 path, prefill chunks (grouped_experts_available).
 
 An `ExpertStacks` holds all experts' fused gate/up weights as one uint8 [E, 2 I, row bytes]
 tensor and their down weights as one [E, H, row bytes] tensor (llama.cpp's 3-D `ffn_*_exps`
@@ -16,8 +17,17 @@ import torch
 from pagedllm.kernels.build import gguf_linear_ops
 from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES, SMALL_M_MAX_ROWS, GGUFBlocks, type_index
 
-# Up to this many tokens the grouped call runs (the small-M kernel's range); above, the loop.
+# Steps the grouped call takes (grouped_experts_available): up to GROUPED_MAX_TOKENS tokens
+# (the small-M kernel's range) on every build; where both projections take the int16 path
+# (AVX-512 VNNI), larger steps too, up to GROUPED_MAX_PAIRS_PER_EXPERT (token, slot) pairs per
+# expert on average and GROUPED_MAX_ELEMENTS elements of the silu products (float32 plus
+# their int16 rounding: ~8 bytes each). Measured on Qwen3-30B-A3B's layer (Q8_0), the grouped
+# call against the loop over Q8_0 QuantizedWeight experts: 4.0x at 64 tokens, 2.0x at 2048
+# (docs/benchmarks.md, 2026-12-03); the float path (avx2, generic builds) is not measured
+# past 16 tokens, where the loop's dequantize-and-GEMM stays.
 GROUPED_MAX_TOKENS = SMALL_M_MAX_ROWS
+GROUPED_MAX_PAIRS_PER_EXPERT = 128
+GROUPED_MAX_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,37 @@ def stack_expert_blocks(gate_up: list[GGUFBlocks], down: list[GGUFBlocks]) -> tu
     )
 
 
-def grouped_experts_available(stacks: ExpertStacks) -> bool:
-    """Whether the compiled grouped call takes these stacks (the extension built, kept types)."""
+def grouped_experts_available(stacks: ExpertStacks, num_tokens: int, top_k: int) -> bool:
+    """Whether the compiled grouped call takes a step of `num_tokens` tokens over these stacks
+    (the extension built, kept types, the step's size within the bounds above)."""
+    ops = gguf_linear_ops()
+    if ops is None or stacks.gate_up_type not in KEPT_GGUF_TYPES or stacks.down_type not in KEPT_GGUF_TYPES:
+        return False
+    if num_tokens <= GROUPED_MAX_TOKENS:
+        return True
+    num_experts, intermediate = stacks.gate_up.shape[0], stacks.gate_up.shape[1] // 2
+    pairs = num_tokens * top_k
+    int16 = _int16_types(ops)
     return (
-        stacks.gate_up_type in KEPT_GGUF_TYPES
-        and stacks.down_type in KEPT_GGUF_TYPES
-        and gguf_linear_ops() is not None
+        stacks.gate_up_type in int16
+        and stacks.down_type in int16
+        and pairs <= GROUPED_MAX_PAIRS_PER_EXPERT * num_experts
+        and pairs * intermediate <= GROUPED_MAX_ELEMENTS
     )
+
+
+# id(extension module) -> the types its small-M kernel (and the grouped call) runs with int16 activations.
+_int16_by_ops: dict[int, frozenset[str]] = {}
+
+
+def _int16_types(ops) -> frozenset[str]:  # type: ignore[no-untyped-def]
+    types = _int16_by_ops.get(id(ops))
+    if types is None:
+        kernels = ops.small_m_kernels()
+        types = _int16_by_ops[id(ops)] = frozenset(
+            name for i, name in enumerate(ops.type_names()) if kernels[i].startswith("int16")
+        )
+    return types
 
 
 def grouped_experts(

@@ -17,10 +17,12 @@ Each expert is an `ExpertMLP` of the shared linear layers, so float, int8/int4
 The grouped call: where every expert's gate/up weights are GGUF blocks of one type and its
 down weights of one type (a GGUF file's experts, kept), `finish_loading` stacks them
 (kernels/gguf_moe.py's `ExpertStacks`, the experts' linears then holding views of the stacks),
-and steps of up to GROUPED_MAX_TOKENS (16) tokens run steps 2-3 in one compiled call over all
-active experts (csrc/gguf_moe.h: activations rounded once, threads over (expert, row block)
-items, results weighted and summed inside). The loop above stays the path for larger steps,
-other weight forms, tensor parallelism and builds without the extension.
+and steps run steps 2-3 in one compiled call over all active experts (csrc/gguf_moe.h:
+activations rounded once, threads over (expert, row block) items, results weighted and summed
+inside): up to 16 tokens on every build, prefill chunks too where the build has the int16 path
+(`grouped_experts_available`: up to 128 pairs per expert on average). The loop above stays the
+path for larger steps, other weight forms, LoRA, tensor parallelism and builds without the
+extension.
 
 Tensor parallelism: over each expert's intermediate columns (like a dense MLP). Every rank
 routes all tokens (the router is replicated), holds 1/size of every expert's gate/up rows and
@@ -38,7 +40,6 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import current_tp
 from pagedllm.kernels import (
-    GROUPED_MAX_TOKENS,
     ExpertStacks,
     GGUFBlocks,
     grouped_experts,
@@ -150,7 +151,7 @@ class SparseMoE(nn.Module):
         self.expert_stacks: ExpertStacks | None = None
         """All experts' GGUF blocks stacked for the grouped call (finish_loading), or None."""
         self.use_grouped = True
-        """Run steps of up to GROUPED_MAX_TOKENS tokens through the grouped call where the
+        """Run the steps `grouped_experts_available` admits through the grouped call where the
         stacks exist (False: always the loop; tests and benchmarks compare the two)."""
 
     def finish_loading(self) -> None:
@@ -178,13 +179,15 @@ class SparseMoE(nn.Module):
 
     def _grouped(self, x: torch.Tensor) -> bool:
         stacks = self.expert_stacks
-        if stacks is None or not self.use_grouped or x.dim() != 2 or x.shape[0] > GROUPED_MAX_TOKENS:
+        if stacks is None or not self.use_grouped or x.dim() != 2:
             return False
         first = self.experts[0].gate_up_proj  # what the loader and LoRA set, they set on every expert
         if first.lora_slots is not None:  # --enable-lora: adapters' deltas on the experts' outputs
             return False
         # A bf16 copy for such rows (set_prefill_activations) wins, as in Linear.forward.
-        return (first.bf16_weight is None or x.shape[0] < first.bf16_min_rows) and grouped_experts_available(stacks)
+        return (first.bf16_weight is None or x.shape[0] < first.bf16_min_rows) and grouped_experts_available(
+            stacks, x.shape[0], self.top_k
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

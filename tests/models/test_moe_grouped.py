@@ -1,7 +1,8 @@
 """SparseMoE's grouped-expert call (layers/moe.py, kernels/gguf_moe.py) against its own loop:
 - GGUF-block experts are stacked at finish_loading, each expert's Linear then holding a view
   of the stacks (no second copy);
-- steps of up to 16 tokens take the grouped call (no expert Linear is called), 17 the loop;
+- steps of up to 16 tokens take the grouped call (no expert Linear is called), larger ones
+  too where the build has the int16 path, up to 128 pairs per expert; past that the loop;
   both agree within 1e-4 of the output's largest magnitude (tests/kernels/test_gguf_moe.py);
 - the loop is the path for experts of mixed types, with LoRA slots and without the extension;
 - end to end, a small random Qwen3-MoE GGUF (Q8_0, Q4_0, and Q4_K experts with Q6_K down)
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 from pagedllm.kernels import build
-from pagedllm.kernels.gguf_blocks import GGUFBlocks
+from pagedllm.kernels.gguf_blocks import GGUFBlocks, type_index
+from pagedllm.kernels.gguf_moe import GROUPED_MAX_PAIRS_PER_EXPERT
 from pagedllm.layers.moe import MoEConfig, SparseMoE
 from pagedllm.models.loader import load_model
 from tests.kernels.test_gguf_kernels import random_blocks
@@ -74,15 +76,18 @@ def test_stacks_are_the_experts_weights_and_the_grouped_call_matches_the_loop() 
         assert expert.gate_up_proj.blocks.data.data_ptr() == stacks.gate_up[e].data_ptr()
         assert expert.down_proj.blocks.data.data_ptr() == stacks.down[e].data_ptr()
     calls = expert_linear_calls(moe)
-    for num_tokens in (1, 3, 16):
+    int16 = build.gguf_linear_ops().small_m_kernels()[type_index(build.gguf_linear_ops(), "Q4_K")].startswith("int16")
+    for num_tokens in (1, 3, 16, 64):
         x = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(num_tokens))
         grouped = run(moe, x, True)
-        assert calls[0] == 0, "the grouped call ran no expert Linear"
+        # Past 16 tokens only where both types take the int16 path (grouped_experts_available).
+        assert (calls[0] == 0) == (num_tokens <= 16 or int16), num_tokens
         loop = run(moe, x, False)
         assert calls[0] > 0
         calls[0] = 0
         assert (grouped - loop).abs().max() <= 1e-4 * loop.abs().max(), num_tokens
-    run(moe, torch.randn(17, H), True)  # past 16 tokens: the loop
+    # Past GROUPED_MAX_PAIRS_PER_EXPERT pairs per expert on average: the loop.
+    run(moe, torch.randn(GROUPED_MAX_PAIRS_PER_EXPERT * E // moe.top_k + 1, H), True)
     assert calls[0] > 0
 
 
