@@ -7,8 +7,9 @@ The layer: hidden 2048, 128 experts of intermediate 768, top-8 renormalised, the
 float32 N(0, 1) (so each step's tokens pick experts at random over the 128, as a trained
 router's spread does); the experts random valid blocks of each `gate_up:down` type (the code
 bytes random, the fp16 scales small). Per round, `--calls` forward calls of each path in turn
-(the order alternating between rounds); reported: the median over rounds of ms per call and
-the loop / grouped ratio. The MoE block only: attention, norms and the head are not in it.
+(the order reversing between rounds); reported: the median over rounds of ms per call and
+its ratio to the grouped call's. `--quantized-weight-loop` adds the loop over the same bytes
+as QuantizedWeight experts (Q4_0, Q4_1, Q8_0), the form the loader gave such experts before. The MoE block only: attention, norms and the head are not in it.
 
     pagedllm bench moe-grouped --model FILE.gguf [--output-len 32] [--rounds 5]
 
@@ -69,6 +70,23 @@ def make_layer(gate_up_type: str, down_type: str, seed: int = 0) -> SparseMoE:
     return moe
 
 
+def quantized_weight_copy(gate_up_type: str, down_type: str) -> SparseMoE:
+    """make_layer's layer (same seed, same bytes) with every expert as QuantizedWeight (Q4_0,
+    Q4_1, Q8_0: how the loader kept a 3-D expert stack of these types before the grouped call),
+    no stacks: the loop's other form."""
+    from pagedllm.models.gguf_quant import gguf_quantized_weight
+
+    moe = make_layer(gate_up_type, down_type)
+    for expert in moe.experts:
+        for linear in (expert.gate_up_proj, expert.down_proj):
+            blocks = linear.blocks
+            assert blocks is not None
+            linear.quant = gguf_quantized_weight(blocks.data.numpy(), blocks.type_name, blocks.shape)
+            linear.blocks = None
+    moe.expert_stacks = None
+    return moe
+
+
 def ms_per_call(moe: SparseMoE, xs: list[torch.Tensor], grouped: bool) -> float:
     import torch
 
@@ -85,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16], help="tokens per step")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20, help="forward calls per path per round")
+    parser.add_argument("--quantized-weight-loop", action="store_true",
+                        help="also the loop over the same experts as QuantizedWeight (Q4_0, Q4_1, Q8_0 types)")
     parser.add_argument("--model", default=None, help="a GGUF file with MoE layers: engine single-stream decode")
     parser.add_argument("--output-len", type=int, default=32, help="with --model: tokens per timed request")
 
@@ -120,17 +140,22 @@ def run(args: argparse.Namespace) -> None:
     for types in args.types:
         gate_up_type, down_type = types.split(":")
         moe = make_layer(gate_up_type, down_type)
+        # name -> (layer, use_grouped)
+        paths = {"grouped": (moe, True), "loop": (moe, False)}
+        if args.quantized_weight_loop:
+            paths["loop over QuantizedWeight"] = (quantized_weight_copy(gate_up_type, down_type), False)
         for num_tokens in args.tokens:
             gen = torch.Generator().manual_seed(num_tokens)
             xs = [torch.randn(num_tokens, HIDDEN, generator=gen) for _ in range(args.calls)]
-            ms_per_call(moe, xs[:2], True), ms_per_call(moe, xs[:2], False)  # warm-up (and the build)
-            times: dict[bool, list[float]] = {True: [], False: []}
+            for layer, grouped in paths.values():  # warm-up (and the build)
+                ms_per_call(layer, xs[:1], grouped)
+            times: dict[str, list[float]] = {name: [] for name in paths}
             for r in range(args.rounds):
-                for grouped in (True, False) if r % 2 == 0 else (False, True):
-                    times[grouped].append(ms_per_call(moe, xs, grouped))
-            g, loop = statistics.median(times[True]), statistics.median(times[False])
-            print(f"{types:10s} T={num_tokens:2d}  loop {loop:7.2f} ms  grouped {g:7.2f} ms  loop/grouped {loop / g:5.2f}x",
-                  flush=True)
+                for name in list(paths) if r % 2 == 0 else list(paths)[::-1]:
+                    times[name].append(ms_per_call(*paths[name][:1], xs, paths[name][1]))
+            g = statistics.median(times["grouped"])
+            cells = [f"{name} {statistics.median(t):8.2f} ms ({statistics.median(t) / g:4.2f}x)" for name, t in times.items()]
+            print(f"{types:10s} T={num_tokens:4d}  " + "  ".join(cells), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
