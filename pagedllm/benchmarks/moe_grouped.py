@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
         moe = make_layer(gate_up_type, down_type)
         # name -> (layer, use_grouped)
         paths = {"grouped": (moe, True), "loop": (moe, False)}
-        if args.quantized_weight_loop:
+        if args.quantized_weight_loop and {gate_up_type, down_type} <= {"Q4_0", "Q4_1", "Q8_0"}:
             paths["loop over QuantizedWeight"] = (quantized_weight_copy(gate_up_type, down_type), False)
         for num_tokens in args.tokens:
             gen = torch.Generator().manual_seed(num_tokens)
