@@ -30,6 +30,12 @@ from pagedllm.kernels.gguf_blocks import (
     gguf_embedding_lookup,
     gguf_linear,
 )
+from pagedllm.kernels.gguf_moe import (
+    ExpertStacks,
+    grouped_experts,
+    grouped_experts_available,
+    stack_expert_blocks,
+)
 from pagedllm.kernels.isa import ISAS, Isa, cpu_isa, detect_cpu_isa, isa_at_least, set_cpu_isa
 from pagedllm.kernels.linear import clear_weight_caches, linear_op
 from pagedllm.kernels.quantization import (
@@ -52,6 +58,7 @@ from pagedllm.kernels.quantization import (
 
 __all__ = [
     "EXTENSIONS",
+    "ExpertStacks",
     "GGUF_BLOCK_GEOMETRY",
     "GGUFBlocks",
     "KEPT_GGUF_TYPES",
@@ -81,6 +88,8 @@ __all__ = [
     "gguf_embedding_lookup",
     "gguf_linear",
     "gguf_linear_ops",
+    "grouped_experts",
+    "grouped_experts_available",
     "int8_activation_linear",
     "isa_at_least",
     "kernel_cache_root",
@@ -98,6 +107,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "set_compiled_kernels",
+    "stack_expert_blocks",
     "set_cpu_isa",
     "silu_and_mul",
     "use_bf16_kernels",

@@ -76,7 +76,7 @@ EXTENSIONS: dict[str, Extension] = {
                                     "lora_delta.h", "decode_gguf_linear.h", "gguf_matmul.h", "gguf_decode.h",
                                     "gguf_types.h", "gguf_dot_avx512.h"),
                   "running the layers one module at a time", min_isa="avx2"),
-        Extension("gguf_linear", ("gguf_blocks.cpp", "gguf_matmul.h", "gguf_decode.h", "gguf_types.h",
+        Extension("gguf_linear", ("gguf_blocks.cpp", "gguf_matmul.h", "gguf_moe.h", "gguf_decode.h", "gguf_types.h",
                                   "gguf_dot_avx512.h"),
                   "dequantizing GGUF blocks with gguf-py", min_isa="generic"),
     )

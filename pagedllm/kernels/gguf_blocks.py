@@ -116,7 +116,7 @@ def dequantize_blocks(data: torch.Tensor, type_name: str, k: int) -> torch.Tenso
     if ops is None or type_name not in KEPT_GGUF_TYPES:
         return reference_dequantize(data, type_name, k)
     out = torch.empty(data.shape[0], k)
-    ops.dequantize_rows(data.contiguous(), _type_index(ops, type_name), 0, out)
+    ops.dequantize_rows(data.contiguous(), type_index(ops, type_name), 0, out)
     return out
 
 
@@ -126,7 +126,7 @@ def dequantize_rows_into(weight: GGUFBlocks, start: int, buf: torch.Tensor) -> N
     if ops is None or weight.type_name not in KEPT_GGUF_TYPES:
         buf.copy_(reference_dequantize(weight.data[start : start + buf.shape[0]], weight.type_name, weight.k))
     else:
-        ops.dequantize_rows(weight.data.contiguous(), _type_index(ops, weight.type_name), start, buf)
+        ops.dequantize_rows(weight.data.contiguous(), type_index(ops, weight.type_name), start, buf)
 
 
 def reference_dequantize(data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
@@ -151,7 +151,8 @@ def reference_dequantize(data: torch.Tensor, type_name: str, k: int) -> torch.Te
 _type_indices: dict[int, dict[str, int]] = {}
 
 
-def _type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
+def type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
+    """The extension's index of a kept type (its `type_names()` order)."""
     names = _type_indices.get(id(ops))
     if names is None:
         names = _type_indices[id(ops)] = {name: i for i, name in enumerate(ops.type_names())}
@@ -173,7 +174,7 @@ def gguf_linear(
     data = weight.data.contiguous()
     m = x2.shape[0]
     if ops is not None and m <= SMALL_M_MAX_ROWS:
-        y = ops.linear(x2, data, _type_index(ops, weight.type_name), "")
+        y = ops.linear(x2, data, type_index(ops, weight.type_name), "")
     elif ops is not None and bf16_min_rows is not None and m >= bf16_min_rows:
         y = bf16_panel_gemm(ops, x2, data, weight.type_name, k)
     else:
@@ -182,7 +183,7 @@ def gguf_linear(
             if ops is None:
                 buf.copy_(reference_dequantize(data[start : start + buf.shape[0]], weight.type_name, k))
             else:
-                ops.dequantize_rows(data, _type_index(ops, weight.type_name), start, buf)
+                ops.dequantize_rows(data, type_index(ops, weight.type_name), start, buf)
 
         y = chunked_gemm(x2, n, fill_rows)
     if bias is not None:
@@ -194,8 +195,8 @@ def bf16_panel_gemm(ops, x: torch.Tensor, data: torch.Tensor, type_name: str, k:
     """x: float32 [M, K] -> float32 [M, N] by `chunked_bf16_gemm`, CHUNK_ROWS weight rows at a
     time decoded straight to bf16 (round to nearest even; csrc/decode_gguf_linear.h's
     bf16_panels does the same, so the fused decode gives the same floats)."""
-    type_index = _type_index(ops, type_name)
-    return chunked_bf16_gemm(x, data.shape[0], lambda start, buf: ops.dequantize_rows_bf16(data, type_index, start, buf))
+    index = type_index(ops, type_name)
+    return chunked_bf16_gemm(x, data.shape[0], lambda start, buf: ops.dequantize_rows_bf16(data, index, start, buf))
 
 
 def gguf_embedding_lookup(input_ids: torch.Tensor, weight: GGUFBlocks, dtype: torch.dtype) -> torch.Tensor:
@@ -203,5 +204,5 @@ def gguf_embedding_lookup(input_ids: torch.Tensor, weight: GGUFBlocks, dtype: to
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
     if ops is None or input_ids.dim() != 1:
         return weight.rows(input_ids).dequantize(dtype)
-    rows = ops.gather_rows(weight.data.contiguous(), _type_index(ops, weight.type_name), input_ids.long())
+    rows = ops.gather_rows(weight.data.contiguous(), type_index(ops, weight.type_name), input_ids.long())
     return rows if dtype == torch.float32 else rows.to(dtype)

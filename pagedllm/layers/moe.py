@@ -14,6 +14,16 @@ Each expert is an `ExpertMLP` of the shared linear layers, so float, int8/int4
 (--quantization) and GGUF-quantized expert weights (2-D slices of llama.cpp's 3-D
 `ffn_*_exps` tensors) all run through `Linear.forward`'s kernels, as dense MLPs do.
 
+The grouped call: where every expert's gate/up weights are GGUF blocks of one type and its
+down weights of one type (a GGUF file's experts, kept), `finish_loading` stacks them
+(kernels/gguf_moe.py's `ExpertStacks`, the experts' linears then holding views of the stacks),
+and steps run steps 2-3 in one compiled call over all active experts (csrc/gguf_moe.h:
+activations rounded once, threads over (expert, row block) items, results weighted and summed
+inside): up to 16 tokens on every build, prefill chunks too where the build has the int16 path
+(`grouped_experts_available`: up to 128 pairs per expert on average). The loop above stays the
+path for larger steps, other weight forms, LoRA, tensor parallelism and builds without the
+extension.
+
 Tensor parallelism: over each expert's intermediate columns (like a dense MLP). Every rank
 routes all tokens (the router is replicated), holds 1/size of every expert's gate/up rows and
 down columns, and sums its partial outputs over all experts (and the shared expert) before a
@@ -29,6 +39,13 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import current_tp
+from pagedllm.kernels import (
+    ExpertStacks,
+    GGUFBlocks,
+    grouped_experts,
+    grouped_experts_available,
+    stack_expert_blocks,
+)
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.linear import Linear, MergedLinear, RowParallelLinear
 
@@ -131,11 +148,66 @@ class SparseMoE(nn.Module):
             self.shared_expert = ExpertMLP(hidden_size, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1)
         self.last_routing: Routing | None = None
+        self.expert_stacks: ExpertStacks | None = None
+        """All experts' GGUF blocks stacked for the grouped call (finish_loading), or None."""
+        self.use_grouped = True
+        """Run the steps `grouped_experts_available` admits through the grouped call where the
+        stacks exist (False: always the loop; tests and benchmarks compare the two)."""
+
+    def finish_loading(self) -> None:
+        """Once the experts' linears have joined their shards: stack their weights for the
+        grouped call where they are all GGUF blocks, one type per projection, unsharded."""
+        for expert in self.experts:
+            expert.gate_up_proj.finish_loading()  # idempotent: the loader's later call is a no-op
+            expert.down_proj.finish_loading()
+        gate_up = [e.gate_up_proj for e in self.experts]
+        down = [e.down_proj for e in self.experts]
+        linears = gate_up + down
+        if self.tp.size > 1 or any(
+            not isinstance(m.blocks, GGUFBlocks) or m.bias is not None or m.lora_slots is not None for m in linears
+        ):
+            return
+        try:
+            stacks, gu_views, down_views = stack_expert_blocks(
+                [m.blocks for m in gate_up], [m.blocks for m in down]  # type: ignore[misc]
+            )
+        except ValueError:  # mixed types over experts: the loop runs them
+            return
+        for m, view in zip(gate_up + down, gu_views + down_views):
+            m.blocks = view
+        self.expert_stacks = stacks
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        stacks = self.expert_stacks
+        if stacks is None or not self.use_grouped or x.dim() != 2:
+            return False
+        first = self.experts[0].gate_up_proj  # what the loader and LoRA set, they set on every expert
+        if first.lora_slots is not None:  # --enable-lora: adapters' deltas on the experts' outputs
+            return False
+        # A bf16 copy for such rows (set_prefill_activations) wins, as in Linear.forward.
+        return (first.bf16_weight is None or x.shape[0] < first.bf16_min_rows) and grouped_experts_available(
+            stacks, x.shape[0], self.top_k
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         routing = route(self.gate(x), self.top_k, self.norm_topk_prob, x.dtype)
         self.last_routing = routing
+        if self._grouped(x):
+            assert self.expert_stacks is not None
+            out = grouped_experts(x, routing.expert_ids, routing.weights, self.expert_stacks)
+        else:
+            out = self._expert_loop(x, routing)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            # The sigmoid gate scales the rank's partial sum (linear in it) before the reduce.
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tp.size > 1:
+            self.tp.all_reduce(out)
+        return out
+
+    def _expert_loop(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]: each active expert's Linears over its run of tokens.
         # Pairs (token, slot) flattened as token * k + slot, sorted by expert: expert e's
         # pairs are order[start_e : start_e + counts[e]].
         order = torch.argsort(routing.expert_ids.flatten(), stable=True)
@@ -150,10 +222,4 @@ class SparseMoE(nn.Module):
             tokens = pairs // self.top_k
             y = self.experts[e](x[tokens]) * flat_weights[pairs, None]
             out.index_add_(0, tokens, y)
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None
-            # The sigmoid gate scales the rank's partial sum (linear in it) before the reduce.
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        if self.tp.size > 1:
-            self.tp.all_reduce(out)
         return out

@@ -300,7 +300,7 @@ def read_gguf_tensors(
             dequantized.append(f"{t.name} ({t.type_name})")
         if "{expert}" in name:  # a 3-D stack [E, rows, cols]: one 2-D tensor per expert
             for e in range(shape[0]):
-                yield name.format(expert=e), _matrix(data[e], t.type_name, shape[1:], None, keep_quantized)
+                yield name.format(expert=e), _matrix(data[e], t.type_name, shape[1:], None, keep_quantized, expert=True)
             continue
         if len(shape) == 2:
             rows = None if heads is None else unpermute_qk(np.arange(shape[0]), heads)
@@ -320,11 +320,17 @@ def read_gguf_tensors(
 
 
 def _matrix(
-    data: np.ndarray, type_name: str, shape: tuple[int, ...], rows: np.ndarray | None, keep_quantized: bool
+    data: np.ndarray,
+    type_name: str,
+    shape: tuple[int, ...],
+    rows: np.ndarray | None,
+    keep_quantized: bool,
+    expert: bool = False,
 ) -> KeptMatrix:
-    # One matrix [N, K] (HF order), its rows reordered by `rows` if given.
+    # One matrix [N, K] (HF order), its rows reordered by `rows` if given; `expert`: a slice
+    # of a 3-D expert stack (kept_gguf_tensor).
     if keep_quantized:
-        return kept_gguf_tensor(data, type_name, (shape[0], shape[1]), rows)
+        return kept_gguf_tensor(data, type_name, (shape[0], shape[1]), rows, expert)
     w = _dequantize_raw(data, type_name).reshape(shape)
     if rows is not None:
         w = w[rows]

@@ -6,6 +6,7 @@ kept type, BF16 blocks for the types that are dequantized (IQ1-IQ3, TQ1/TQ2).
 | Q8_0 | QuantizedWeight int8 + fp16 scale | 34 (34) |
 | Q4_1 | QuantizedWeight int4 + fp16 scale, zero | 20 (20) |
 | Q4_0 | QuantizedWeight int4 + fp16 scale, zero = -8 d | 20 (18): +11%, for the fast kernels |
+| Q4_0, Q4_1, Q8_0 of a 3-D expert stack | GGUFBlocks, the file's bytes | as in the file |
 | Q4_K, Q5_*, Q2_K-Q6_K, IQ4_*, MXFP4 | GGUFBlocks, the file's bytes | as in the file |
 | F16, BF16 | GGUFBlocks F16 / BF16 | 64 (64) |
 | IQ1_*, IQ2_*, IQ3_*, TQ1_0, TQ2_0 | GGUFBlocks BF16 (dequantized) | 64 (7-14) |
@@ -64,18 +65,23 @@ KeptMatrix = QuantizedWeight | GGUFBlocks | torch.Tensor
 KeptTensor = KeptMatrix | TransposedKept
 
 
-def kept_gguf_tensor(data: np.ndarray, type_name: str, shape: tuple[int, int], rows: np.ndarray | None = None) -> KeptMatrix:
+def kept_gguf_tensor(
+    data: np.ndarray, type_name: str, shape: tuple[int, int], rows: np.ndarray | None = None, expert: bool = False
+) -> KeptMatrix:
     """A matrix of the file in its kept form (the table in the module docstring); F32 stays a
     float32 tensor. data: the raw [N, bytes per row] (or [N, K] for F32/F16) from the map;
     shape: (N, K) in HF order; rows: a row order to apply (llama.cpp's Q/K interleave undone),
-    selected whole rows of bytes. ValueError for a type that is neither kept nor dequantized."""
+    selected whole rows of bytes; expert: a slice of a 3-D expert stack, kept as GGUFBlocks in
+    every kept type (Q4_0, Q4_1, Q8_0 too: the grouped-expert kernel, kernels/gguf_moe.py, runs
+    on blocks; a view of `data`, no copy). ValueError for a type that is neither kept nor
+    dequantized."""
     n, k = shape
     raw = data.reshape(n, -1)
     if rows is not None:
         raw = raw[rows]  # a copy in the new order
     if type_name == "F32":
         return torch.from_numpy(np.array(raw, dtype=np.float32, copy=True))
-    if type_name in QUANTIZED_WEIGHT_TYPES:
+    if type_name in QUANTIZED_WEIGHT_TYPES and not expert:
         return gguf_quantized_weight(raw.view(np.uint8), type_name, shape)
     if type_name in KEPT_GGUF_TYPES:
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, row_bytes(type_name, k))
@@ -93,11 +99,12 @@ def kept_gguf_tensor(data: np.ndarray, type_name: str, shape: tuple[int, int], r
 
 
 def kept_bytes(type_name: str, shape: tuple[int, ...]) -> int:
-    """Resident bytes of a matrix of `shape` (HF order) in its kept form (module docstring)."""
+    """Resident bytes of a matrix of `shape` (HF order), or of a 3-D expert stack, in its kept
+    form (module docstring; an expert stack's Q4_0 stays blocks)."""
     elements = int(np.prod(shape))
     if type_name == "F32":
         return 4 * elements
-    if type_name == "Q4_0":
+    if type_name == "Q4_0" and len(shape) == 2:
         return elements // 32 * 20
     if type_name in KEPT_GGUF_TYPES:
         return elements // shape[-1] * row_bytes(type_name, shape[-1])

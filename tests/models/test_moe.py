@@ -276,9 +276,12 @@ def test_gguf_kept_quantized_matches_hf_on_the_same_file(
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
     from pagedllm.kernels.gguf_blocks import GGUFBlocks
 
-    kept = QuantizedWeight if expert_qtype in ("Q4_0", "Q4_1", "Q8_0") else GGUFBlocks
-    assert moes and all(isinstance(e.gate_up_proj.kept_weights()[0], kept) for m in moes for e in m.experts)
-    assert all(isinstance(e.down_proj.kept_weights()[0], kept) for m in moes for e in m.experts)
+    # Expert stacks stay the file's blocks in every type (Q4_0, Q4_1 too: the grouped call's
+    # form), stacked for it; the attention's Q4_0 / Q8_0 matrices are QuantizedWeight.
+    assert moes and all(isinstance(e.gate_up_proj.kept_weights()[0], GGUFBlocks) for m in moes for e in m.experts)
+    assert all(isinstance(e.down_proj.kept_weights()[0], GGUFBlocks) for m in moes for e in m.experts)
+    assert all(m.expert_stacks is not None and m.expert_stacks.gate_up_type == expert_qtype for m in moes)
+    assert any(isinstance(m.quant, QuantizedWeight) for m in loaded.model.modules() if hasattr(m, "quant"))
     # transformers' GGUF reader leaves these at its defaults; pass the file's values.
     overrides = {"moe_intermediate_size": cfg.moe_intermediate_size, "mlp_only_layers": cfg.mlp_only_layers}
     if name == "qwen2-moe":
@@ -383,7 +386,13 @@ def test_mixtral_gguf_as_llama_with_experts(per_expert: bool, tmp_path: Path, mo
     loaded = load_model(str(gguf_path), quantization="gguf")
     assert loaded.model_config.architecture == "MixtralForCausalLM"
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
-    assert len(moes) == 2 and all(e.gate_up_proj.quant is not None for m in moes for e in m.experts)
+    # Stacked: each expert a view of the file's 3-D Q8_0 blocks; per-expert tensors: Q8_0's
+    # QuantizedWeight, run by the loop.
+    if per_expert:
+        assert len(moes) == 2 and all(e.gate_up_proj.quant is not None for m in moes for e in m.experts)
+        assert all(m.expert_stacks is None for m in moes)
+    else:
+        assert len(moes) == 2 and all(m.expert_stacks is not None for m in moes)
     reference = _quantized_round_trip(hf_model, "Q8_0")
     assert_greedy_matches_router_ties(loaded, reference, "mixtral gguf")
 

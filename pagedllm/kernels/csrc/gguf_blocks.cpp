@@ -1,4 +1,4 @@
-// Bindings of the GGUF block kernels (gguf_matmul.h) for Python: a weight is `data`, uint8
+// Bindings of the GGUF block kernels (gguf_matmul.h, gguf_moe.h) for Python: a weight is `data`, uint8
 // [N, row bytes] (contiguous rows of one kept type's blocks, as the file stores them), its
 // type as an index into type_names(), and K.
 #include <torch/extension.h>
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gguf_matmul.h"
+#include "gguf_moe.h"
 
 using namespace pagedllm::gguf;
 
@@ -91,6 +92,45 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& data, int64_t 
   return y;
 }
 
+// One projection of all experts: uint8 [E, rows, row bytes] of type `type`, K elements per row.
+ExpertStack expert_stack(const torch::Tensor& data, int64_t type, int64_t K, const char* what) {
+  TORCH_CHECK(data.dim() == 3 && data.is_contiguous(), what, " must be a contiguous uint8 [E, rows, row bytes] tensor");
+  check_weight(data.view({-1, data.size(2)}), type, K);
+  return {data.data_ptr<uint8_t>(), Type(type), data.size(1), data.size(2), K};
+}
+
+// x [T, H] float32, expert_ids [T, k] int64, weights [T, k] float32, gate_up uint8 [E, 2 I, row
+// bytes of H] (each expert's gate rows then its up rows), down uint8 [E, H, row bytes of I] ->
+// out [T, H] = sum over slots of weights * down(silu(gate x) * up x) (gguf_moe.h).
+torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights,
+                          const torch::Tensor& gate_up, int64_t gate_up_type, const torch::Tensor& down,
+                          int64_t down_type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [T, H] tensor");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T && expert_ids.scalar_type() == torch::kInt64 &&
+                  expert_ids.is_contiguous(),
+              "expert_ids must be a contiguous int64 [T, k] tensor");
+  const int64_t k = expert_ids.size(1);
+  TORCH_CHECK(weights.sizes() == expert_ids.sizes() && weights.scalar_type() == torch::kFloat32 &&
+                  weights.is_contiguous(),
+              "weights must be a contiguous float32 [T, k] tensor");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == down.size(0) && gate_up.size(1) % 2 == 0 &&
+                  down.size(1) == H,
+              "gate_up [E, 2 I, *] and down [E, H, *] must share E, with H = x's width");
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
+  const ExpertStack gu = expert_stack(gate_up, gate_up_type, H, "gate_up");
+  const ExpertStack dn = expert_stack(down, down_type, I, "down");
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * k; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "expert id ", ids[i], " out of range [0, ", E, ")");
+  auto out = torch::zeros({T, H}, x.options());
+  if (T * k > 0)
+    moe_grouped(x.data_ptr<float>(), T, ids, weights.data_ptr<float>(), k, E, gu, dn,
+                out.data_ptr<float>());
+  return out;
+}
+
 // The small-M kernel linear("") runs for each type: "int16 <isa>" or "float <isa>".
 std::vector<std::string> small_m_kernels() {
   std::vector<std::string> out;
@@ -112,5 +152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(data, type, start, buf): rows [start, start + len(buf)) as bfloat16 (a prefill's panel)");
   m.def("gather_rows", &gather_rows, "(data, type, ids) -> float32 [T, K]: rows ids (embedding lookup)");
   m.def("linear", &linear, "(x [M, K], data, type, path) -> x @ W.T [M, N]: the small-M kernel");
+  m.def("moe_experts", &moe_experts,
+        "(x, expert_ids, weights, gate_up, gate_up_type, down, down_type) -> [T, H]: the grouped-expert MLP");
   m.def("small_m_kernels", &small_m_kernels, "per type (type_names order): the kernel linear runs");
 }

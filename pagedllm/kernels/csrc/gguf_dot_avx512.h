@@ -213,18 +213,18 @@ inline void for_units(const uint8_t* row, int64_t K, F&& f) {
   }
 }
 
-// y[r] (r < R) = activation rows m0 .. m0 + R - 1 dotted with one weight row.
-template <Type T, int R>
-inline void row_dot_int16(const uint8_t* row, int64_t K, const Int16Activations& a, int64_t m0, float* y,
-                          int64_t N) {
+// sums[r] (r < R) = activation row row_of(r) dotted with one weight row.
+template <Type T, int R, typename RowOf>
+inline void row_dots_int16(const uint8_t* row, int64_t K, const Int16Activations& a, RowOf row_of, float* sums) {
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t base[R];  // each activation row's first lane
   const int64_t lstride = a.units * 16;
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), base[r] = int64_t(row_of(r)) * lstride;
   for_units<T>(row, K, [&](int64_t unit, __m512i u, __m512 ws, __m512 ov) {
     // Word i of u_even / u_odd: byte 2i / 2i + 1 of u, i.e. codes (4j, 4j + 2) / (4j + 1, 4j + 3) of lane j.
     const __m512i u_even = _mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), u_odd = _mm512_srli_epi16(u, 8);
     for (int r = 0; r < R; ++r) {
-      const int64_t lane = (m0 + r) * lstride + unit * 16;
+      const int64_t lane = base[r] + unit * 16;
       const __m512i dot = _mm512_dpwssd_epi32(
           _mm512_dpwssd_epi32(_mm512_setzero_si512(), u_even, _mm512_loadu_si512(a.xe.data() + 2 * lane)), u_odd,
           _mm512_loadu_si512(a.xo.data() + 2 * lane));
@@ -232,7 +232,30 @@ inline void row_dot_int16(const uint8_t* row, int64_t K, const Int16Activations&
       acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(a.xs4.data() + lane), ov, _mm512_fmadd_ps(t, ws, acc[r]));
     }
   });
-  for (int r = 0; r < R; ++r) y[(m0 + r) * N] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// y[r] (r < R) = activation rows m0 .. m0 + R - 1 dotted with one weight row.
+template <Type T, int R>
+inline void row_dot_int16(const uint8_t* row, int64_t K, const Int16Activations& a, int64_t m0, float* y,
+                          int64_t N) {
+  float sums[R];
+  row_dots_int16<T, R>(row, K, a, [m0](int r) { return m0 + r; }, sums);
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N] = sums[r];
+}
+
+// sums[i] (i < n) = activation row rows[i] dotted with one weight row (the rows in tiles of 4).
+template <Type T>
+inline void gathered_dots_int16(const uint8_t* row, int64_t K, const Int16Activations& a, const int32_t* rows,
+                                int64_t n, float* sums) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) row_dots_int16<T, 4>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i);
+  switch (n - i) {
+    case 3: row_dots_int16<T, 3>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    case 2: row_dots_int16<T, 2>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    case 1: row_dots_int16<T, 1>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    default: break;
+  }
 }
 
 // y [M, N] = x [M, K] @ W.T with int16 activations; threads over output rows, the activation
@@ -268,6 +291,11 @@ constexpr bool has_int16_dot() {
 }
 template <Type T>
 void matmul_int16(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
+struct Int16Activations {
+  Int16Activations(const float*, int64_t, int64_t) {}
+};
+template <Type T>
+inline void gathered_dots_int16(const uint8_t*, int64_t, const Int16Activations&, const int32_t*, int64_t, float*) {}
 
 }  // namespace pagedllm::gguf
 #endif

@@ -1,0 +1,172 @@
+#pragma once
+// The grouped-expert MLP of a sparse MoE layer over GGUF blocks, for a few tokens (decode):
+//   out[t] = sum_slot w[t, slot] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, slot]
+// in one call and one OpenMP region, for every active expert at once:
+// 1. plan (one thread): the T * k (token, slot) pairs grouped by expert in ascending expert
+//    order, within an expert by token (a counting sort: layers/moe.py's stable argsort order);
+// 2. gate/up: work items (active expert, block of kItemRows intermediate rows), dynamic
+//    schedule; each weight row read once for all of that expert's tokens (x's rows gathered),
+//    h[pair, j] = silu(gate) * up, each element written by one thread;
+// 3. h rounded to int16 once (where the down type takes the int16 path);
+// 4. down: work items = blocks of output rows (moe_down); an item runs every active expert over
+//    its rows in expert order and adds w * dot into out[t, n]: each output element is one
+//    thread's, summed in the loop path's order (expert by expert), so no races and the result
+//    does not depend on the thread count.
+// x is rounded to int16 once for all experts (gguf_dot_avx512.h), as the small-M kernel does
+// per call; types without the int16 dot (or builds without VNNI) take the float path
+// (a decoded span dotted with each gathered row, gguf_matmul.h's order).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "gguf_matmul.h"
+
+namespace pagedllm::gguf {
+
+// Weight rows per work item (of gate and of up each, or of down).
+constexpr int64_t kItemRows = 16;
+
+// One projection of all experts: E consecutive [rows, row_bytes] matrices of type `type`.
+struct ExpertStack {
+  const uint8_t* data;
+  Type type;
+  int64_t rows;  // per expert: 2 I (gate rows then up rows) or H (down)
+  int64_t row_bytes;
+  int64_t k;  // elements per row
+  const uint8_t* row(int64_t e, int64_t n) const { return data + (e * rows + n) * row_bytes; }
+};
+
+// The pairs grouped by expert: pairs [start[i], start[i + 1]) belong to active[i].
+struct ExpertPlan {
+  std::vector<int64_t> active;
+  std::vector<int64_t> start;
+  std::vector<int32_t> token;  // [P] the pair's token (its row of x and of out)
+  std::vector<float> weight;   // [P] its routing weight
+  std::vector<int32_t> pair;   // [P] 0 .. P - 1: the pairs' rows of h
+  int64_t max_pairs = 0;       // the most pairs of one expert
+};
+
+// ids, w: [T, k] row-major; ids in [0, E) (the caller checks).
+inline ExpertPlan plan_experts(const int64_t* ids, const float* w, int64_t T, int64_t k, int64_t E) {
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t i = 0; i < T * k; ++i) ++count[ids[i] + 1];
+  ExpertPlan p;
+  for (int64_t e = 0; e < E; ++e) {
+    if (count[e + 1] > 0) p.active.push_back(e), p.max_pairs = std::max(p.max_pairs, count[e + 1]);
+    count[e + 1] += count[e];  // now count[e] = the first pair of expert e
+  }
+  for (int64_t e : p.active) p.start.push_back(count[e]);
+  p.start.push_back(T * k);
+  p.token.resize(T * k), p.weight.resize(T * k), p.pair.resize(T * k);
+  for (int64_t i = 0; i < T * k; ++i) {  // pair i = token i / k, slot i % k: tokens ascending per expert
+    const int64_t at = count[ids[i]]++;
+    p.token[at] = int32_t(i / k), p.weight[at] = w[i];
+  }
+  for (int64_t i = 0; i < T * k; ++i) p.pair[i] = int32_t(i);
+  return p;
+}
+
+// sums[i] (i < n) = activation row rows[i] of x [*, K] dotted with one weight row, by the float
+// path (per row the same order of operations as matmul_f32).
+template <Type T>
+inline void gathered_dots_f32(const uint8_t* row, int64_t K, const float* x, const int32_t* rows, int64_t n,
+                              float* sums) {
+  alignas(64) float tile[kSpan];
+  for (int64_t i0 = 0; i0 < n; i0 += kMaxTileRows) {
+    const int64_t cnt = std::min(kMaxTileRows, n - i0);
+    float acc[kMaxTileRows] = {};
+    for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
+      const int64_t len = std::min(kSpan, K - k0);
+      decode_elements<T>(row, k0, len, tile);
+      for (int64_t m = 0; m < cnt; ++m) acc[m] += dot_f32(tile, x + int64_t(rows[i0 + m]) * K + k0, len);
+    }
+    for (int64_t m = 0; m < cnt; ++m) sums[i0 + m] = acc[m];
+  }
+}
+
+// Activation rows [M, K] as a type's dot reads them: float32, and their int16 rounding where
+// some type of the phase takes the int16 path.
+struct Activations {
+  const float* x;
+  int64_t K;
+  std::unique_ptr<Int16Activations> q;
+};
+
+template <Type T>
+inline void gathered_dots(const uint8_t* row, const Activations& a, const int32_t* rows, int64_t n, float* sums) {
+  if constexpr (use_int16_path<T>()) {
+    gathered_dots_int16<T>(row, a.K, *a.q, rows, n, sums);
+  } else {
+    gathered_dots_f32<T>(row, a.K, a.x, rows, n, sums);
+  }
+}
+
+inline bool int16_path(Type t) {
+  bool out = false;
+  with_type(t, [&](auto tag) { out = use_int16_path<decltype(tag)::value>(); });
+  return out;
+}
+
+// Phase 2 (called by every thread of the region): h [P, I] from x's gathered rows.
+template <Type T>
+void moe_gate_up(const ExpertPlan& p, const Activations& x, const ExpertStack& gu, float* h) {
+  const int64_t I = gu.rows / 2;
+  const int64_t per_expert = (I + kItemRows - 1) / kItemRows;
+  std::vector<float> g(p.max_pairs), u(p.max_pairs);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < int64_t(p.active.size()) * per_expert; ++item) {
+    const int64_t a = item / per_expert, e = p.active[a], j0 = item % per_expert * kItemRows;
+    const int64_t first = p.start[a], n = p.start[a + 1] - first;
+    for (int64_t j = j0; j < std::min(I, j0 + kItemRows); ++j) {
+      gathered_dots<T>(gu.row(e, j), x, p.token.data() + first, n, g.data());
+      gathered_dots<T>(gu.row(e, I + j), x, p.token.data() + first, n, u.data());
+      for (int64_t i = 0; i < n; ++i) h[(first + i) * I + j] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  }
+}
+
+// Phase 4 (called by every thread of the region): out [T, H] += w * down(h), out zeroed.
+// An item's rows run expert by expert, so each expert's rows of h are read once per item from
+// L1: items of H / (8 threads) rows (16 .. 256), not 16, or a step with many active experts
+// streams all of h from L2/L3 for every 16 rows (measured 3x slower at 64 tokens).
+template <Type T>
+void moe_down(const ExpertPlan& p, const Activations& h, const ExpertStack& down, float* out) {
+  const int64_t H = down.rows;
+  const int64_t rows = std::clamp(H / (8 * omp_get_num_threads()) / kItemRows * kItemRows, kItemRows, 16 * kItemRows);
+  std::vector<float> s(p.max_pairs);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t n0 = 0; n0 < H; n0 += rows) {
+    for (size_t a = 0; a < p.active.size(); ++a) {  // expert order: the loop path's summation order
+      const int64_t first = p.start[a], n = p.start[a + 1] - first;
+      for (int64_t j = n0; j < std::min(H, n0 + rows); ++j) {
+        gathered_dots<T>(down.row(p.active[a], j), h, p.pair.data() + first, n, s.data());
+        for (int64_t i = 0; i < n; ++i) out[int64_t(p.token[first + i]) * H + j] += p.weight[first + i] * s[i];
+      }
+    }
+  }
+}
+
+// out [T, H] (zeroed by the caller) = the grouped-expert MLP of x [T, H]; ids, w: [T, k].
+inline void moe_grouped(const float* x, int64_t T, const int64_t* ids, const float* w, int64_t k, int64_t E,
+                        const ExpertStack& gu, const ExpertStack& down, float* out) {
+  const ExpertPlan p = plan_experts(ids, w, T, k, E);
+  const int64_t I = gu.rows / 2, P = T * k;
+  Activations xa{x, gu.k, int16_path(gu.type) ? std::make_unique<Int16Activations>(x, T, gu.k) : nullptr};
+  std::vector<float> h(P * I);
+  Activations ha{h.data(), I, nullptr};
+#pragma omp parallel
+  {
+    with_type(gu.type, [&](auto tag) { moe_gate_up<decltype(tag)::value>(p, xa, gu, h.data()); });
+    // The implicit barrier of the omp for above: h is complete.
+#pragma omp single
+    if (int16_path(down.type)) ha.q = std::make_unique<Int16Activations>(h.data(), P, I);
+    // The single's barrier: ha is complete.
+    with_type(down.type, [&](auto tag) { moe_down<decltype(tag)::value>(p, ha, down, out); });
+  }
+}
+
+}  // namespace pagedllm::gguf
