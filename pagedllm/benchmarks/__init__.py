@@ -28,4 +28,5 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv-cache-dtype": ("kv_cache_dtype", "decode step time at long contexts, KV capacity and drift per --kv-cache-dtype"),
     "dashboard-snapshot": ("dashboard_snapshot", "cost of the dashboard's KV snapshot against the step time"),
     "lora": ("lora", "multi-LoRA decode: 0, 1 and 4 adapters in a batch against the merged model"),
+    "gguf-matmul": ("gguf_matmul", "the small-M GGUF kernels' weight GB/s against a torch copy, per type and shape"),
 }
