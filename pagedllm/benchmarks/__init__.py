@@ -29,4 +29,5 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "dashboard-snapshot": ("dashboard_snapshot", "cost of the dashboard's KV snapshot against the step time"),
     "lora": ("lora", "multi-LoRA decode: 0, 1 and 4 adapters in a batch against the merged model"),
     "moe-grouped": ("moe_grouped", "a Qwen3-30B-A3B-shaped MoE layer: the grouped-expert call against the loop"),
+    "gguf-matmul": ("gguf_matmul", "the small-M GGUF kernels' weight GB/s against a torch copy, per type and shape"),
 }

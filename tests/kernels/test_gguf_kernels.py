@@ -152,6 +152,24 @@ def test_int16_path_matches_its_rounded_activations(type_name: str) -> None:
         assert bool((err <= bound).all()), f"K={k}: max excess {float((err - bound).max())}"
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_int16_path_rows_do_not_depend_on_m(type_name: str) -> None:
+    """Each output of the int16 kernel is computed alike whatever M (activation rows are taken
+    4, 3, 2 or 1 at a time): a row alone equals the same row inside a batch of every size, bit
+    for bit, as the fused decode's batch-invariance relies on."""
+    isa.set_cpu_isa(None)
+    ops = build.gguf_linear_ops()
+    if ops is None or not dict(zip(ops.type_names(), ops.small_m_kernels()))[type_name].startswith("int16"):
+        pytest.skip(f"no int16-activation kernel for {type_name} in this build")
+    idx = list(ops.type_names()).index(type_name)
+    k = GGUF_BLOCK_GEOMETRY[type_name][0] * (9 if GGUF_BLOCK_GEOMETRY[type_name][0] == 32 else 3)
+    w = random_blocks(type_name, 37, k, seed=5)
+    x = torch.randn(SMALL_M_MAX_ROWS, k, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([ops.linear(x[i : i + 1].contiguous(), w.data, idx, "int16") for i in range(x.shape[0])])
+    for m in range(2, SMALL_M_MAX_ROWS + 1):
+        assert torch.equal(ops.linear(x[:m].contiguous(), w.data, idx, "int16"), alone[:m]), m
+
+
 def test_linear_keeps_dtype_shape_and_bias() -> None:
     w = random_blocks("Q4_K", 5, 256)
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)

@@ -5,13 +5,18 @@
 //
 // Activations: each row is rounded to int16 per group of 32 (xq = round-half-even(x * 32767 /
 // absmax), scale xd = absmax / 32767, error at most xd / 2 per element: quant_linear.h's
-// int16 rounding), once per call. The weight is read as 64-element units of unsigned 8-bit
-// codes u (0..255) with a per-lane weight scale ws and offset ov (a lane = 4 consecutive
-// elements), such that each weight is
-//   w = ws * u - ov   (Q4_K: u = q, ws = d sc, ov = dmin m; Q6_K: ws = d sc, ov = 32 ws;
-//                      Q8_0 / IQ4: u = value + 128, ov = 128 ws; Q4_0: ov = 8 ws; Q4_1: ov = -m)
-// so a unit contributes sum_lanes ws * xd * dot4(u, xq) - ov * xd * sum4(xq): two vpdpwssd
-// form dot4 exactly in int32 (at most 4 * 255 * 32767 < 2^31), the rest is float32 per lane.
+// int16 rounding), once per call, kept in element order with xd and xs = xd * sum(xq) per
+// group.
+// Weights: each 32-element group of a block is widened to 32 signed int16 codes c with a
+// float scale ws and a per-element offset wo (Q4_1: m; Q4_K / Q5_K: -dmin m; else 0), so that
+// each weight is w = ws * c + wo (Q6_K's codes carry their 16-element int8 scales: |c| <= 4096).
+// One vpdpwssd sums the group's c * xq exactly in 16 int32 lanes (a lane at most
+// 2 * 4096 * 32767 < 2^31), and
+//   y += (ws * xd) * float(lanes) + wo * xs
+// one conversion and one FMA per group; a block computes ws * xd for all its groups at once.
+// A weight row is read once per call: each group decoded once for up to 4 activation rows.
+// Each output's arithmetic is the same whatever M, so the result does not depend on M, the
+// activation rows' tiling or the thread count.
 #include <cstdint>
 
 #include "gguf_types.h"
@@ -33,233 +38,254 @@ constexpr bool has_int16_dot() {
          T == Type::Q6_K || T == Type::IQ4_NL || T == Type::IQ4_XS || T == Type::MXFP4;
 }
 
-// x [M, K] rounded to int16 per group of 32, padded with zeros to whole 64-element units and
-// split for vpdpwssd: lane i of a unit's xe holds elements (4i, 4i + 2), of xo (4i + 1, 4i + 3)
-// ([M, units * 32] each), so two vpdpwssd with the weight codes' even and odd bytes sum the
-// 4 elements of lane i. Per lane: xde = the group's scale, xs4 = xd * the lane's code sum
-// ([M, units * 16] each).
+// x [M, K] (K a multiple of 32) rounded to int16 per group of 32: q [M, K] in element order;
+// per group d = its scale, s = d * the sum of its codes ([M, K / 32] each).
 struct Int16Activations {
-  int64_t units;
-  std::vector<int16_t> xe, xo;
-  std::vector<float> xde, xs4;
+  int64_t K, groups;
+  std::vector<int16_t> q;
+  std::vector<float> d, s;
 
-  Int16Activations(const float* x, int64_t M, int64_t K)
-      : units((K + 63) / 64), xe(M * units * 32, 0), xo(M * units * 32, 0), xde(M * units * 16, 0.f),
-        xs4(M * units * 16, 0.f) {
-    std::vector<int16_t> q(units * 64, 0);  // one row's codes in element order
-    for (int64_t m = 0; m < M; ++m) {
-      float* de = xde.data() + m * units * 16;
-      for (int64_t g = 0; g < K / 32; ++g) {
-        const __m512 v0 = _mm512_loadu_ps(x + m * K + 32 * g), v1 = _mm512_loadu_ps(x + m * K + 32 * g + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * g),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * g + 16),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
-        std::fill(de + 8 * g, de + 8 * g + 8, amax / 32767.f);
-      }
-      int16_t* e = xe.data() + m * units * 32;
-      int16_t* o = xo.data() + m * units * 32;
-      float* s4 = xs4.data() + m * units * 16;
-      for (int64_t i = 0; i < units * 16; ++i) {
-        const int16_t* l = q.data() + 4 * i;
-        e[2 * i] = l[0], e[2 * i + 1] = l[2], o[2 * i] = l[1], o[2 * i + 1] = l[3];
-        s4[i] = de[i] * float(int32_t(l[0]) + l[1] + l[2] + l[3]);
-      }
+  Int16Activations(const float* x, int64_t M, int64_t K_)
+      : K(K_), groups(K_ / 32), q(M * K_), d(M * groups), s(M * groups) {
+    for (int64_t i = 0; i < M * groups; ++i) {
+      const __m512 v0 = _mm512_loadu_ps(x + 32 * i), v1 = _mm512_loadu_ps(x + 32 * i + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * i), _mm512_cvtsepi32_epi16(c0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * i + 16), _mm512_cvtsepi32_epi16(c1));
+      d[i] = amax / 32767.f;  // |x| <= amax: the codes are within int16 without saturating
+      s[i] = d[i] * float(_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)));
     }
   }
 };
 
-// Two scales as the lanes of a unit's halves (lanes 0-7: a, 8-15: b).
-inline __m512 halves(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
-
-// 32 bytes of Q4_0-order nibbles (two 16-byte groups: element j low nibble, j + 16 high) ->
-// 64 codes in element order.
-inline __m512i nibbles_q4_0_order(__m256i q) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-  const __m512i idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-  return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
+// 16 bytes of Q4_0-order nibbles (element j: low nibble of byte j, j + 16: high nibble) through
+// a 16-entry int8 table (in both 128-bit lanes) -> 32 int16 codes in element order.
+inline __m512i nibble_codes(const uint8_t* qs, __m256i table) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0F);
+  const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+  return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, idx));
 }
-// 32 bytes whose low nibbles are elements 0..31 and high nibbles 32..63 -> 64 codes.
-inline __m512i nibbles_k_order(__m256i q) {
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
-  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+inline __m256i code_table(const int8_t* values) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
 }
-// A 16-entry int8 code book plus 128, in each 128-bit lane (for vpshufb).
-inline __m512i offset_table(const int8_t* values) {
-  alignas(16) uint8_t t[16];
-  for (int i = 0; i < 16; ++i) t[i] = uint8_t(values[i] + 128);
-  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+// 32 bytes -> 32 words (zero-extended).
+inline __m512i widen_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// The 64-element units of a row of 32-element blocks (Q4_0, Q4_1, Q8_0, IQ4_NL, MXFP4): two
-// blocks per unit, f(unit, u, ws, ov) for each.
-template <Type T, typename F>
-inline void units_of_32_blocks(const uint8_t* row, int64_t K, F&& f) {
-  constexpr Geometry g = kGeometry[int(T)];
-  const int64_t blocks = K / 32;
-  const __m512i table = offset_table(T == Type::MXFP4 ? kMXFP4Values : kIQ4Values);
-  for (int64_t p = 0; p < blocks; p += 2) {
-    const uint8_t* b0 = row + p * g.bytes;
-    const bool two = p + 1 < blocks;
-    const uint8_t* b1 = two ? b0 + g.bytes : b0;  // a lone tail block: its upper half zeroed
-    constexpr int qoff = T == Type::Q4_1 ? 4 : (T == Type::MXFP4 ? 1 : 2);
-    const float d0 = T == Type::MXFP4 ? e8m0_half(b0[0]) : fp16_at(b0);
-    const float d1 = two ? (T == Type::MXFP4 ? e8m0_half(b1[0]) : fp16_at(b1)) : 0.f;
-    __m512i u;
-    if constexpr (T == Type::Q8_0) {
-      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-      const __m256i q1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)) : _mm256_setzero_si256();
-      u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), _mm512_set1_epi8(char(0x80)));
-    } else {
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff));
-      const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)) : _mm_setzero_si128();
-      u = nibbles_q4_0_order(_mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1));
-      if constexpr (T == Type::IQ4_NL || T == Type::MXFP4) u = _mm512_shuffle_epi8(table, u);
-    }
-    const __m512 ws = halves(d0, d1);
-    __m512 ov;
-    if constexpr (T == Type::Q4_1) {
-      ov = _mm512_sub_ps(_mm512_setzero_ps(), halves(fp16_at(b0 + 2), two ? fp16_at(b1 + 2) : 0.f));
-    } else {
-      ov = _mm512_mul_ps(ws, _mm512_set1_ps(T == Type::Q4_0 ? 8.f : 128.f));
-    }
-    f(p / 2, u, ws, ov);
+inline constexpr int8_t kQ4_0Values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+inline constexpr int8_t kQ4_1Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// A block of T as the kernel reads it: G groups of 32; load(blk) takes its scales (ws[g],
+// and wo[g] where kOffset), codes(g) widens group g.
+template <Type T>
+struct Int16Block;
+
+// The 32-element types whose codes are a 16-entry table of nibbles.
+template <Type T>
+struct NibbleBlock {
+  static constexpr int G = 1;
+  static constexpr bool kOffset = T == Type::Q4_1;
+  static constexpr int kQs = T == Type::Q4_1 ? 4 : (T == Type::MXFP4 ? 1 : 2);
+  const uint8_t* blk;
+  float ws[1], wo[1];
+  __m256i table = code_table(T == Type::Q4_0   ? kQ4_0Values
+                             : T == Type::Q4_1 ? kQ4_1Values
+                             : T == Type::MXFP4 ? kMXFP4Values
+                                                : kIQ4Values);
+  void load(const uint8_t* b) {
+    blk = b;
+    ws[0] = T == Type::MXFP4 ? e8m0_half(b[0]) : fp16_at(b);
+    if constexpr (kOffset) wo[0] = fp16_at(b + 2);
   }
-}
+  __m512i codes(int) const { return nibble_codes(blk + kQs, table); }
+};
+template <> struct Int16Block<Type::Q4_0> : NibbleBlock<Type::Q4_0> {};
+template <> struct Int16Block<Type::Q4_1> : NibbleBlock<Type::Q4_1> {};
+template <> struct Int16Block<Type::IQ4_NL> : NibbleBlock<Type::IQ4_NL> {};
+template <> struct Int16Block<Type::MXFP4> : NibbleBlock<Type::MXFP4> {};
 
-// The 4 units of one Q4_K / Q5_K block (unit0 = its first unit's index).
-template <Type T, typename F>
-inline void units_of_k4_block(const uint8_t* blk, int64_t unit0, F&& f) {
-  const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
-  const uint8_t* qs = blk + (T == Type::Q5_K ? 48 : 16);
-  uint64_t sc8, m8;
-  k4_scales_mins(blk + 4, sc8, m8);
-  // d * scale and dmin * min of the 8 sub-blocks, in lanes 0..7.
-  const __m512 scd = _mm512_castps256_ps512(_mm256_mul_ps(
-      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8)))), _mm256_set1_ps(d)));
-  const __m512 md = _mm512_castps256_ps512(_mm256_mul_ps(
-      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8)))), _mm256_set1_ps(dmin)));
-  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int j = 0; j < 4; ++j) {
-    const __m512i sub = _mm512_add_epi32(pair, _mm512_set1_epi32(2 * j));  // sub-blocks 2j, 2j + 1
-    __m512i u = nibbles_k_order(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
+template <>
+struct Int16Block<Type::Q8_0> {
+  static constexpr int G = 1;
+  static constexpr bool kOffset = false;
+  const uint8_t* blk;
+  float ws[1], wo[1];
+  void load(const uint8_t* b) { blk = b, ws[0] = fp16_at(b); }
+  __m512i codes(int) const {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
+  }
+};
+
+// Q4_K and Q5_K: 8 groups with 6-bit scales and mins; group g is the low (g even) or high
+// nibbles of qs bytes 32 (g / 2) .. + 31, Q5_K's 5th bit is bit g of qh byte l.
+template <Type T>
+struct K4Block {
+  static constexpr int G = 8;
+  static constexpr bool kOffset = true;
+  const uint8_t* blk;
+  alignas(32) float ws[8], wo[8];
+  void load(const uint8_t* b) {
+    blk = b;
+    uint64_t sc8, m8;
+    k4_scales_mins(b + 4, sc8, m8);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8))));
+    _mm256_store_ps(ws, _mm256_mul_ps(sc, _mm256_set1_ps(fp16_at(b))));
+    _mm256_store_ps(wo, _mm256_mul_ps(mn, _mm256_set1_ps(-fp16_at(b + 2))));
+  }
+  __m512i codes(int g) const {
+    const __m512i w = widen_u8(blk + (T == Type::Q5_K ? 48 : 16) + 32 * (g / 2));
+    __m512i c = (g & 1) ? _mm512_srli_epi16(w, 4) : _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
     if constexpr (T == Type::Q5_K) {
-      // The 5th bits: bit 2j (low nibbles) / 2j + 1 (high) of qh[l], moved to bit 4.
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-      const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(short(2 * j)), _mm256_set1_epi16(short(2 * j + 1)), 1);
-      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(1));
-      u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
+      const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(widen_u8(blk + 16), g), _mm512_set1_epi16(1));
+      c = _mm512_or_si512(c, _mm512_slli_epi16(bit, 4));
     }
-    f(unit0 + j, u, _mm512_permutexvar_ps(sub, scd), _mm512_permutexvar_ps(sub, md));
+    return c;
   }
-}
+};
+template <> struct Int16Block<Type::Q4_K> : K4Block<Type::Q4_K> {};
+template <> struct Int16Block<Type::Q5_K> : K4Block<Type::Q5_K> {};
 
-// The 4 units of one Q6_K block.
-template <typename F>
-inline void units_of_q6k_block(const uint8_t* blk, int64_t unit0, F&& f) {
-  const float d = fp16_at(blk + 208);
-  const __m512 sc = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
-      _mm512_set1_ps(d));  // d * scale of each 16 elements
-  const __m512i lane_scale = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-    const __m512i qhh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-    const __m512i a = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qhh, shl), m30));
-    const __m512i c = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                      _mm512_and_si512(_mm512_srlv_epi16(qhh, shr), m30));
-    const __m512 wa = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h)), sc);
-    const __m512 wc = _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * h + 4)), sc);
-    f(unit0 + 2 * h, a, wa, _mm512_mul_ps(wa, _mm512_set1_ps(32.f)));
-    f(unit0 + 2 * h + 1, c, wc, _mm512_mul_ps(wc, _mm512_set1_ps(32.f)));
+// Q6_K: group g = 4h + i of half h takes nibble i / 2 of ql bytes 64 h + 32 (i % 2) .. + 31
+// and bits 2i, 2i + 1 of qh bytes 128 + 32 h + l; minus 32, times the int8 scales of its two
+// 16-element halves (sc[2g], sc[2g + 1]).
+template <>
+struct Int16Block<Type::Q6_K> {
+  static constexpr int G = 8;
+  static constexpr bool kOffset = false;
+  const uint8_t* blk;
+  alignas(32) float ws[8], wo[8];
+  __m512i sc;  // the 16 scales as words 0..15
+  void load(const uint8_t* b) {
+    blk = b;
+    _mm256_store_ps(ws, _mm256_set1_ps(fp16_at(b + 208)));
+    sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
   }
-}
-
-// The 4 units of one IQ4_XS block.
-template <typename F>
-inline void units_of_iq4xs_block(const uint8_t* blk, int64_t unit0, F&& f) {
-  const float d = fp16_at(blk);
-  const uint16_t scales_h = load_u16(blk + 2);
-  const __m512i table = offset_table(kIQ4Values);
-  for (int j = 0; j < 4; ++j) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * j));
-    const __m512i u = _mm512_shuffle_epi8(table, nibbles_q4_0_order(q));
-    const __m512 ws = halves(d * float(iq4xs_scale(scales_h, blk + 4, 2 * j)),
-                             d * float(iq4xs_scale(scales_h, blk + 4, 2 * j + 1)));
-    f(unit0 + j, u, ws, _mm512_mul_ps(ws, _mm512_set1_ps(128.f)));
+  __m512i codes(int g) const {
+    const int h = g / 4, i = g % 4;
+    const __m512i lw = widen_u8(blk + 64 * h + 32 * (i & 1)), hw = widen_u8(blk + 128 + 32 * h);
+    const __m512i lo = i < 2 ? _mm512_and_si512(lw, _mm512_set1_epi16(0x0F)) : _mm512_srli_epi16(lw, 4);
+    const __m512i hi = _mm512_and_si512(i < 2 ? _mm512_slli_epi16(hw, 4 - 2 * i) : _mm512_srli_epi16(hw, 2 * i - 4),
+                                        _mm512_set1_epi16(0x30));
+    const __m512i c = _mm512_sub_epi16(_mm512_or_si512(lo, hi), _mm512_set1_epi16(32));
+    const __m512i idx = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(short(2 * g)),
+                                                _mm512_set1_epi16(short(2 * g + 1)));
+    return _mm512_mullo_epi16(c, _mm512_permutexvar_epi16(idx, sc));
   }
-}
+};
 
-// Calls f(unit, u, ws, ov) for every 64-element unit of a row of K elements.
-template <Type T, typename F>
-inline void for_units(const uint8_t* row, int64_t K, F&& f) {
-  constexpr Geometry g = kGeometry[int(T)];
-  if constexpr (g.elems == 32) {
-    units_of_32_blocks<T>(row, K, f);
+// IQ4_XS: 8 groups of IQ4_NL's nibbles (qs bytes 8 + 16 g ..) with 6-bit scales biased by 32.
+template <>
+struct Int16Block<Type::IQ4_XS> {
+  static constexpr int G = 8;
+  static constexpr bool kOffset = false;
+  const uint8_t* blk;
+  alignas(32) float ws[8], wo[8];
+  __m256i table = code_table(kIQ4Values);
+  void load(const uint8_t* b) {
+    blk = b;
+    const float d = fp16_at(b);
+    const uint16_t scales_h = load_u16(b + 2);
+    for (int g = 0; g < 8; ++g) ws[g] = d * float(iq4xs_scale(scales_h, b + 4, g));
+  }
+  __m512i codes(int g) const { return nibble_codes(blk + 8 + 16 * g, table); }
+};
+
+// fs[g] = ws[g] * xd[g] and, where the type has offsets, off += wo[g] * xs[g], for one block's
+// G groups.
+template <int G>
+inline void block_scales(const float* ws, const float* wo, bool offset, const float* xd, const float* xs,
+                         float* fs, __m256& off8, float& off1) {
+  if constexpr (G == 8) {
+    _mm256_store_ps(fs, _mm256_mul_ps(_mm256_load_ps(ws), _mm256_loadu_ps(xd)));
+    if (offset) off8 = _mm256_fmadd_ps(_mm256_load_ps(wo), _mm256_loadu_ps(xs), off8);
   } else {
-    for (int64_t b = 0; b < K / 256; ++b) {
-      if constexpr (T == Type::Q4_K || T == Type::Q5_K) units_of_k4_block<T>(row + b * g.bytes, 4 * b, f);
-      if constexpr (T == Type::Q6_K) units_of_q6k_block(row + b * g.bytes, 4 * b, f);
-      if constexpr (T == Type::IQ4_XS) units_of_iq4xs_block(row + b * g.bytes, 4 * b, f);
-    }
+    fs[0] = ws[0] * xd[0];
+    if (offset) off1 += wo[0] * xs[0];
   }
 }
 
-// sums[r] (r < R) = activation row row_of(r) dotted with one weight row.
-template <Type T, int R, typename RowOf>
-inline void row_dots_int16(const uint8_t* row, int64_t K, const Int16Activations& a, RowOf row_of, float* sums) {
-  __m512 acc[R];
-  int64_t base[R];  // each activation row's first lane
-  const int64_t lstride = a.units * 16;
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), base[r] = int64_t(row_of(r)) * lstride;
-  for_units<T>(row, K, [&](int64_t unit, __m512i u, __m512 ws, __m512 ov) {
-    // Word i of u_even / u_odd: byte 2i / 2i + 1 of u, i.e. codes (4j, 4j + 2) / (4j + 1, 4j + 3) of lane j.
-    const __m512i u_even = _mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), u_odd = _mm512_srli_epi16(u, 8);
-    for (int r = 0; r < R; ++r) {
-      const int64_t lane = base[r] + unit * 16;
-      const __m512i dot = _mm512_dpwssd_epi32(
-          _mm512_dpwssd_epi32(_mm512_setzero_si512(), u_even, _mm512_loadu_si512(a.xe.data() + 2 * lane)), u_odd,
-          _mm512_loadu_si512(a.xo.data() + 2 * lane));
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(a.xde.data() + lane));
-      acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(a.xs4.data() + lane), ov, _mm512_fmadd_ps(t, ws, acc[r]));
+// sums[m] for m < MR: one weight row dotted with activation rows row_of(0) .. row_of(MR - 1).
+// Two accumulators per output where a block has 8 groups (even and odd groups: two FMA chains).
+// The next row's bytes are prefetched as this row's are read (rows are read in order; short
+// rows end before the hardware prefetcher has caught up with a new one).
+template <Type T, int MR, typename RowOf>
+inline void rows_int16(const uint8_t* row, int64_t row_bytes, const Int16Activations& a, RowOf row_of, float* sums) {
+  using B = Int16Block<T>;
+  constexpr int G = B::G, A = G == 8 ? 2 : 1;
+  constexpr Geometry geo = kGeometry[int(T)];
+  __m512 acc[MR][A];
+  __m256 off8[MR];
+  float off1[MR];
+  int64_t xrow[MR];  // each activation row's index
+  for (int m = 0; m < MR; ++m) {
+    xrow[m] = int64_t(row_of(m));
+    for (int i = 0; i < A; ++i) acc[m][i] = _mm512_setzero_ps();
+    off8[m] = _mm256_setzero_ps(), off1[m] = 0.f;
+  }
+  B blk;
+  alignas(32) float fs[MR][G];
+  for (int64_t b = 0; b < a.K / geo.elems; ++b) {
+    const uint8_t* p = row + b * geo.bytes;
+    for (int l = 0; l < geo.bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + row_bytes + l), _MM_HINT_T0);
+    blk.load(p);
+    const int64_t g0 = b * G;  // the block's first group
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = xrow[m] * a.groups + g0;
+      block_scales<G>(blk.ws, blk.wo, B::kOffset, a.d.data() + at, a.s.data() + at, fs[m], off8[m], off1[m]);
     }
-  });
-  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512i c = blk.codes(g);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xq = _mm512_loadu_si512(a.q.data() + xrow[m] * a.K + 32 * (g0 + g));
+        const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), c, xq);
+        acc[m][g % A] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(fs[m][g]), acc[m][g % A]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float off = off1[m];
+    if constexpr (G == 8 && B::kOffset) off += _mm512_reduce_add_ps(_mm512_castps256_ps512(off8[m]));
+    __m512 sum = acc[m][0];
+    for (int i = 1; i < A; ++i) sum = _mm512_add_ps(sum, acc[m][i]);
+    sums[m] = _mm512_reduce_add_ps(sum) + off;
+  }
 }
 
-// y[r] (r < R) = activation rows m0 .. m0 + R - 1 dotted with one weight row.
-template <Type T, int R>
-inline void row_dot_int16(const uint8_t* row, int64_t K, const Int16Activations& a, int64_t m0, float* y,
-                          int64_t N) {
-  float sums[R];
-  row_dots_int16<T, R>(row, K, a, [m0](int r) { return m0 + r; }, sums);
-  for (int r = 0; r < R; ++r) y[(m0 + r) * N] = sums[r];
+// y[(m0 + m) N] for m < MR: one weight row dotted with activation rows m0 .. m0 + MR - 1.
+template <Type T, int MR>
+inline void row_int16(const uint8_t* row, int64_t row_bytes, const Int16Activations& a, int64_t m0, float* y,
+                      int64_t N) {
+  float sums[MR];
+  rows_int16<T, MR>(row, row_bytes, a, [m0](int m) { return m0 + m; }, sums);
+  for (int m = 0; m < MR; ++m) y[(m0 + m) * N] = sums[m];
 }
 
-// sums[i] (i < n) = activation row rows[i] dotted with one weight row (the rows in tiles of 4).
+// sums[i] (i < n) = activation row rows[i] dotted with one weight row of K elements (the rows
+// in passes of up to 4; the grouped-expert call, gguf_moe.h).
 template <Type T>
 inline void gathered_dots_int16(const uint8_t* row, int64_t K, const Int16Activations& a, const int32_t* rows,
                                 int64_t n, float* sums) {
+  constexpr Geometry geo = kGeometry[int(T)];
+  const int64_t row_bytes = K / geo.elems * geo.bytes;
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) row_dots_int16<T, 4>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i);
+  for (; i + 4 <= n; i += 4) rows_int16<T, 4>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i);
   switch (n - i) {
-    case 3: row_dots_int16<T, 3>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i); break;
-    case 2: row_dots_int16<T, 2>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i); break;
-    case 1: row_dots_int16<T, 1>(row, K, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    case 3: rows_int16<T, 3>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    case 2: rows_int16<T, 2>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    case 1: rows_int16<T, 1>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i); break;
     default: break;
   }
 }
 
-// y [M, N] = x [M, K] @ W.T with int16 activations; threads over output rows, the activation
-// rows in tiles of up to 4 per pass over a (cached) weight row.
+// y [M, N] = x [M, K] @ W.T with int16 activations; threads over output rows (guided), each
+// weight row read once for all M activation rows, up to 4 of them per pass.
 template <Type T>
 void matmul_int16(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N,
                   float* y) {
@@ -268,11 +294,11 @@ void matmul_int16(const float* x, int64_t M, int64_t K, const uint8_t* data, int
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = data + n * row_bytes;
     int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) row_dot_int16<T, 4>(row, K, a, m0, y + n, N);
+    for (; m0 + 4 <= M; m0 += 4) row_int16<T, 4>(row, row_bytes, a, m0, y + n, N);
     switch (M - m0) {
-      case 3: row_dot_int16<T, 3>(row, K, a, m0, y + n, N); break;
-      case 2: row_dot_int16<T, 2>(row, K, a, m0, y + n, N); break;
-      case 1: row_dot_int16<T, 1>(row, K, a, m0, y + n, N); break;
+      case 3: row_int16<T, 3>(row, row_bytes, a, m0, y + n, N); break;
+      case 2: row_int16<T, 2>(row, row_bytes, a, m0, y + n, N); break;
+      case 1: row_int16<T, 1>(row, row_bytes, a, m0, y + n, N); break;
       default: break;
     }
   }
