@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_FILE = "snapshot.json"
 TOKENIZER_FILE = "snapshot_tokenizer.json"
 # Raised when what a snapshot holds or means changes: older snapshots are then rewritten.
-_SNAPSHOT_VERSION = 1
+_SNAPSHOT_VERSION = 2  # 2: the config's attribute aliases
 
 # apply_chat_template's parameters that only transformers handles, at their defaults: a call
 # that sets any other value goes to transformers.
@@ -40,16 +40,25 @@ _TRANSFORMERS_ONLY_ARGS: dict[str, Any] = dict(
 
 
 class SnapshotConfig:
-    """The HF config's fields as attributes (what the families and the loader read)."""
+    """The HF config's fields as attributes (what the families and the loader read), and its
+    class's `attribute_map` aliases (Qwen3-MoE's and Mixtral's `num_experts` is the field
+    `num_local_experts`; GPT-2's `hidden_size` is `n_embd`)."""
 
-    def __init__(self, fields: dict[str, Any]) -> None:
+    def __init__(self, fields: dict[str, Any], aliases: dict[str, str] | None = None) -> None:
         self.__dict__.update(fields)
+        self.__dict__["_aliases"] = dict(aliases or {})
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields
+        field = self.__dict__.get("_aliases", {}).get(name)
+        if field is None or field not in self.__dict__:
+            raise AttributeError(f"'SnapshotConfig' object has no attribute '{name}'")
+        return self.__dict__[field]
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "_aliases"}
 
     def __repr__(self) -> str:
-        return f"SnapshotConfig({json.dumps(self.__dict__, sort_keys=True, default=str)})"
+        return f"SnapshotConfig({json.dumps(self.to_dict(), sort_keys=True, default=str)})"
 
 
 class SnapshotTokenizer:
@@ -214,8 +223,9 @@ def write_snapshot(hf_config: Any, hf_tokenizer: Any, out_dir: str) -> bool:
         "clean_up_applies": model_kind != "BPE" or bool(force_clean),
         "chat_template": hf_tokenizer.chat_template,
     }
+    aliases = dict(getattr(type(hf_config), "attribute_map", None) or {})
     snapshot = {"version": _SNAPSHOT_VERSION, "transformers": _transformers_version(), "config": hf_config.to_dict(),
-                "tokenizer": meta}
+                "config_aliases": aliases, "tokenizer": meta}
     try:
         text = json.dumps(snapshot)
     except (TypeError, ValueError):  # a config value that is not JSON: keep transformers' path
@@ -255,7 +265,8 @@ def load_snapshot(model_dir: str) -> tuple[SnapshotConfig, SnapshotTokenizer] | 
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_file(os.path.join(model_dir, TOKENIZER_FILE))
-    return SnapshotConfig(snapshot["config"]), SnapshotTokenizer(backend, snapshot["tokenizer"], model_dir)
+    return (SnapshotConfig(snapshot["config"], snapshot["config_aliases"]),
+            SnapshotTokenizer(backend, snapshot["tokenizer"], model_dir))
 
 
 def _transformers_version() -> str | None:

@@ -4,6 +4,7 @@ model never imports transformers."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -216,3 +217,27 @@ def test_a_snapshot_from_another_transformers_version_is_not_used(tmp_path: Path
     snapshot["transformers"] = "0.0.1"
     (tmp_path / SNAPSHOT_FILE).write_text(json.dumps(snapshot))
     assert load_snapshot(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("config_class", ["Qwen3MoeConfig", "MixtralConfig", "GPT2Config"])
+def test_snapshot_config_answers_the_config_class_aliases(tmp_path: Path, model_dir: str, config_class: str) -> None:
+    """A config class's attribute_map aliases (Qwen3-MoE's num_experts is num_local_experts,
+    GPT-2's hidden_size is n_embd) answer from the snapshot as from transformers; a name that
+    is neither a field nor an alias is an AttributeError."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.tokenizer_snapshot import write_snapshot
+
+    config = getattr(transformers, config_class)()
+    assert config.attribute_map  # the case under test
+    assert write_snapshot(config, AutoTokenizer.from_pretrained(model_dir), str(tmp_path))
+    snap = load_snapshot(str(tmp_path))
+    assert snap is not None
+    snap_config = snap[0]
+    for alias in config.attribute_map:
+        assert getattr(snap_config, alias) == getattr(config, alias), alias
+    assert snap_config.to_dict() == json.loads(json.dumps(config.to_dict()))
+    with pytest.raises(AttributeError):
+        snap_config.no_such_field
+    assert pickle.loads(pickle.dumps(snap_config)).to_dict() == snap_config.to_dict()
