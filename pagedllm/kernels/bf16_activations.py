@@ -29,43 +29,33 @@ import torch.nn.functional as F
 from pagedllm.config import PrefillActivations
 from pagedllm.kernels.bf16 import native_bf16
 from pagedllm.kernels.gguf_blocks import GGUFBlocks
-from pagedllm.kernels.gguf_blocks import dequantize_rows_into as dequantize_gguf_rows_into
-from pagedllm.kernels.quantization import QuantizedWeight, dequantize_rows_into
+from pagedllm.kernels.gguf_blocks import dequantize_rows_bf16_into as gguf_rows_bf16_into
+from pagedllm.kernels.quantization import QuantizedWeight, dequantize_rows_bf16_into
 
 logger = logging.getLogger(__name__)
 
 # From this many activation rows up, the bf16 GEMM (below: the float32 kernels).
 BF16_ACTIVATION_MIN_ROWS = 16
 
-# Weight rows dequantized to float32 at a time while making a copy: the float32 chunk stays
-# in L2 (256 x 576 x 4 bytes: 576 KiB) on its way to bf16, and bounds the peak.
-_COPY_CHUNK_ROWS = 256
-
-
 def bf16_weight_copy(weight: torch.Tensor | QuantizedWeight | list[QuantizedWeight | GGUFBlocks]) -> torch.Tensor:
     """bf16 [N, K] copy of a float weight or of a quantized one's dequantized values (GGUF
-    blocks: the rows of the parts, stacked). Kept weights are dequantized a chunk of rows at a
-    time into one float32 buffer that stays in L2 (the compiled dequantizer where built: one
-    pass, 3-7x the torch formulation's several, measured over the default model's 121
-    weights), never into a float32 copy of the whole matrix: a start-up cost of the bf16
-    default."""
+    blocks: the rows of the parts, stacked). Kept weights go straight into the copy, GGUF
+    blocks decoded to bf16, a QuantizedWeight through a float32 buffer of a few rows that stays
+    in L2 (the compiled dequantizers where built), never through a float32 copy of the whole
+    matrix: a start-up cost of the bf16 default."""
     if isinstance(weight, torch.Tensor):
         return weight.detach().to(torch.bfloat16).contiguous()
     parts: list[QuantizedWeight | GGUFBlocks] = list(weight) if isinstance(weight, list) else [weight]
     k = parts[0].shape[1]
     assert all(p.shape[1] == k for p in parts), [p.shape for p in parts]
     out = torch.empty(sum(p.shape[0] for p in parts), k, dtype=torch.bfloat16)
-    buf = torch.empty(min(_COPY_CHUNK_ROWS, out.shape[0]), k)  # float32
     row = 0
     for part in parts:
         n = part.shape[0]
-        for start in range(0, n, _COPY_CHUNK_ROWS):
-            rows = buf[: min(_COPY_CHUNK_ROWS, n - start)]
-            if isinstance(part, GGUFBlocks):
-                dequantize_gguf_rows_into(part, start, rows)
-            else:
-                dequantize_rows_into(part, start, rows)
-            out[row + start : row + start + rows.shape[0]] = rows
+        if isinstance(part, GGUFBlocks):
+            gguf_rows_bf16_into(part, 0, out[row : row + n])
+        else:
+            dequantize_rows_bf16_into(part, 0, out[row : row + n])
         row += n
     return out
 

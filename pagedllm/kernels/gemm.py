@@ -17,7 +17,8 @@ import torch
 # Weight rows expanded at a time (a float32 buffer of at most 2048 x K).
 CHUNK_ROWS = 2048
 
-_scratch: torch.Tensor | None = None  # the reused float32 buffer
+# The reused buffer per dtype: float32 rows for torch's GEMM, bf16 panels for its bf16 GEMM.
+_buffers: dict[torch.dtype, torch.Tensor] = {}
 
 
 def chunked_gemm(
@@ -25,24 +26,7 @@ def chunked_gemm(
 ) -> torch.Tensor:
     """x: [M, K] float32 -> x @ W.T: [M, num_rows] float32, where `fill_rows(start, buf)`
     writes W's rows [start, start + buf.shape[0]) as float32 into buf ([rows, K])."""
-    global _scratch
-    k = x.shape[1]
-    rows = min(num_rows, CHUNK_ROWS)
-    if _scratch is None or _scratch.numel() < rows * k:
-        # A normal tensor even when first needed under inference mode: the buffer outlives the
-        # call, and an inference tensor could not be written by a later call outside it.
-        with torch.inference_mode(False):
-            _scratch = torch.empty(rows * k)
-    y = torch.empty(x.shape[0], num_rows)
-    for start in range(0, num_rows, rows):
-        size = min(rows, num_rows - start)
-        buf = _scratch[: size * k].view(size, k)
-        fill_rows(start, buf)
-        torch.mm(x, buf.t(), out=y[:, start : start + size])
-    return y
-
-
-_panel: torch.Tensor | None = None  # the reused bf16 panel buffer
+    return _chunked(x, num_rows, fill_rows, torch.float32)
 
 
 def chunked_bf16_gemm(
@@ -50,17 +34,26 @@ def chunked_bf16_gemm(
 ) -> torch.Tensor:
     """x: [M, K] float32 -> float32 [M, num_rows]: widen(bf16(x) @ W.T in bf16), where
     `fill_rows(start, buf)` writes W's rows [start, start + buf.shape[0]) as bf16 into buf."""
-    global _panel
+    return _chunked(x, num_rows, fill_rows, torch.bfloat16).float()
+
+
+def _chunked(
+    x: torch.Tensor, num_rows: int, fill_rows: Callable[[int, torch.Tensor], None], dtype: torch.dtype
+) -> torch.Tensor:
+    """x (in `dtype`) @ W.T in `dtype`, CHUNK_ROWS rows of W at a time in the reused buffer."""
     k = x.shape[1]
     rows = min(num_rows, CHUNK_ROWS)
-    if _panel is None or _panel.numel() < rows * k:
-        with torch.inference_mode(False):  # outlives the call (as _scratch)
-            _panel = torch.empty(rows * k, dtype=torch.bfloat16)
-    xb = x.to(torch.bfloat16)
-    yb = torch.empty(x.shape[0], num_rows, dtype=torch.bfloat16)
+    buffer = _buffers.get(dtype)
+    if buffer is None or buffer.numel() < rows * k:
+        # A normal tensor even when first needed under inference mode: the buffer outlives the
+        # call, and an inference tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            buffer = _buffers[dtype] = torch.empty(rows * k, dtype=dtype)
+    xd = x.to(dtype)
+    y = torch.empty(x.shape[0], num_rows, dtype=dtype)
     for start in range(0, num_rows, rows):
         size = min(rows, num_rows - start)
-        buf = _panel[: size * k].view(size, k)
+        buf = buffer[: size * k].view(size, k)
         fill_rows(start, buf)
-        torch.mm(xb, buf.t(), out=yb[:, start : start + size])
-    return yb.float()
+        torch.mm(xd, buf.t(), out=y[:, start : start + size])
+    return y

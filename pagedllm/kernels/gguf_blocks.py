@@ -12,7 +12,7 @@ with the compiled kernels of csrc/gguf_blocks.cpp (the `gguf_linear` extension, 
 - larger M (prefill): `chunked_gemm`, a chunk of rows decoded to float32 at a time
   (`dequantize_rows`) and torch's GEMM; with bf16 matmul activations (`bf16_min_rows`, what
   `--matmul-activations auto` picks where the CPU computes bf16 natively) from that many rows
-  up `bf16_panel_gemm`: a chunk of rows decoded to a bf16 panel (`dequantize_rows_bf16`) and
+  up bf16 panels: a chunk of rows decoded to bf16 (`dequantize_rows_bf16_into`) and
   torch's bf16 GEMM (oneDNN) on the activations rounded to bf16 (gemm.chunked_bf16_gemm). No
   copy of the weight is kept either way;
 - the extension unavailable: gguf-py's numpy dequantizer (`reference_dequantize`) and the
@@ -129,6 +129,17 @@ def dequantize_rows_into(weight: GGUFBlocks, start: int, buf: torch.Tensor) -> N
         ops.dequantize_rows(weight.data.contiguous(), type_index(ops, weight.type_name), start, buf)
 
 
+def dequantize_rows_bf16_into(weight: GGUFBlocks, start: int, buf: torch.Tensor) -> None:
+    """Rows [start, start + buf.shape[0]) of `weight` rounded to bf16 into buf ([rows, K] bf16):
+    decoded straight to bf16 where compiled (`dequantize_rows_bf16`, the same values as the
+    float32 decode rounded by torch), else the reference decode rounded."""
+    ops = gguf_linear_ops()
+    if ops is None or weight.type_name not in KEPT_GGUF_TYPES:
+        buf.copy_(reference_dequantize(weight.data[start : start + buf.shape[0]], weight.type_name, weight.k))
+    else:
+        ops.dequantize_rows_bf16(weight.data.contiguous(), type_index(ops, weight.type_name), start, buf)
+
+
 def reference_dequantize(data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
     """uint8 [N, row bytes] of `type_name` -> float32 [N, k] (gguf-py's numpy dequantizer)."""
     n = data.shape[0]
@@ -166,37 +177,23 @@ def gguf_linear(
     SMALL_M_MAX_ROWS rows, where the build has AVX-512 VNNI (`small_m_kernels()`), the activations
     are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|). From
     `bf16_min_rows` rows up (above SMALL_M_MAX_ROWS; None: never) bf16 panels
-    (`bf16_panel_gemm`): the error of a bf16 model's matmul."""
+    (gemm.chunked_bf16_gemm): the error of a bf16 model's matmul."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
-    data = weight.data.contiguous()
     m = x2.shape[0]
     if ops is not None and m <= SMALL_M_MAX_ROWS:
-        y = ops.linear(x2, data, type_index(ops, weight.type_name), "")
+        y = ops.linear(x2, weight.data.contiguous(), type_index(ops, weight.type_name), "")
     elif ops is not None and bf16_min_rows is not None and m >= bf16_min_rows:
-        y = bf16_panel_gemm(ops, x2, data, weight.type_name, k)
+        # bf16 panels, decoded as csrc/decode_gguf_linear.h's bf16_panels decodes them (so the
+        # fused decode gives the same floats)
+        y = chunked_bf16_gemm(x2, n, lambda start, buf: dequantize_rows_bf16_into(weight, start, buf))
     else:
-
-        def fill_rows(start: int, buf: torch.Tensor) -> None:
-            if ops is None:
-                buf.copy_(reference_dequantize(data[start : start + buf.shape[0]], weight.type_name, k))
-            else:
-                ops.dequantize_rows(data, type_index(ops, weight.type_name), start, buf)
-
-        y = chunked_gemm(x2, n, fill_rows)
+        y = chunked_gemm(x2, n, lambda start, buf: dequantize_rows_into(weight, start, buf))
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).view(*lead, n)
-
-
-def bf16_panel_gemm(ops, x: torch.Tensor, data: torch.Tensor, type_name: str, k: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """x: float32 [M, K] -> float32 [M, N] by `chunked_bf16_gemm`, CHUNK_ROWS weight rows at a
-    time decoded straight to bf16 (round to nearest even; csrc/decode_gguf_linear.h's
-    bf16_panels does the same, so the fused decode gives the same floats)."""
-    index = type_index(ops, type_name)
-    return chunked_bf16_gemm(x, data.shape[0], lambda start, buf: ops.dequantize_rows_bf16(data, index, start, buf))
 
 
 def gguf_embedding_lookup(input_ids: torch.Tensor, weight: GGUFBlocks, dtype: torch.dtype) -> torch.Tensor:

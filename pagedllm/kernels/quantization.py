@@ -260,24 +260,26 @@ def _dequantize_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return chunked_gemm(x, weight.shape[0], lambda start, buf: dequantize_rows_into(weight, start, buf))
 
 
-# Rows widened to float32 at a time on their way into a bf16 panel (576 KiB at K = 576 x 256:
-# in L2).
-_PANEL_STEP_ROWS = 256
-
-
 def bf16_panel_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x: float32 [M, K] -> float32 [M, N] by gemm.chunked_bf16_gemm: each panel's rows
-    dequantized to float32 a few at a time and rounded to bf16 (no copy of the weight kept)."""
-    k = weight.shape[1]
-    step = torch.empty(_PANEL_STEP_ROWS, k)
+    """x: float32 [M, K] -> float32 [M, N] by gemm.chunked_bf16_gemm, each panel's rows by
+    `dequantize_rows_bf16_into` (no copy of the weight kept)."""
+    return chunked_bf16_gemm(x, weight.shape[0], lambda start, buf: dequantize_rows_bf16_into(weight, start, buf))
 
-    def fill(start: int, buf: torch.Tensor) -> None:
-        for s in range(0, buf.shape[0], _PANEL_STEP_ROWS):
-            rows = step[: min(_PANEL_STEP_ROWS, buf.shape[0] - s)]
-            dequantize_rows_into(weight, start + s, rows)
-            buf[s : s + rows.shape[0]].copy_(rows)
 
-    return chunked_bf16_gemm(x, weight.shape[0], fill)
+# Rows widened to float32 at a time on their way to bf16: the float32 step stays in L2
+# (256 x 576 x 4 bytes: 576 KiB) and bounds the peak.
+_BF16_STEP_ROWS = 256
+
+
+def dequantize_rows_bf16_into(weight: QuantizedWeight, start: int, buf: torch.Tensor) -> None:
+    """Rows [start, start + buf.shape[0]) of `weight` rounded to bf16 into buf ([rows, K]
+    bf16): dequantized to float32 _BF16_STEP_ROWS rows at a time (`dequantize_rows_into`),
+    never the whole range at once (a bf16 copy of a whole weight, a prefill's panel)."""
+    step = torch.empty(min(_BF16_STEP_ROWS, buf.shape[0]), weight.shape[1])
+    for s in range(0, buf.shape[0], _BF16_STEP_ROWS):
+        rows = step[: min(_BF16_STEP_ROWS, buf.shape[0] - s)]
+        dequantize_rows_into(weight, start + s, rows)
+        buf[s : s + rows.shape[0]].copy_(rows)
 
 
 def dequantize_rows_into(weight: QuantizedWeight, start: int, buf: torch.Tensor) -> None:

@@ -59,11 +59,14 @@ def gguf_py_dequantize(w: GGUFBlocks) -> torch.Tensor:
     return torch.from_numpy(out.reshape(w.shape))
 
 
-@pytest.fixture(params=ISAS)
-def ops(request):  # type: ignore[no-untyped-def]
-    """The extension built for the CPU's ISA, then for the generic one (the scalar fallback),
-    selected for gguf_linear's own lookups too."""
-    chosen = isa.detect_cpu_isa() if request.param == "native" else "generic"
+def gguf_ops_at(level: str):  # type: ignore[no-untyped-def]
+    """Yields the extension built for `level` ("native": the CPU's own), selected for
+    gguf_linear's own lookups too, and selects the CPU's level again after; skips where the CPU
+    lacks the level or the build fails (a fixture's body)."""
+    native = isa.detect_cpu_isa()
+    chosen = native if level == "native" else level
+    if not isa.isa_at_least(native, chosen):
+        pytest.skip(f"the CPU has no {chosen}")
     isa.set_cpu_isa(chosen)
     module = build.gguf_linear_ops()
     if module is None:
@@ -71,6 +74,12 @@ def ops(request):  # type: ignore[no-untyped-def]
         pytest.skip(f"the gguf_linear extension did not build for {chosen}")
     yield module
     isa.set_cpu_isa(None)
+
+
+@pytest.fixture(params=ISAS)
+def ops(request):  # type: ignore[no-untyped-def]
+    """The extension built for the CPU's ISA, then for the generic one (the scalar fallback)."""
+    yield from gguf_ops_at(request.param)
 
 
 def _k_values(type_name: str) -> list[int]:

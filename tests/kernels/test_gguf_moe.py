@@ -16,10 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels import build, isa
 from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES, GGUFBlocks, gguf_linear
 from pagedllm.kernels.gguf_moe import ExpertStacks, grouped_experts, stack_expert_blocks, stack_rows
-from tests.kernels.test_gguf_kernels import random_blocks
+from tests.kernels.test_gguf_kernels import gguf_ops_at, random_blocks
 
 E, H, I = 8, 256, 256  # K of every projection a whole number of 256-element blocks
 RTOL = 1e-4
@@ -29,17 +28,7 @@ RTOL = 1e-4
 def ops(request):  # type: ignore[no-untyped-def]
     """The extension at the CPU's level (the int16 path where built), at avx2 and generic (the
     float path's AVX2 and scalar dots), selected for gguf_linear's lookups too."""
-    native = isa.detect_cpu_isa()
-    chosen = native if request.param == "native" else request.param
-    if not isa.isa_at_least(native, chosen):
-        pytest.skip(f"the CPU has no {chosen}")
-    isa.set_cpu_isa(chosen)
-    module = build.gguf_linear_ops()
-    if module is None:
-        isa.set_cpu_isa(None)
-        pytest.skip(f"the gguf_linear extension did not build for {chosen}")
-    yield module
-    isa.set_cpu_isa(None)
+    yield from gguf_ops_at(request.param)
 
 
 def random_stacks(gate_up_type: str, down_type: str, seed: int = 0) -> ExpertStacks:

@@ -203,7 +203,7 @@ def test_chunked_gemm_buffer_first_made_under_inference_mode() -> None:
     writable for a later call outside it (an inference tensor would refuse the in-place fill)."""
     from pagedllm.kernels import gemm
 
-    gemm._scratch = None
+    gemm._buffers.clear()
     x, w = torch.randn(3, 8), torch.randn(5, 8)
 
     def fill(start: int, buf: torch.Tensor) -> None:

@@ -8,7 +8,7 @@
 //       `dequantize_rows`) and torch's GEMM into that column slice of y, as kernels/gemm.py's
 //       chunked_gemm does; from panel_min_rows rows up (bf16 matmul activations; 0: never)
 //       decoded to bf16 panels instead (decode_rows_bf16) and torch's bf16 GEMM on x rounded
-//       to bf16, the bf16 output widened, as gguf_blocks.py's bf16_panel_gemm does.
+//       to bf16, the bf16 output widened, as gguf_blocks.py's gguf_linear does.
 #include <torch/extension.h>
 
 #include <cstdint>

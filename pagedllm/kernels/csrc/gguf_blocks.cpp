@@ -25,14 +25,22 @@ Type check_weight(const torch::Tensor& data, int64_t type, int64_t K) {
   return Type(type);
 }
 
+// The weight's type, checked with buf [R, K] of `dtype` as the destination of rows
+// [start, start + R).
+Type check_rows(const torch::Tensor& data, int64_t type, int64_t start, const torch::Tensor& buf,
+                torch::ScalarType dtype) {
+  TORCH_CHECK(buf.scalar_type() == dtype && buf.dim() == 2 && buf.is_contiguous(), "buf must be a contiguous ",
+              c10::toString(dtype), " [rows, K] tensor");
+  const Type t = check_weight(data, type, buf.size(1));
+  TORCH_CHECK(start >= 0 && start + buf.size(0) <= data.size(0), "rows [", start, ", ", start + buf.size(0),
+              ") out of [0, ", data.size(0), ")");
+  return t;
+}
+
 // Rows [start, start + buf.size(0)) of the weight as float32 into buf [R, K].
 void dequantize_rows(const torch::Tensor& data, int64_t type, int64_t start, torch::Tensor buf) {
-  TORCH_CHECK(buf.scalar_type() == torch::kFloat32 && buf.dim() == 2 && buf.is_contiguous(),
-              "buf must be a contiguous float32 [rows, K] tensor");
+  const Type t = check_rows(data, type, start, buf, torch::kFloat32);
   const int64_t K = buf.size(1), R = buf.size(0);
-  const Type t = check_weight(data, type, K);
-  TORCH_CHECK(start >= 0 && start + R <= data.size(0), "rows [", start, ", ", start + R, ") out of [0, ",
-              data.size(0), ")");
   const uint8_t* d = data.data_ptr<uint8_t>();
   with_type(t, [&](auto tag) {
     decode_rows<decltype(tag)::value>(d, data.size(1), K, R, [&](int64_t r) { return start + r; }, 1,
@@ -43,12 +51,8 @@ void dequantize_rows(const torch::Tensor& data, int64_t type, int64_t start, tor
 // Rows [start, start + buf.size(0)) of the weight as bfloat16 into buf [R, K] (a prefill's
 // bf16 panel: the weight is never copied whole).
 void dequantize_rows_bf16(const torch::Tensor& data, int64_t type, int64_t start, torch::Tensor buf) {
-  TORCH_CHECK(buf.scalar_type() == torch::kBFloat16 && buf.dim() == 2 && buf.is_contiguous(),
-              "buf must be a contiguous bfloat16 [rows, K] tensor");
+  const Type t = check_rows(data, type, start, buf, torch::kBFloat16);
   const int64_t K = buf.size(1), R = buf.size(0);
-  const Type t = check_weight(data, type, K);
-  TORCH_CHECK(start >= 0 && start + R <= data.size(0), "rows [", start, ", ", start + R, ") out of [0, ",
-              data.size(0), ")");
   with_type(t, [&](auto tag) {
     decode_rows_bf16<decltype(tag)::value>(data.data_ptr<uint8_t>(), data.size(1), K, start, R,
                                            reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>()));

@@ -106,6 +106,20 @@ void decode_rows_bf16(const uint8_t* data, int64_t row_bytes, int64_t K, int64_t
   }
 }
 
+// acc[m] (m < rows <= kMaxTileRows) = one weight row dotted with activation row row_of(m) of
+// x [*, K], by the float path: kSpan elements at a time decoded into `tile` and dotted with
+// each row (one order of operations for matmul_f32 and the grouped-expert call's gathers).
+template <Type T, typename RowOf>
+inline void tile_dots_f32(const uint8_t* row, int64_t K, const float* x, RowOf row_of, int64_t rows, float* tile,
+                          float* acc) {
+  for (int64_t m = 0; m < rows; ++m) acc[m] = 0.f;
+  for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
+    const int64_t len = std::min(kSpan, K - k0);
+    decode_elements<T>(row, k0, len, tile);
+    for (int64_t m = 0; m < rows; ++m) acc[m] += dot_f32(tile, x + int64_t(row_of(m)) * K + k0, len);
+  }
+}
+
 // y [M, N] = x [M, K] @ W.T through the float path.
 template <Type T>
 void matmul_f32(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y) {
@@ -115,12 +129,8 @@ void matmul_f32(const float* x, int64_t M, int64_t K, const uint8_t* data, int64
     const uint8_t* row = data + n * row_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
       const int64_t rows = std::min(kMaxTileRows, M - m0);
-      float acc[kMaxTileRows] = {};
-      for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
-        const int64_t len = std::min(kSpan, K - k0);
-        decode_elements<T>(row, k0, len, tile);
-        for (int64_t m = 0; m < rows; ++m) acc[m] += dot_f32(tile, x + (m0 + m) * K + k0, len);
-      }
+      float acc[kMaxTileRows];
+      tile_dots_f32<T>(row, K, x, [m0](int64_t m) { return m0 + m; }, rows, tile, acc);
       for (int64_t m = 0; m < rows; ++m) y[(m0 + m) * N + n] = acc[m];
     }
   }

@@ -78,13 +78,7 @@ inline void gathered_dots_f32(const uint8_t* row, int64_t K, const float* x, con
   alignas(64) float tile[kSpan];
   for (int64_t i0 = 0; i0 < n; i0 += kMaxTileRows) {
     const int64_t cnt = std::min(kMaxTileRows, n - i0);
-    float acc[kMaxTileRows] = {};
-    for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
-      const int64_t len = std::min(kSpan, K - k0);
-      decode_elements<T>(row, k0, len, tile);
-      for (int64_t m = 0; m < cnt; ++m) acc[m] += dot_f32(tile, x + int64_t(rows[i0 + m]) * K + k0, len);
-    }
-    for (int64_t m = 0; m < cnt; ++m) sums[i0 + m] = acc[m];
+    tile_dots_f32<T>(row, K, x, [&](int64_t m) { return rows[i0 + m]; }, cnt, tile, sums + i0);
   }
 }
 
