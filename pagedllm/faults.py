@@ -17,7 +17,9 @@ Sites, each a per-request processing point but ``core_step`` and ``utility``:
 - ``core_step``: engine core, before each step in which the request runs (fails the batch);
 - ``add``: engine core, handling the message that adds the request (or beam search);
 - ``utility``: engine core, handling a utility message; the marker matches the utility's name
-  (``reset_prefix_cache``, ``kv_snapshot``) instead of a request id.
+  (``reset_prefix_cache``, ``kv_snapshot``) instead of a request id;
+- ``kv_loader``: the KV connector's loader thread, taking the request's pull from its queue,
+  outside the thread's guard: the thread dies (what /health must report).
 
 Unconfigured, every check is one dict lookup. Lives at the package top so every layer may call it.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-SITES = ("detokenize", "grammar", "sample", "propose", "beam", "core_step", "add", "utility")
+SITES = ("detokenize", "grammar", "sample", "propose", "beam", "core_step", "add", "utility", "kv_loader")
 
 
 class InjectedFault(RuntimeError):

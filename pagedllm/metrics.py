@@ -146,7 +146,7 @@ class EngineMetrics:
         self.kv_transfer = {
             key: gauge(f"kv_transfer_{key}", f"KV transfer: {key.replace('_', ' ')} since start.")
             for key in ("blocks_sent", "bytes_sent", "blocks_received", "bytes_received",
-                        "seconds", "failed_loads", "expired_holds", "aborted_sends")
+                        "seconds", "failed_loads", "expired_holds", "aborted_sends", "dead_threads")
         }
         # Speculative decoding (zero without it), vLLM's names.
         self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Draft verifications (per request and step).")

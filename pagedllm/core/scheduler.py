@@ -381,6 +381,25 @@ class Scheduler:
             self.waiting.add(request, front=True)
         return outputs
 
+    def _expire_remote_waits(self) -> list[EngineCoreOutput]:
+        """Fail the requests whose prompt KV did not arrive in time (a 503 the client may
+        retry); their blocks are freed when the connector reports the pull ended."""
+        assert self.remote is not None
+        outputs = []
+        for request in self.remote.expire():
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.requests.pop(request.request_id, None)
+            self.finished_req_ids.add(request.request_id)
+            timeout_s = self.kv_connector.remote_wait_timeout_s() if self.kv_connector is not None else None
+            logger.warning("request %s: its prompt's KV did not arrive within %s s", request.request_id, timeout_s)
+            outputs.append(EngineCoreOutput(
+                request.request_id, [], "abort", None, 0,
+                error=f"the prompt's KV did not arrive from the prefill instance within {timeout_s} s "
+                      "(kv_remote_wait_timeout_s)",
+                retryable=True,
+            ))
+        return outputs
+
     def _fork_group(self, leader: Request, index: int) -> None:
         """The leader computed all of the prompt but its last token: its pending sequences
         share its blocks and join ``running`` right after it."""
@@ -432,6 +451,8 @@ class Scheduler:
         finished: set[str] = set()
         if model_runner_output.kv_connector_output:
             outputs.extend(self._update_from_kv_transfers(model_runner_output.kv_connector_output))
+        if self.remote is not None and self.remote.waiting_for_remote:
+            outputs.extend(self._expire_remote_waits())
         runner_logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
         proposals = model_runner_output.spec_token_ids or [None] * len(model_runner_output.req_ids)
         for request_id, token_ids, logprobs, spec_token_ids in zip(

@@ -138,6 +138,7 @@ class AsyncLLM:
         self.ready = False
         self.shutting_down = False
         self.dead_error: BaseException | None = None
+        self.unhealthy: str | None = None  # why /health answers 503 though the engine runs
         self.model_config: ModelConfig | None = None
         self.config: EngineConfig | None = None
         self.generation_defaults: dict[str, Any] = {}  # the checkpoint's sampling defaults, once ready
@@ -350,7 +351,13 @@ class AsyncLLM:
             )
         if params.n != 1:
             raise ValueError("kv_transfer_params needs n=1")
-        validate_kv_transfer_params(kv_transfer_params)
+        validate_kv_transfer_params(kv_transfer_params, self._kv_transfer_config())
+
+    def _kv_transfer_config(self):
+        from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+
+        config = self.config.kv_transfer_config if self.config is not None else None
+        return config if config is not None else KVTransferConfig.from_cli(self.args.kv_transfer_config)
 
     async def generate(
         self,
@@ -514,6 +521,10 @@ class AsyncLLM:
         self._deliver(processed.request_outputs, now)
         if core_outputs.stats is not None:
             self.metrics.record_stats(core_outputs.stats)
+            kv_transfer = core_outputs.stats.kv_transfer or {}
+            if kv_transfer.get("dead_threads") and self.unhealthy is None:
+                self.unhealthy = f"{kv_transfer['dead_threads']:.0f} KV transfer thread(s) died"
+                logger.error("%s: /health answers 503", self.unhealthy)
         if not self.args.disable_log_stats:
             self.metrics.maybe_log(now)
 

@@ -4,6 +4,8 @@ fake runners' KV between block ids by hash), caches them and computes only the r
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pagedllm.config import SchedulerConfig
@@ -19,8 +21,8 @@ BS, NUM_BLOCKS = 4, 32
 PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks and 2 tokens
 
 
-def make(role: str, policy: str = "recompute") -> tuple[Scheduler, FakeRunner]:
-    config = KVTransferConfig(kv_role=role, kv_load_failure_policy=policy)
+def make(role: str, policy: str = "recompute", **config_args) -> tuple[Scheduler, FakeRunner]:
+    config = KVTransferConfig(kv_role=role, kv_load_failure_policy=policy, **config_args)
     kv = make_kv_cache_manager(NUM_BLOCKS, BS)
     sched = Scheduler(
         SchedulerConfig(64, 8, 256), kv, kv_connector=ZmqConnectorScheduler(config, BS), kv_load_failure_policy=policy
@@ -163,6 +165,70 @@ def test_abort_while_pulling_frees_blocks_only_after_the_pull():
     step(consumer, c_runner, KVConnectorOutput(finished_recving={"d"}))
     assert num_used(consumer) == 0 and not consumer.has_unfinished_requests()
     assert consumer.kv_cache_manager.get_computed_blocks(make_request("y", PROMPT))[1] == 0
+
+
+def test_remote_wait_has_a_deadline():
+    """A pull that never ends fails its request at kv_remote_wait_timeout_s (whatever the
+    policy); its blocks are freed once the worker side reports the pull ended."""
+    consumer, c_runner = make("kv_consumer", "recompute", kv_remote_wait_timeout_s=0.2)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
+              "remote_transfer_id": "t", "remote_num_blocks": 4}
+    consumer.add_request(make_request("d", PROMPT, max_tokens=2))
+    consumer.requests["d"].kv_transfer_params = params
+    so, _ = step(consumer, c_runner)
+    (load,) = so.kv_connector_metadata.loads
+    assert load.deadline is not None  # the worker side gives up a little after the scheduler
+    _, outputs = step(consumer, c_runner)
+    assert not outputs and "d" in consumer.waiting_for_remote
+    time.sleep(0.3)
+    _, outputs = step(consumer, c_runner)
+    (out,) = outputs
+    assert out.finish_reason == "abort" and "did not arrive" in out.error and out.retryable
+    assert "d" not in consumer.requests and not consumer.waiting_for_remote
+    assert num_used(consumer) == 4  # the pull may still write into them
+    step(consumer, c_runner, KVConnectorOutput(failed_recving={"d": "no answer"}))
+    assert num_used(consumer) == 0 and not consumer.has_unfinished_requests()
+
+
+def test_untrusted_params_are_not_pulled_in_the_core():
+    """Params that reach the core unchecked (the offline engine) pull nothing from an
+    untrusted host: the prompt is computed locally."""
+    consumer, c_runner = make("kv_consumer")
+    for i, params in enumerate([
+        {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 14579,
+         "remote_transfer_id": "t", "remote_num_blocks": 4},
+        {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": -1,
+         "remote_transfer_id": "t", "remote_num_blocks": 4},
+    ]):
+        consumer.add_request(make_request(f"d{i}", [t + 100 * i for t in PROMPT], max_tokens=1))
+        consumer.requests[f"d{i}"].kv_transfer_params = params
+        so, _ = step(consumer, c_runner)
+        assert not so.kv_connector_metadata and so.num_scheduled_tokens == {f"d{i}": len(PROMPT)}
+        while consumer.has_unfinished_requests():
+            step(consumer, c_runner)
+
+
+@pytest.mark.parametrize("limit", [{"kv_max_held_transfers": 2}, {"kv_max_held_blocks": 9}])
+def test_remote_decode_holds_are_capped(limit):
+    """do_remote_decode pins a prompt's blocks for kv_hold_timeout_s: at most
+    kv_max_held_transfers prompts / kv_max_held_blocks blocks at once; beyond, nothing is held
+    (no kv_transfer_params: the decode instance computes the prompt)."""
+    producer, runner = make("kv_producer", **limit)
+    answers = []
+    for i in range(4):
+        producer.add_request(make_request(f"p{i}", [1000 * (i + 1) + t for t in range(len(PROMPT))], max_tokens=1))
+        producer.requests[f"p{i}"].kv_transfer_params = {"do_remote_decode": True}
+        _, outputs = step(producer, runner)
+        answers.append(outputs[0].kv_transfer_params)
+    assert [a is not None for a in answers] == [True, True, False, False]
+    assert num_used(producer) == 8
+    held = {a["remote_transfer_id"] for a in answers if a is not None}
+    step(producer, runner, KVConnectorOutput(finished_sending=held))
+    assert num_used(producer) == 0
+    producer.add_request(make_request("again", list(range(200, 218)), max_tokens=1))
+    producer.requests["again"].kv_transfer_params = {"do_remote_decode": True}
+    _, (out,) = step(producer, runner)
+    assert out.kv_transfer_params is not None  # room again once the holds ended
 
 
 def test_scheduler_side_imports_without_torch():

@@ -114,6 +114,21 @@ def test_no_decode_left_gives_an_openai_error(make_client, failure, status, text
     assert released == [PARAMS, PARAMS]  # once per request
 
 
+@pytest.mark.parametrize("prefill", ["down", "no_params"])
+def test_client_sent_kv_transfer_params_never_reach_an_instance(make_client, prefill):
+    """A client's kv_transfer_params could aim a decode instance at any host: when the
+    prefill gives none (it is down, or held nothing), the decode instance gets none."""
+    handler = {"down": raise_(httpx.ConnectError("refused")),
+               "no_params": lambda r: httpx.Response(200, json={"choices": [{"text": "x"}]})}[prefill]
+    instances = Instances(p=handler, d1=ok_json, d2=ok_json)
+    client, _ = make_client(instances)
+    evil = {**PARAMS, "remote_host": "169.254.169.254", "remote_port": 80}
+    r = client.post("/v1/completions", json={"prompt": "hi", "kv_transfer_params": evil})
+    assert r.status_code == 200
+    (body,) = instances.bodies["d1"]
+    assert "kv_transfer_params" not in body
+
+
 def test_decode_4xx_is_passed_on_as_it_is(make_client):
     bad = {"error": {"message": "max_tokens too large", "type": "BadRequestError", "param": None, "code": 400}}
     client, released = make_client(Instances(p=prefill_ok, d1=lambda r: httpx.Response(400, json=bad), d2=ok_json))

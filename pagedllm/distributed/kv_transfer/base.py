@@ -38,6 +38,8 @@ class LoadSpec:
     block_hashes: list[BlockHash]
     block_ids: list[int]
     """Same length as block_hashes: where each pulled block lands."""
+    deadline: float | None = None
+    """time.monotonic() after which the pull is given up (queued or in flight)."""
 
 
 @dataclass(slots=True)
@@ -114,6 +116,14 @@ class KVConnectorSchedulerBase(ABC):
     ) -> HoldDecision:
         """``request`` finished; ``block_ids`` are its full, computed blocks (``block_hashes``
         their hashes). Decide whether they stay held for a remote pull."""
+
+    def remote_wait_timeout_s(self) -> float | None:
+        """How long a request may wait for its remote KV (None: no limit)."""
+        return None
+
+    def hold_limits(self) -> tuple[int | None, int | None]:
+        """At most (prompts, blocks) held for remote pulls at once (None: no limit)."""
+        return None, None
 
     @abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:

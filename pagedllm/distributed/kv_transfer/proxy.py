@@ -8,6 +8,8 @@ goes back to the client. Instances of each role are used round-robin.
 
 If no prefill instance answers, the request goes to a decode instance without transfer
 params and is computed there whole: clients see no error while a decode instance lives.
+A client's own ``kv_transfer_params`` are dropped: only a prefill instance's reach a decode
+instance.
 
 A decode instance that fails before the first byte of its answer is relayed (unreachable,
 dead mid-request, timed out, a 5xx) is replaced by the next one, which recomputes the prompt
@@ -162,6 +164,9 @@ class DisaggProxy:
         if not isinstance(body, dict):
             return _error(f"the request body must be a JSON object, not {type(body).__name__}", 400)
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        # kv_transfer_params are the proxy's to set: a client's own never reach an instance
+        # (they could point a decode instance at any host).
+        body.pop("kv_transfer_params", None)
         params, error = await self.prefill(path, body, headers)
         if error is not None:
             return error

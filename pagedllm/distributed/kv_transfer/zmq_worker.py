@@ -19,6 +19,13 @@ allocated blocks. Those blocks are not in any batch until the load is reported f
 Wire header fields: ok, error, transfer_id, runs [[first hash index, count]], block_size,
 num_kv_heads, head_dim, num_layers, dtype, kv_cache_dtype ("auto" or an 8-bit format's name,
 layers/kv_quant.py); a consumer refuses a geometry unlike its own.
+
+Hardening (docs/security.md): both threads survive any message and any socket error (only the
+transfer concerned fails); a thread that dies anyway is counted in ``get_stats()`` as
+``dead_threads`` and turns the server's /health to 503. A consumer caps each received frame
+at the size the geometry implies for the blocks it asked for (zmq drops a larger one before
+it is buffered) and refuses an answer whose frames are not exactly that size; a pull is given
+up at its ``LoadSpec.deadline``, queued or in flight.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from pagedllm import faults
 from pagedllm.layers.kv_quant import SCALE_BYTES, quant_format
 
 from pagedllm.distributed.kv_transfer.base import (
@@ -53,6 +61,9 @@ _REGISTRATION_WAIT_S = 5.0  # a pull may outrun the registration of its transfer
 _REBIND_WAIT_S = 5.0  # the closed ROUTER's listener goes away asynchronously
 _NUM_DONE_REMEMBERED = 4096  # ended transfers, to refuse a late pull at once
 _DEAD_PEER_S = 5.0  # after a pull timed out, later pulls from that address fail at once
+_MAX_PENDING = 1024  # pulls waiting for their transfer's registration; beyond it, refused
+_MAX_HEADER_BYTES = 1 << 16  # an answer's JSON header, beyond its runs
+_ERROR_PAUSE_S = 0.05  # after an unexpected error in a loop, before the next turn
 
 
 @dataclass
@@ -118,9 +129,21 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
             self._start(self._load_loop, "kv-transfer-loader")
 
     def _start(self, target, name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
+        def run() -> None:
+            try:
+                target()
+            except BaseException:  # its loop catches everything; this is the last word
+                logger.critical("KV transfer thread %s died; /health now answers 503", name, exc_info=True)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    @property
+    def num_dead_threads(self) -> int:
+        if self._stop.is_set():
+            return 0
+        return sum(not t.is_alive() for t in self._threads)
 
     # ---- the engine's calls --------------------------------------------------------------
 
@@ -152,7 +175,9 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
 
     def get_stats(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        stats["dead_threads"] = self.num_dead_threads
+        return stats
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -203,13 +228,16 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                     busy = pending or any(h.in_flight for h in self._held.values())
                 if self._router.poll(20 if busy else 200):
                     msg = self._router.recv_multipart()
-                    pending.append((time.monotonic() + _REGISTRATION_WAIT_S, msg))
+                    # Beyond _MAX_PENDING, a pull of an unknown transfer is refused at once.
+                    wait = _REGISTRATION_WAIT_S if len(pending) < _MAX_PENDING else -1.0
+                    pending.append((time.monotonic() + wait, msg))
                 still = []
                 for deadline, msg in pending:
                     try:
                         handled = self._handle(msg, give_up=time.monotonic() > deadline)
-                    except (ValueError, KeyError, IndexError):  # a malformed pull
-                        logger.exception("KV transfer server dropped a message")
+                    except Exception as e:  # noqa: BLE001 -- a malformed message: drop it, serve on
+                        logger.warning("KV transfer server dropped a malformed message: %s: %.200s",
+                                       type(e).__name__, e)
                         handled = True
                     if not handled:
                         still.append((deadline, msg))
@@ -217,7 +245,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                 if self._reap_sends():
                     self._abort_sends()
                     pending = []  # their identities belonged to the closed socket
-            except zmq.ZMQError:
+            except Exception:  # noqa: BLE001 -- the server thread must outlive any error
                 if self._stop.is_set():
                     return
                 logger.exception("KV transfer server error")
@@ -226,6 +254,7 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                         self._router = self._bind_router()
                     except zmq.ZMQError:
                         pass
+                time.sleep(_ERROR_PAUSE_S)
 
     def _reap_sends(self) -> bool:
         """End the holds whose sends zmq has let go of; True if a send is past its deadline."""
@@ -260,10 +289,19 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
         self._router = self._bind_router()
 
     def _handle(self, msg: list[bytes], give_up: bool) -> bool:
-        """Answer one message; False to retry later (transfer not registered yet)."""
-        identity, kind, raw = msg[0], msg[1], msg[2]
+        """Answer one message; False to retry later (transfer not registered yet). Raises
+        ValueError for a malformed one."""
+        if len(msg) != 3 or msg[1] not in (PULL, RELEASE):
+            raise ValueError(f"expected [kind, JSON] with kind pull or release, got {len(msg) - 1} frames")
+        identity, kind, raw = msg
         req = json.loads(raw)
+        if not isinstance(req, dict) or not isinstance(req.get("transfer_id"), str):
+            raise ValueError("the message is not a JSON object with a string transfer_id")
         transfer_id = req["transfer_id"]
+        hashes_hex = req.get("hashes")
+        if kind == PULL and (not isinstance(hashes_hex, list) or not all(isinstance(h, str) for h in hashes_hex)):
+            self._reply_error(identity, transfer_id, "a pull's hashes must be a list of hex strings")
+            raise ValueError("a pull's hashes are not a list of hex strings")
         with self._lock:
             held = self._held.get(transfer_id)
             if held is None and not give_up and transfer_id not in self._done:
@@ -276,7 +314,11 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                 self._reply_error(identity, transfer_id, "the prefill instance holds no blocks under this "
                                   "transfer id (expired, already pulled, or unknown)")
                 return True
-            hashes = [bytes.fromhex(h) for h in req["hashes"]]
+            try:
+                hashes = [bytes.fromhex(h) for h in hashes_hex]
+            except ValueError:
+                self._reply_error(identity, transfer_id, "a pull's hashes must be hex strings")
+                raise
             missing = [h for h in hashes if h not in held.blocks]
             if missing:
                 self._reply_error(identity, transfer_id, f"{len(missing)} requested blocks are not held")
@@ -317,33 +359,57 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
             job = self._jobs.get()
             if job is None:
                 return
-            if isinstance(job, ReleaseSpec):
-                self._send_release(job)
-                continue
-            t0 = time.monotonic()
+            faults.maybe_raise("kv_loader", getattr(job, "req_id", job.transfer_id))
             try:
-                num_bytes = self._pull(job)
-            except Exception as e:  # any failure: the scheduler recomputes (or fails) the request
-                logger.warning("KV pull for request %s from %s:%d failed: %s",
-                               job.req_id, job.remote_host, job.remote_port, e)
-                with self._lock:
-                    self._stats["failed_loads"] += 1
-                self._finish(failed={job.req_id: str(e)})
-                continue
-            elapsed = time.monotonic() - t0
-            with self._lock:
-                self._stats["blocks_received"] += len(job.block_ids)
-                self._stats["bytes_received"] += num_bytes
-                self._stats["seconds"] += elapsed
-            logger.debug("pulled %d blocks (%.1f MB) for %s in %.1f ms (%.0f MB/s)", len(job.block_ids),
-                         num_bytes / 1e6, job.req_id, elapsed * 1e3, num_bytes / 1e6 / max(elapsed, 1e-9))
-            self._finish(recving={job.req_id})
+                self._load_one(job)
+            except Exception:  # noqa: BLE001 -- the loader must outlive any job
+                logger.exception("KV transfer loader error")
 
-    def _dealer(self, host: str, port: int) -> zmq.Socket:
+    def _load_one(self, job: LoadSpec | ReleaseSpec) -> None:
+        if isinstance(job, ReleaseSpec):
+            try:
+                self._send_release(job)
+            except Exception as e:  # noqa: BLE001 -- the producer frees them on its hold timeout
+                logger.warning("KV release of %s to %s:%s failed: %s", job.transfer_id, job.remote_host,
+                               job.remote_port, e)
+            return
+        t0 = time.monotonic()
+        try:
+            num_bytes = self._pull(job)
+        except Exception as e:  # any failure: the scheduler recomputes (or fails) the request
+            logger.warning("KV pull for request %s from %s:%s failed: %s",
+                           job.req_id, job.remote_host, job.remote_port, e)
+            with self._lock:
+                self._stats["failed_loads"] += 1
+            self._finish(failed={job.req_id: str(e) or type(e).__name__})
+            return
+        elapsed = time.monotonic() - t0
+        with self._lock:
+            self._stats["blocks_received"] += len(job.block_ids)
+            self._stats["bytes_received"] += num_bytes
+            self._stats["seconds"] += elapsed
+        logger.debug("pulled %d blocks (%.1f MB) for %s in %.1f ms (%.0f MB/s)", len(job.block_ids),
+                     num_bytes / 1e6, job.req_id, elapsed * 1e3, num_bytes / 1e6 / max(elapsed, 1e-9))
+        self._finish(recving={job.req_id})
+
+    def _dealer(self, host: str, port: int, max_frame_bytes: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{host}:{port}")
+        # zmq drops a larger frame (and the connection) before buffering it.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.connect(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")
+        except zmq.ZMQError:
+            sock.close()
+            raise
         return sock
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V): one frame holds a run of them."""
+        return self.block_size * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     def _send_release(self, job: ReleaseSpec) -> None:
         send_release(self._ctx, job.remote_host, job.remote_port, job.transfer_id)
@@ -351,27 +417,42 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
     def _pull(self, job: LoadSpec) -> int:
         """Fetch the blocks and copy them into place; returns bytes received."""
         address = (job.remote_host, job.remote_port)
-        if time.monotonic() < self._dead_until.get(address, 0.0):
+        now = time.monotonic()
+        if now < self._dead_until.get(address, 0.0):
             raise TimeoutError(f"{job.remote_host}:{job.remote_port} did not answer a pull moments ago")
-        sock = self._dealer(job.remote_host, job.remote_port)
+        timeout_s = self.config.kv_transfer_timeout_s
+        if job.deadline is not None:
+            if now >= job.deadline:
+                raise TimeoutError("the request's wait for remote KV ended before its pull started")
+            timeout_s = min(timeout_s, job.deadline - now)
+        num_blocks = len(job.block_ids)
+        max_frame = max(num_blocks * self.block_bytes, _MAX_HEADER_BYTES + 32 * num_blocks)
+        sock = self._dealer(job.remote_host, job.remote_port, max_frame)
         try:
             request = {"transfer_id": job.transfer_id, "hashes": [h.hex() for h in job.block_hashes]}
             sock.send_multipart([PULL, json.dumps(request).encode()])
-            if not sock.poll(int(self.config.kv_transfer_timeout_s * 1000)):
+            if not sock.poll(int(timeout_s * 1000)):
                 # Queued pulls from a dead instance fail fast instead of each waiting in turn.
                 self._dead_until[address] = time.monotonic() + _DEAD_PEER_S
-                raise TimeoutError(f"no answer within {self.config.kv_transfer_timeout_s} s")
+                raise TimeoutError(f"no answer within {timeout_s:.3g} s")
             frames = sock.recv_multipart(copy=False)
         finally:
             sock.close()
         header = json.loads(frames[0].bytes)
+        if not isinstance(header, dict):
+            raise RuntimeError("malformed answer: the header is not a JSON object")
         if not header.get("ok"):
-            raise RuntimeError(header.get("error", "refused"))
+            raise RuntimeError(str(header.get("error", "refused"))[:500])
         self._check_geometry(header)
-        runs = header["runs"]
+        runs = self._check_runs(header.get("runs"), job.block_ids)
         expected = len(runs) * len(self.kv_caches) * 2
-        if len(frames) - 1 != expected or sum(n for _, n in runs) != len(job.block_ids):
+        if len(frames) - 1 != expected:
             raise RuntimeError(f"malformed answer: {len(frames) - 1} frames, expected {expected}")
+        for (_, count), i in zip(runs, range(1, len(frames), 2 * len(self.kv_caches))):
+            for frame in frames[i : i + 2 * len(self.kv_caches)]:
+                if len(frame.buffer) != count * self.block_bytes:
+                    raise RuntimeError(f"malformed answer: a frame of {len(frame.buffer)} bytes for {count} "
+                                       f"blocks, expected {count * self.block_bytes}")
         shape = (self.block_size, self.num_kv_heads, self.row_width * self.dtype.itemsize)
         it = iter(frames[1:])
         num_bytes = 0
@@ -387,6 +468,21 @@ class ZmqConnectorWorker(KVConnectorWorkerBase):
                         cache[kv].view(torch.uint8).index_copy_(0, dst, src.view(count, *shape))
                         num_bytes += len(frame.buffer)
         return num_bytes
+
+    @staticmethod
+    def _check_runs(runs: object, block_ids: list[int]) -> list[tuple[int, int]]:
+        """The answer's runs must tile the requested blocks in order: [[start, count], ...]."""
+        ok = isinstance(runs, list)
+        next_start = 0
+        for run in runs if ok else ():
+            if not (isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run)
+                    and run[0] == next_start and run[1] > 0):
+                ok = False
+                break
+            next_start += run[1]
+        if not ok or next_start != len(block_ids):
+            raise RuntimeError(f"malformed answer: its runs do not cover the {len(block_ids)} requested blocks")
+        return [tuple(r) for r in runs]
 
     def _check_geometry(self, header: dict) -> None:
         mine = {"block_size": self.block_size, "num_kv_heads": self.num_kv_heads,

@@ -14,8 +14,9 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(state: ServerState = Depends(server_state)) -> Response:
-    """200 once the model is loaded, 503 before that and once shutdown begins."""
-    if state.engine.ready and not state.engine.shutting_down:
+    """200 once the model is loaded, 503 before that, once shutdown begins, and once a
+    background thread the engine needs died (the KV-transfer threads)."""
+    if state.engine.ready and not state.engine.shutting_down and getattr(state.engine, "unhealthy", None) is None:
         return Response(status_code=200)
     return Response(status_code=503)
 
