@@ -234,3 +234,74 @@ def test_signed_params_from_the_producer():
     other = KVTransferConfig(kv_role="kv_consumer", kv_connector_extra_config={"shared_secret": "x" * 16})
     with pytest.raises(ValueError, match="remote_signature"):
         validate_kv_transfer_params(params, other)
+
+
+# ---- a real decode server ----------------------------------------------------------------------
+
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB",
+               "--max-num-seqs", "4"]
+KILL_LOADER = "kill-loader"
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # three full blocks to pull
+
+
+@pytest.fixture(scope="module")
+def decode_server(tiny_llama_dir):
+    from tests.entrypoints.utils import RemoteServer
+
+    config = {"kv_role": "kv_consumer", "kv_transfer_timeout_s": 30, "kv_remote_wait_timeout_s": 1.5}
+    server = RemoteServer(SERVER_ARGS + ["--kv-transfer-config", json.dumps(config)], model=tiny_llama_dir,
+                          env={"PAGEDLLM_INJECT_FAULT": f"kv_loader:{KILL_LOADER}"}, startup_timeout_s=900)
+    yield server
+    server.stop()
+
+
+def post(server, params: dict, **extra):
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0.0, "kv_transfer_params": params, **extra}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.slow
+def test_server_refuses_bad_and_untrusted_params_with_a_400(decode_server):
+    for change, text in [({"remote_port": -1}, "remote_port"), ({"remote_port": "1"}, "remote_port"),
+                         ({"remote_host": "evil host"}, "remote_host"),
+                         ({"remote_host": "169.254.169.254"}, "not a trusted prefill instance")]:
+        r = post(decode_server, {**GOOD, **change})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert text in error["message"] and error["code"] == 400 and error["type"], error
+
+
+@pytest.mark.slow
+def test_server_remote_wait_deadline_then_dead_loader_on_health(decode_server):
+    """A producer that accepts the pull and never answers: the request fails after
+    kv_remote_wait_timeout_s (not kv_transfer_timeout_s = 30 s) and every block comes back.
+    Then a loader thread killed by an injected fault turns /health to 503."""
+    import httpx
+
+    from tests.distributed.test_disagg_e2e import wait_blocks_free
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        t0 = time.monotonic()
+        r = post(decode_server, {**GOOD, "remote_port": port, "remote_num_blocks": 3})
+        assert r.status_code == 503, r.text
+        assert "did not arrive" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        wait_blocks_free(decode_server, timeout_s=10)
+        assert httpx.get(decode_server.url + "/health").status_code == 200
+        # The loader thread dies taking this request's pull off its queue.
+        r = post(decode_server, {**GOOD, "remote_port": port, "remote_num_blocks": 3},
+                 request_id=f"{KILL_LOADER}-1")
+        assert r.status_code == 503, r.text
+        deadline = time.monotonic() + 10
+        while httpx.get(decode_server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health did not report the dead loader thread"
+            time.sleep(0.2)
+    finally:
+        silent.close()
+        ctx.term()
