@@ -404,12 +404,25 @@ class AsyncLLM:
         self._check_ready()
         return await self._call_utility("reset_prefix_cache")
 
-    async def _call_utility(self, name: str) -> Any:
+    async def add_lora(self, request: Any) -> None:
+        """Load and check a LoRA adapter in the engine core (its shapes against the model);
+        ValueError (a 400) naming why it is refused."""
+        self._check_ready()
+        refused = await self._call_utility("add_lora", request)
+        if refused is not None:
+            raise ValueError(refused)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter in the engine core (its slot freed once unused)."""
+        self._check_ready()
+        return await self._call_utility("remove_lora", lora_int_id)
+
+    async def _call_utility(self, name: str, payload: Any = None) -> Any:
         """A utility in the core; one that raised there is a RequestFaultError (a 500), a dead
         core an EngineNotReadyError (a 503)."""
         assert self._client is not None
         try:
-            return await self._client.call_utility(name)
+            return await self._client.call_utility(name, payload)
         except UtilityError as e:
             raise RequestFaultError(str(e)) from None
         except EngineDeadError as e:

@@ -139,11 +139,12 @@ class CoreClient:
             except EngineDeadError:
                 pass
 
-    async def call_utility(self, name: str) -> Any:
-        """Run a named utility in the core (e.g. reset_prefix_cache) and await its result;
-        UtilityError if it raised there, EngineDeadError if the core is gone."""
+    async def call_utility(self, name: str, payload: Any = None) -> Any:
+        """Run a named utility in the core (e.g. reset_prefix_cache, or add_lora with its
+        payload) and await its result; UtilityError if it raised there, EngineDeadError if
+        the core is gone."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._send(name)
+        self._send(name, payload)
         self._utility_waiters.setdefault(name, []).append(future)
         return await future
 

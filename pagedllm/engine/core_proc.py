@@ -119,6 +119,7 @@ class EngineCoreProc:
         # Utilities: name -> a call whose result goes back to the caller.
         self._utilities: dict[str, Callable[[], Any]] = {
             "reset_prefix_cache": self.kv.reset_prefix_cache, "kv_snapshot": self._kv_snapshot,
+            "add_lora": self._add_lora, "remove_lora": self._remove_lora,
         }
         self._warm_up()
         info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks,
@@ -211,7 +212,7 @@ class EngineCoreProc:
         """Handle one message; one that raises fails its sender alone (a request's add: that
         request; a utility: its caller), never the loop."""
         if kind in self._utilities:
-            self._run_utility(kind)
+            self._run_utility(kind, payload)
             return
         handler = self._handlers.get(kind)
         if handler is None:
@@ -246,7 +247,11 @@ class EngineCoreProc:
             self.core.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         except Exception:  # noqa: BLE001 -- it may not have got in at all
             logger.exception("cleaning up request %s after a failed add", request_id)
-        out = EngineCoreOutput(request_id, [], "abort", None, 0, error=f"{type(error).__name__}: {error}")
+        from pagedllm.lora.checkpoint import LoRAAdapterError
+
+        # A refused LoRA adapter is the request's own fault (a 400), anything else a 500.
+        out = EngineCoreOutput(request_id, [], "abort", None, 0, error=f"{type(error).__name__}: {error}",
+                               invalid=isinstance(error, LoRAAdapterError))
         self.out_sock.send(dumps("outputs", CoreOutputs([out])))
 
     def _abort(self, payload: tuple[list[str], bool]) -> None:
@@ -260,19 +265,35 @@ class EngineCoreProc:
     def _shutdown(self, _: Any) -> None:
         self._stop = True
 
-    def _run_utility(self, name: str) -> None:
-        """Run a utility and send ("utility", (name, result, error)): error is None or the
-        exception's "Type: message" (the front end fails the caller with it)."""
+    def _run_utility(self, name: str, payload: Any = None) -> None:
+        """Run a utility (with its payload, if any) and send ("utility", (name, result,
+        error)): error is None or the exception's "Type: message" (the front end fails the
+        caller with it)."""
         t0 = time.perf_counter()
         try:
             faults.maybe_raise("utility", name)
-            message = dumps("utility", (name, self._utilities[name](), None))  # pickling may raise too
+            args = () if payload is None else (payload,)
+            message = dumps("utility", (name, self._utilities[name](*args), None))  # pickling may raise too
         except Exception as e:  # noqa: BLE001 -- fail the caller, keep serving
             logger.exception("utility %s failed", name)
             message = dumps("utility", (name, None, f"{type(e).__name__}: {e}"))
         self.out_sock.send(message)
         self._utility_seconds[name] = self._utility_seconds.get(name, 0.0) + time.perf_counter() - t0
         self._utility_calls[name] = self._utility_calls.get(name, 0) + 1
+
+    def _add_lora(self, request: Any) -> str | None:
+        """Load and check a LoRA adapter against the model (between steps): None when it
+        is loaded, else why it is refused (the front end answers a 400)."""
+        try:
+            self.core.runner.add_lora(request)
+        except ValueError as e:
+            logger.warning("%s", e)
+            return str(e)
+        return None
+
+    def _remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter: its slot is freed once no unfinished request uses it."""
+        return self.core.runner.remove_lora(lora_int_id)
 
     def _kv_snapshot(self) -> Any:
         """Between steps: copy the block arrays and figures; with the mean full cost (taking,

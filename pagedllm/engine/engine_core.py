@@ -45,7 +45,16 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         if request.lora_request is not None:
-            self.runner.add_lora(request.lora_request)  # ValueError if refused or LoRA is off
+            # ValueError if refused or LoRA is off; pinned until the request ends.
+            self.runner.add_lora(request.lora_request, request.request_id)
+        try:
+            self._add_request(request)
+        except Exception:
+            if request.lora_request is not None and self.runner.lora_manager is not None:
+                self.runner.lora_manager.unpin([request.request_id])
+            raise
+
+    def _add_request(self, request: Request) -> None:
         spec = request.sampling_params.structured_outputs
         if spec is None:
             self.scheduler.add_request(request)

@@ -9,11 +9,14 @@ has one section per checkpoint projection: q/k/v of a QKV, gate/up of a gate_up)
                          rank row to a contiguous run of outputs); a section's B fills only
                          its own output columns
 
-For the step's tokens x: [T, K] and their slot one-hot [T, S] (all zero: no adapter),
+For the step's tokens x: [T, K], grouped by slot (``LoRAMapping.groups``: the rows of each
+slot in use), per slot s with rows I_s:
 
-    u = x @ lora_a^T           [T, S * R]   every slot's down-projection, one GEMM
-    u *= one_hot (per slot)    each token keeps only its own adapter's R columns
-    y += u @ lora_b            [T, N]       one GEMM; zero for tokens without an adapter
+    y[I_s] += (x[I_s] @ A_s^T) @ B_s        A_s, B_s: slot s's R rows of lora_a / lora_b
+
+Rows without an adapter are not touched at all, and no row reads another slot's weights: a
+NaN or Inf in one adapter (or a stale slot) cannot reach another request's rows (a one-hot
+product over all slots would: NaN * 0 is NaN).
 
 The fused decode (models/fused_decode.py) computes the same deltas in C++
 (kernels/csrc/lora_delta.h), per group of rows sharing a slot. Padding rows/columns are zero, so adapters of different ranks (and adapters on a subset of a
@@ -39,6 +42,8 @@ class LoRAMapping:
 
     one_hot: torch.Tensor  # [T, S] in the model's dtype; a row of zeros: no adapter
     row_slots: torch.Tensor  # [T] int64, each token's slot, -1: no adapter (the fused decode's form)
+    groups: tuple[tuple[int, torch.Tensor], ...] = ()
+    """(slot, int64 indices of its rows) for each slot in use this step."""
 
 
 _mapping: LoRAMapping | None = None
@@ -98,11 +103,19 @@ class LinearLoRASlots:
         self.lora_b[cols].zero_()
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-        # x: [T, K], y: [T, N] (the base projection's output) -> y + delta
-        t = x.shape[0]
-        u = x.to(self.lora_a.dtype) @ self.lora_a.t()  # [T, S * R]
-        u = (u.view(t, self.max_loras, self.width) * mapping.one_hot[:, :, None]).view(t, -1)
-        return y + (u @ self.lora_b).to(y.dtype)
+        # x: [T, K], y: [T, N] (the base projection's output) -> y + delta, per slot's rows
+        groups = mapping.groups or _groups(mapping.row_slots)
+        out = y.clone()
+        for slot, rows in groups:
+            span = slice(slot * self.width, (slot + 1) * self.width)
+            u = x.index_select(0, rows).to(self.lora_a.dtype) @ self.lora_a[span].t()  # [T_s, R]
+            out.index_add_(0, rows, (u @ self.lora_b[span]).to(y.dtype))
+        return out
+
+
+def _groups(row_slots: torch.Tensor) -> tuple[tuple[int, torch.Tensor], ...]:
+    """(slot, its rows) for each slot in ``row_slots`` (-1: no adapter, left out)."""
+    return tuple((int(s), (row_slots == s).nonzero().flatten()) for s in row_slots.unique().tolist() if s >= 0)
 
 
 def add_lora_delta(slots: LinearLoRASlots | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import itertools
 import json
 from collections.abc import Iterable
 
-from pagedllm.lora.checkpoint import check_adapter_dir
+from pagedllm.lora.checkpoint import check_adapter_files
 from pagedllm.lora.request import LoRARequest
 
 
@@ -45,14 +45,28 @@ class LoRARegistry:
 
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         """Register an adapter after checking its files (ValueError naming what is wrong)."""
+        return self.commit(self.prepare(name, path, base_model_name))
+
+    def prepare(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Check a name and an adapter's files in full (the config's types, every weight
+        finite and of the rank; reads the weights: call it off the event loop), without
+        registering it; ValueError naming what is wrong."""
+        self._check_name(name)
+        request = LoRARequest(name, next(self._ids), path, base_model_name)
+        check_adapter_files(request, self.max_lora_rank)
+        return request
+
+    def commit(self, request: LoRARequest) -> LoRARequest:
+        """Register a prepared adapter (listed and usable from now on)."""
+        self._check_name(request.lora_name)
+        self._by_name[request.lora_name] = request
+        return request
+
+    def _check_name(self, name: str) -> None:
         if name in self._reserved:
             raise ValueError(f"LoRA adapter name {name!r} is the base model's name")
         if name in self._by_name:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        request = LoRARequest(name, next(self._ids), path, base_model_name)
-        check_adapter_dir(request, self.max_lora_rank)
-        self._by_name[name] = request
-        return request
 
     def remove(self, name: str) -> LoRARequest:
         request = self._by_name.pop(name, None)

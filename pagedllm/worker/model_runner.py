@@ -122,6 +122,11 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.lora_manager is not None:
+            self.lora_manager.unpin(so.finished_req_ids)
+            for new in so.scheduled_new_reqs:  # forks and beams come in here only
+                if new.lora_request is not None:
+                    self.lora_manager.pin(new.req_id, new.lora_request.lora_int_id)
         if self.draft_policy is not None:
             self.draft_policy.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
@@ -151,11 +156,18 @@ class ModelRunner:
 
     # ---- LoRA adapters -----------------------------------------------------------------
 
-    def add_lora(self, request: LoRARequest) -> None:
-        """Load and check an adapter (ValueError if refused, or if LoRA is not enabled)."""
+    def add_lora(self, request: LoRARequest, request_id: str | None = None) -> None:
+        """Load and check an adapter (ValueError if refused, or if LoRA is not enabled); with
+        ``request_id``, that unfinished request pins it (it stays loaded until it ends)."""
         if self.lora_manager is None:
             raise ValueError(f"LoRA adapter {request.lora_name!r} given, but LoRA is not enabled (--enable-lora)")
         self.lora_manager.add_adapter(request)
+        if request_id is not None:
+            self.lora_manager.pin(request_id, request.lora_int_id)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (its slot freed once no unfinished request uses it)."""
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
 
     # ---- one step ----------------------------------------------------------------------
 

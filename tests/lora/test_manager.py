@@ -1,5 +1,6 @@
 """LoRAManager without an engine: slots refilled only when their adapter changes, the host
-cache's LRU eviction beyond max_cpu_loras (and reload on demand), removal, the mapping."""
+cache's LRU eviction beyond max_cpu_loras (never of an adapter an unfinished request pins),
+removal (deferred while pinned), the mapping; no file read inside a step."""
 
 from __future__ import annotations
 
@@ -59,7 +60,29 @@ def test_slots_and_host_cache(setup) -> None:
     manager.remove_adapter(2)
     manager.remove_adapter(3)
     assert manager.loaded_ids() == []
-    # An adapter evicted from host memory is reloaded from its path when a step needs it.
+    # A step never reads an adapter's files (a request's add does, and pins it till it ends).
+    with pytest.raises(RuntimeError, match="not loaded"):
+        manager.prepare([a1], np.array([1]))
+    manager.add_adapter(a1)
     assert manager.prepare([a1], np.array([1])).row_slots.tolist() == [0]
     assert manager.loaded_ids() == [2]
     assert manager.prepare([None, None], np.array([1, 1])) is None
+
+
+def test_pins_hold_adapters_through_eviction_and_unload(setup) -> None:
+    model, (a0, a1, a2) = setup
+    manager = LoRAManager(model, LoRAConfig(max_loras=1, max_lora_rank=4, max_cpu_loras=1), PACKED_MODULES,
+                          torch.float32)
+    qkv = model.model.layers[0].self_attn.qkv_proj.lora_slots
+    manager.add_adapter(a0)
+    manager.pin("r0", a0.lora_int_id)
+    manager.add_adapter(a1)  # capacity 1, but a0 is pinned by r0: not evicted
+    assert set(manager.loaded_ids()) == {1, 2}
+    manager.prepare([a0], np.array([1]))
+    assert manager.remove_adapter(a0.lora_int_id)  # unloaded while r0 runs: kept until it ends
+    assert 1 in manager.loaded_ids() and qkv.lora_a[: qkv.width].abs().sum() > 0
+    manager.unpin(["r0"])
+    assert 1 not in manager.loaded_ids() and qkv.lora_a[: qkv.width].abs().sum() == 0  # slot freed
+    manager.remove_adapter(a1.lora_int_id)
+    assert manager.loaded_ids() == []
+

@@ -29,7 +29,7 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaul
 from pagedllm.engine.core_client import StartedCore
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
 from pagedllm.entrypoints.openai import dashboard
-from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry
+from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry, check_in_engine
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.routers import admin, completions, health, models, tokenize
 from pagedllm.entrypoints.openai.routers.state import ServerState
@@ -203,7 +203,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        lora_check = asyncio.create_task(check_in_engine(engine, state.loras))
         yield
+        lora_check.cancel()
         await engine.shutdown()
         state.chat.renderer.close()
 

@@ -28,6 +28,26 @@ def build_lora_registry(engine_args: Any, lora_modules: tuple[dict, ...], model_
     return registry
 
 
+async def check_in_engine(engine: Any, registry: LoRARegistry | None) -> None:
+    """Once the engine is ready, load the --lora-modules adapters in its core, where their
+    shapes are checked against the model; one refused there is unlisted (logged why)."""
+    if registry is None or not registry.adapters():
+        return
+    try:
+        await engine.wait_ready()
+    except Exception:  # noqa: BLE001 -- the server stops on its own
+        return
+    for adapter in registry.adapters():
+        try:
+            await engine.add_lora(adapter)
+        except ValueError as e:
+            registry.remove(adapter.lora_name)
+            logger.error("--lora-modules %s is refused and not served: %s", adapter.lora_name, e)
+        except Exception as e:  # noqa: BLE001 -- a dead engine: the server stops
+            logger.error("could not load --lora-modules %s in the engine: %s", adapter.lora_name, e)
+            return
+
+
 def resolve_model(name: str | None, model_names: tuple[str, ...], registry: LoRARegistry | None) -> LoRARequest | None:
     """The adapter a request's `model` names (None: the base model); a 404 for an unknown name."""
     if name is None or name in model_names:

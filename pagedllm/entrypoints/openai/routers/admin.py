@@ -3,6 +3,7 @@ time (``lora_router``, included only with --enable-lora and runtime updating all
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import APIRouter, Depends
@@ -34,21 +35,28 @@ async def reset_prefix_cache(state: ServerState = Depends(server_state)) -> dict
 
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerState = Depends(server_state)) -> PlainTextResponse:
+    """Check the adapter in full (its files, off the event loop; its shapes against the
+    model, in the engine core) before it is listed: any refusal is a 400 naming why."""
     assert state.loras is not None  # the router is included only with a registry
     try:
-        adapter = state.loras.add(body.lora_name, body.lora_path)
+        adapter = await asyncio.to_thread(state.loras.prepare, body.lora_name, body.lora_path)
+        await state.engine.add_lora(adapter)
+        state.loras.commit(adapter)
     except ValueError as e:
-        raise bad_request(str(e), "lora_name" if "already loaded" in str(e) else "lora_path") from None
+        raise bad_request(str(e), "lora_name" if "already loaded" in str(e) or "base model's name" in str(e)
+                          else "lora_path") from None
     logger.info("LoRA adapter %s loaded from %s (id %d)", adapter.lora_name, adapter.lora_path, adapter.lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 @lora_router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: ServerState = Depends(server_state)) -> PlainTextResponse:
+    """Unlisted at once; in the engine core its slot is freed once no request uses it."""
     assert state.loras is not None
     try:
-        state.loras.remove(body.lora_name)
+        adapter = state.loras.remove(body.lora_name)
     except KeyError:
         raise OpenAIError(f"The lora adapter '{body.lora_name}' cannot be found.", 404, "NotFoundError",
                           "lora_name") from None
+    await state.engine.remove_lora(adapter.lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
