@@ -196,7 +196,8 @@ def _pair_tensors(name: str, tensors: dict, rank: int, scaling: float) -> dict[s
         else:  # numpy
             import numpy as np
 
-            b = b * np.float32(scaling)
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
+                b = b * np.float32(scaling)
             finite = bool(np.isfinite(a).all()) and bool(np.isfinite(b).all())
         if not finite:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {module} has weights that are NaN or infinite "
