@@ -4,6 +4,7 @@ selecting an adapter, /v1/models with the base as parent, hot load and unload
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,40 @@ def test_adapters_through_the_server(setup: dict[str, Any]) -> None:
     with pytest.raises(openai.NotFoundError):
         complete(client, "b")
     assert complete(client, "a") == a_tokens
+
+
+def test_bad_adapters_are_400s_and_never_listed(setup: dict[str, Any]) -> None:
+    """Each refusal is a 400 naming why, the adapter unlisted and unusable; a good one loaded
+    and unloaded frees its slot in the engine core."""
+    from tests.lora.test_lora_hardening import variant
+
+    client, url, root = setup["client"], setup["server"].url, setup["root"]
+    other = save_tiny_llama(root / "wide", hidden_size=96)
+    save_random_adapter(other, root / "wide-lora", seed=3, r=4)
+    cases = {
+        "nan": (variant(root, "nan", poison="nan"), "NaN or infinite"),
+        "r0": (variant(root, "r0", {"r": 0}), "r=0"),
+        "no-r": (variant(root, "no-r", {"r": None}), "r=None"),
+        "r-list": (variant(root, "r-list", {"r": [8]}), "r=[8]"),
+        "alpha-nan": (variant(root, "alpha-nan", {"lora_alpha": float("nan")}), "lora_alpha=nan"),
+        "wide": (root / "wide-lora", "an adapter of another base"),  # found in the engine core
+    }
+    for name, (path, text) in cases.items():
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        assert r.status_code == 400, (name, r.status_code, r.text)
+        error = r.json()["error"]
+        assert text in error["message"] and error["type"] == "BadRequestError", (name, error)
+    assert {m.id for m in client.models.list().data} == {"tiny", "a"}
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "wide")
+    base_tokens = complete(client, "tiny")
+    assert base_tokens == expected(setup, setup["base"])  # the engine serves on, unharmed
+    # Unloading reaches the engine core: the adapter's slot is freed there.
+    loaded = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b2", "lora_path": str(root / "b")})
+    assert loaded.status_code == 200, loaded.text
+    assert complete(client, "b2") == expected(setup, setup["refs"]["b"])
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b2"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while "unloaded (slot" not in setup["server"].log_path.read_text():
+        assert time.monotonic() < deadline, "the unload did not reach the engine core"
+        time.sleep(0.1)
