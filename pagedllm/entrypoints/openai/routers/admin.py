@@ -41,7 +41,11 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerState = D
     try:
         adapter = await asyncio.to_thread(state.loras.prepare, body.lora_name, body.lora_path)
         await state.engine.add_lora(adapter)
-        state.loras.commit(adapter)
+        try:
+            state.loras.commit(adapter)
+        except ValueError:  # the name was taken meanwhile: the core's copy goes again
+            await state.engine.remove_lora(adapter.lora_int_id)
+            raise
     except ValueError as e:
         raise bad_request(str(e), "lora_name" if "already loaded" in str(e) or "base model's name" in str(e)
                           else "lora_path") from None
