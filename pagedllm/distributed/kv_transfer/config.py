@@ -107,7 +107,7 @@ class KVTransferConfig:
     kv_max_held_blocks: int | None = None
     """The producer holds at most this many KV blocks for remote pulls at once (default:
     half of its KV pool)."""
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
     """Trust (docs/security.md): ``trusted_producers``, a list of "host" or "host:port"
     a consumer pulls from (default: loopback only); ``shared_secret``, a key producers sign
     their kv_transfer_params with (HMAC-SHA256) and consumers require the signature of."""
