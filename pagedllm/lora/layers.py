@@ -104,7 +104,7 @@ class LinearLoRASlots:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         # x: [T, K], y: [T, N] (the base projection's output) -> y + delta, per slot's rows
-        groups = mapping.groups or _groups(mapping.row_slots)
+        groups = mapping.groups or slot_groups(mapping.row_slots)
         out = y.clone()
         for slot, rows in groups:
             span = slice(slot * self.width, (slot + 1) * self.width)
@@ -113,7 +113,7 @@ class LinearLoRASlots:
         return out
 
 
-def _groups(row_slots: torch.Tensor) -> tuple[tuple[int, torch.Tensor], ...]:
+def slot_groups(row_slots: torch.Tensor) -> tuple[tuple[int, torch.Tensor], ...]:
     """(slot, its rows) for each slot in ``row_slots`` (-1: no adapter, left out)."""
     return tuple((int(s), (row_slots == s).nonzero().flatten()) for s in row_slots.unique().tolist() if s >= 0)
 

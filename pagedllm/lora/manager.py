@@ -25,7 +25,7 @@ from torch import nn
 from pagedllm.layers.linear import Linear
 from pagedllm.lora.checkpoint import LoRAAdapter, LoRAAdapterError, LoRAModuleWeights, load_peft_adapter
 from pagedllm.lora.config import LoRAConfig
-from pagedllm.lora.layers import LinearLoRASlots, LoRAMapping, _groups
+from pagedllm.lora.layers import LinearLoRASlots, LoRAMapping, slot_groups
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class LoRAManager:
         one_hot = torch.zeros(len(slot_per_token), self.config.max_loras + 1, dtype=self.dtype)
         one_hot[torch.arange(len(slot_per_token)), slot_per_token] = 1  # -1 lands in the spare column
         row_slots = slot_per_token.to(self.device)
-        return LoRAMapping(one_hot[:, : self.config.max_loras].to(self.device), row_slots, _groups(row_slots))
+        return LoRAMapping(one_hot[:, : self.config.max_loras].to(self.device), row_slots, slot_groups(row_slots))
 
     def _activate(self, adapter_id: int, taken: set[int]) -> int:
         """The slot holding `adapter_id`, filling the least recently used free one if none."""

@@ -214,7 +214,6 @@ def test_trusted_producers_allowlist():
 
 
 def test_signed_params_from_the_producer():
-    from pagedllm.core.scheduler import Scheduler  # noqa: F401  (the producer side signs in request_finished)
     from pagedllm.distributed.kv_transfer.zmq_connector import ZmqConnectorScheduler
     from tests.core.utils import make_request
 

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.lora.checkpoint import LoRAAdapterError, check_adapter_files, load_peft_adapter
-from pagedllm.lora.layers import LinearLoRASlots, LoRAMapping, _groups
-from pagedllm.lora.checkpoint import LoRAModuleWeights
+from pagedllm.lora.checkpoint import LoRAAdapterError, LoRAModuleWeights, check_adapter_files, load_peft_adapter
+from pagedllm.lora.layers import LinearLoRASlots, LoRAMapping, slot_groups
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from tests.lora.utils import save_random_adapter, save_tiny_llama
@@ -116,7 +115,7 @@ def test_poisoned_slot_cannot_reach_other_rows():
     x, y = torch.randn(4, 8), torch.randn(4, 6)
     row_slots = torch.tensor([-1, 0, 1, -1])
     one_hot = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
-    for mapping in (LoRAMapping(one_hot, row_slots, _groups(row_slots)), LoRAMapping(one_hot, row_slots)):
+    for mapping in (LoRAMapping(one_hot, row_slots, slot_groups(row_slots)), LoRAMapping(one_hot, row_slots)):
         out = slots.add_delta(x, y, mapping)
         assert torch.equal(out[[0, 3]], y[[0, 3]])
         torch.testing.assert_close(out[1], y[1] + (x[1] @ a.t()) @ b.t())
