@@ -453,15 +453,17 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         finally:
             streams[0].abort()
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # Bounded: a pump waits while the consumer does not read, so each request's outputs merge
+    # in its stream (one pending output each) instead of piling up here.
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(maxsize=1)
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
+                await queue.put((i, out))
         except Exception as e:  # handed to the consumer
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, None))
+            await queue.put((i, e))
+        await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
