@@ -41,8 +41,9 @@ from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 logger = logging.getLogger(__name__)
 
 # All else needs the API key. The /dashboard page is static HTML that asks the user for the
-# key and sends it with its /dashboard/state requests.
-_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/dashboard"})
+# key and sends it with its /dashboard/state requests. /metrics is open only with
+# --metrics-public (its prefix-cache counters let one client probe another's prompts).
+_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/dashboard"})
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,11 @@ class ServerConfig:
     """The names clients may use in `model` (the first is the one responses and metrics
     report); default: the model argument."""
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens, any one of which is required on every path but /health, /version,
-    /metrics and the /dashboard page (its data, /dashboard/state, needs one)."""
+    """Bearer tokens, any one of which is required on every path but /health, /ping, /version
+    and the /dashboard page (its data, /dashboard/state, needs one); /metrics too unless
+    metrics_public."""
+    metrics_public: bool = False
+    """--metrics-public: /metrics answers without the API key."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
     trust_request_chat_template: bool = False
@@ -120,12 +124,13 @@ class APIKeyMiddleware:
     """Bearer-token check on every path but _OPEN_PATHS (docs and schema included), as plain
     ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
 
-    def __init__(self, app: Any, api_keys: tuple[bytes, ...]) -> None:
+    def __init__(self, app: Any, api_keys: tuple[bytes, ...], open_paths: frozenset[str] = _OPEN_PATHS) -> None:
         self.app = app
         self.api_keys = api_keys
+        self.open_paths = open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             header = dict(scope["headers"]).get(b"authorization", b"")
             given = header[7:] if header.lower().startswith(b"bearer ") else b""
             # Every key is compared (no early exit), each in constant time.
@@ -171,7 +176,9 @@ def add_exception_handlers(app: FastAPI) -> None:
 
 def add_middleware(app: FastAPI, config: ServerConfig) -> None:
     if config.api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=tuple(k.encode() for k in config.api_keys))
+        open_paths = _OPEN_PATHS | {"/metrics"} if config.metrics_public else _OPEN_PATHS
+        app.add_middleware(APIKeyMiddleware, api_keys=tuple(k.encode() for k in config.api_keys),
+                           open_paths=open_paths)
     # Added last, so outermost: a browser's preflight (OPTIONS, no key) is answered before
     # the key check, as in vLLM.
     app.add_middleware(
