@@ -173,6 +173,7 @@ def _server_config(
     args: argparse.Namespace, tool_calls: ToolCallConfig, allow_runtime_lora_updating: bool
 ) -> ServerConfig:
     """The HTTP front end's settings (api_server.ServerConfig) from the serve flags."""
+    from pagedllm.config import parse_bytes
     from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template
 
     return ServerConfig(
@@ -199,6 +200,7 @@ def _server_config(
         lora_modules=tuple(args.lora_modules or ()),
         allow_runtime_lora_updating=allow_runtime_lora_updating,
         metrics_public=args.metrics_public,
+        max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
     )
 
 
@@ -213,6 +215,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="the names clients may send as `model` (the first is reported)")
     serve.add_argument("--api-key", nargs="+", default=None,
                        help="require one of these bearer tokens (or set VLLM_API_KEY / PAGEDLLM_API_KEY)")
+    serve.add_argument("--max-request-body-bytes", default="32MiB",
+                       help="the largest request body accepted (bytes, or with a unit: 32MiB); a longer one is a 413")
     serve.add_argument("--metrics-public", action="store_true",
                        help="serve /metrics without the API key (by default it needs one when --api-key is set: "
                             "its prefix-cache counters tell one client about another's prompts)")

@@ -29,6 +29,7 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaul
 from pagedllm.engine.core_client import StartedCore
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
 from pagedllm.entrypoints.openai import dashboard
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyCheckMiddleware
 from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.routers import admin, completions, health, models, tokenize
@@ -59,6 +60,8 @@ class ServerConfig:
     """Bearer tokens, any one of which is required on every path but /health, /ping, /version
     and the /dashboard page (its data, /dashboard/state, needs one); /metrics too unless
     metrics_public."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    """--max-request-body-bytes: a longer body is refused with a 413 before it is parsed."""
     metrics_public: bool = False
     """--metrics-public: /metrics answers without the API key."""
     chat_template: str | None = None
@@ -175,6 +178,8 @@ def add_exception_handlers(app: FastAPI) -> None:
 
 
 def add_middleware(app: FastAPI, config: ServerConfig) -> None:
+    # Innermost: the body is read (capped) and its text checked only once the key passed.
+    app.add_middleware(BodyCheckMiddleware, max_body_bytes=config.max_request_body_bytes)
     if config.api_keys:
         open_paths = _OPEN_PATHS | {"/metrics"} if config.metrics_public else _OPEN_PATHS
         app.add_middleware(APIKeyMiddleware, api_keys=tuple(k.encode() for k in config.api_keys),
