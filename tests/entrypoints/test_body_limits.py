@@ -72,3 +72,27 @@ def test_unknown_field_names_logged_escaped_and_truncated(server):
     assert "\nFORGED-LOG-LINE" not in log
     line = next(ln for ln in log.splitlines() if "FORGED-LOG-LINE" in ln)
     assert "x\\nFORGED-LOG-LINE" in line and len(line) < 400, line[:500]
+
+
+def test_client_request_id_cannot_collide_with_another_requests_sequences(server):
+    """Engine ids are the server's (issue 48 item 7): a request_id of "0_<id>" while <id> runs
+    with n=2 (whose sequences are "0_<id>" and "1_<id>" in the engine), or the same id twice at
+    once, leaves both requests whole."""
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            first = client.post(server.url + "/v1/completions", json={
+                "prompt": "Once upon a time", "max_tokens": 24, "n": 2, "ignore_eos": True, "request_id": "victim"})
+            attacks = [client.post(server.url + "/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "request_id": rid})
+                for rid in ("0_victim", "victim")]
+            return await asyncio.gather(first, *attacks)
+
+    victim, *attacks = asyncio.run(run())
+    assert victim.status_code == 200, victim.text
+    body = victim.json()
+    assert body["id"] == "victim"  # the client's id is still the response's
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    for r in attacks:
+        assert r.status_code == 200, r.text
