@@ -59,11 +59,15 @@ def test_empty_api_key_refused_at_start_up():
     assert len(lines) == 1 and "--api-key" in lines[0] and "empty" in lines[0], lines
 
 
-def test_metrics_public_opens_metrics_only():
-    srv = RemoteServer([*SMALL_SERVER_ARGS, "--api-key", KEY, "--metrics-public"])
+def test_metrics_public_opens_metrics_only_and_admin_key_guards_admin_paths():
+    srv = RemoteServer([*SMALL_SERVER_ARGS, "--api-key", KEY, "--metrics-public", "--admin-api-key", "adm1n"])
     try:
         assert httpx.get(srv.url + "/metrics").status_code == 200
         assert httpx.get(srv.url + "/v1/models").status_code == 401
+        reset = srv.url + "/reset_prefix_cache"
+        assert httpx.post(reset, headers={"Authorization": f"Bearer {KEY}"}).status_code == 401  # an API key is not enough
+        assert httpx.post(reset, headers={"Authorization": "Bearer adm1n"}).status_code == 200
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer adm1n"}).status_code == 401
     finally:
         srv.stop()
 
