@@ -87,31 +87,53 @@ class KVTransferFailedError(EngineNotReadyError):
 
 
 class RequestStream:
-    """The outputs of one request, as the output handler delivers them."""
+    """The outputs of one request, as the output handler delivers them.
+
+    At most one output waits here, however slowly the consumer reads: outputs are cumulative
+    (full text, token ids and logprobs so far), so a new one replaces the one not yet taken
+    (as vLLM's output collector merges them). A client that stops reading costs one output's
+    memory, not one per step. An error ends the stream after the pending output.
+    """
 
     def __init__(self, request_id: str, engine: AsyncLLM, deadline: float | None = None) -> None:
         self.request_id = request_id
         self.deadline = deadline  # time.monotonic() after which the request is aborted
         self.finished = False
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self._engine = engine
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            if self._error is None:
+                self._error = item
+        elif self._pending is None or not self._pending.finished:
+            self._pending = item  # cumulative: the newer output holds everything the older did
+        self._ready.set()
+
+    @property
+    def num_pending(self) -> int:
+        """Items waiting for the consumer (at most an output and an error)."""
+        return (self._pending is not None) + (self._error is not None)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        while True:
+            if self.finished:
+                raise StopAsyncIteration
+            if self._pending is not None:
+                item, self._pending = self._pending, None
+                if item.finished:
+                    self.finished = True
+                return item
+            if self._error is not None:
+                self.finished = True
+                raise self._error
+            self._ready.clear()
+            await self._ready.wait()
 
     def abort(self) -> None:
         if not self.finished:

@@ -121,6 +121,12 @@ def cmd_chat_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
+    if (args.api_key is not None and not all(args.api_key)) or (
+            args.admin_api_key is not None and not all(args.admin_api_key)):
+        # An empty key would let every client in while the operator believes the API guarded.
+        print("pagedllm serve: --api-key: an empty key is refused (it would admit every client); "
+              "give a non-empty key or leave --api-key out (--admin-api-key likewise)", file=sys.stderr)
+        raise SystemExit(2)
     engine_args, engine_config = _engine_config(args, "serve")
     tool_calls, allow_runtime_lora_updating = _check_serve_args(args, engine_args)
     # Start-up: the core loads the model on one CPU while this process imports the server
@@ -168,6 +174,7 @@ def _server_config(
     args: argparse.Namespace, tool_calls: ToolCallConfig, allow_runtime_lora_updating: bool
 ) -> ServerConfig:
     """The HTTP front end's settings (api_server.ServerConfig) from the serve flags."""
+    from pagedllm.config import parse_bytes
     from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template
 
     return ServerConfig(
@@ -193,6 +200,9 @@ def _server_config(
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         lora_modules=tuple(args.lora_modules or ()),
         allow_runtime_lora_updating=allow_runtime_lora_updating,
+        metrics_public=args.metrics_public,
+        admin_api_keys=tuple(args.admin_api_key or ()),
+        max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
     )
 
 
@@ -207,6 +217,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="the names clients may send as `model` (the first is reported)")
     serve.add_argument("--api-key", nargs="+", default=None,
                        help="require one of these bearer tokens (or set VLLM_API_KEY / PAGEDLLM_API_KEY)")
+    serve.add_argument("--max-request-body-bytes", default="32MiB",
+                       help="the largest request body accepted (bytes, or with a unit: 32MiB); a longer one is a 413")
+    serve.add_argument("--admin-api-key", nargs="+", default=None,
+                       help="require one of these bearer tokens (not an --api-key) for adapter loading and "
+                            "unloading and /reset_prefix_cache")
+    serve.add_argument("--metrics-public", action="store_true",
+                       help="serve /metrics without the API key (by default it needs one when --api-key is set: "
+                            "its prefix-cache counters tell one client about another's prompts)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template: a file path or the text")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="allow a chat_template in chat requests (arbitrary Jinja, rendered in a "

@@ -109,6 +109,10 @@ def test_request_chat_template_bounded_when_trusted(tiny_llama_dir):
         assert TEMPLATE_TIMEOUT_S <= seconds < TEMPLATE_TIMEOUT_S + 10  # 10: spawning is not needed here
         again = chat(simple)  # a new render process
         assert again.status_code == 200, again.text
+        # 2 GB: more than the render process's address-space limit lets it grow by (1 GiB)
+        hog = chat("{{ 'a' * 2000000000 }}")
+        assert hog.status_code == 400 and hog.json()["error"]["param"] == "chat_template", hog.text[:300]
+        assert chat(simple).status_code == 200
         bad = chat("{{ raise_exception('no system prompt') }}")
         assert bad.status_code == 400 and "no system prompt" in bad.json()["error"]["message"], bad.text
     finally:

@@ -180,7 +180,7 @@ def test_enable_log_requests_logs_one_line_per_request(keyed_server, default_tok
     client.completions.create(model=SERVED_NAME, prompt="Hello there", max_tokens=2,
                               extra_body={"request_id": request_id})
     lines = [line for line in keyed_server.log_path.read_text().splitlines()
-             if f"Received request {request_id}:" in line]
+             if f"Received request {request_id}-" in line]  # the engine id: the client's + a suffix
     assert len(lines) == 1, lines
     assert f"num_prompt_tokens: {len(default_tokenizer.encode('Hello there'))}," in lines[0]
     assert "max_tokens=2" in lines[0]

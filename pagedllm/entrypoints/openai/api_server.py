@@ -29,6 +29,7 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaul
 from pagedllm.engine.core_client import StartedCore
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
 from pagedllm.entrypoints.openai import dashboard
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyCheckMiddleware
 from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry, check_in_engine
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.routers import admin, completions, health, models, tokenize
@@ -41,8 +42,11 @@ from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 logger = logging.getLogger(__name__)
 
 # All else needs the API key. The /dashboard page is static HTML that asks the user for the
-# key and sends it with its /dashboard/state requests.
-_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/dashboard"})
+# key and sends it with its /dashboard/state requests. /metrics is open only with
+# --metrics-public (its prefix-cache counters let one client probe another's prompts).
+_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/dashboard"})
+# With --admin-api-key, these need an admin key (an API key is not enough).
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,15 @@ class ServerConfig:
     """The names clients may use in `model` (the first is the one responses and metrics
     report); default: the model argument."""
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens, any one of which is required on every path but /health, /version,
-    /metrics and the /dashboard page (its data, /dashboard/state, needs one)."""
+    """Bearer tokens, any one of which is required on every path but /health, /ping, /version
+    and the /dashboard page (its data, /dashboard/state, needs one); /metrics too unless
+    metrics_public."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    """--max-request-body-bytes: a longer body is refused with a 413 before it is parsed."""
+    admin_api_keys: tuple[str, ...] = ()
+    """--admin-api-key: bearer tokens required on ADMIN_PATHS (adapter loading, cache reset)."""
+    metrics_public: bool = False
+    """--metrics-public: /metrics answers without the API key."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
     trust_request_chat_template: bool = False
@@ -120,16 +131,20 @@ class APIKeyMiddleware:
     """Bearer-token check on every path but _OPEN_PATHS (docs and schema included), as plain
     ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
 
-    def __init__(self, app: Any, api_keys: tuple[bytes, ...]) -> None:
+    def __init__(self, app: Any, api_keys: tuple[bytes, ...], open_paths: frozenset[str] = _OPEN_PATHS,
+                 admin_keys: tuple[bytes, ...] = ()) -> None:
         self.app = app
         self.api_keys = api_keys
+        self.open_paths = open_paths
+        self.admin_keys = admin_keys
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            keys = self.admin_keys if self.admin_keys and scope["path"] in ADMIN_PATHS else self.api_keys
             header = dict(scope["headers"]).get(b"authorization", b"")
             given = header[7:] if header.lower().startswith(b"bearer ") else b""
-            # Every key is compared (no early exit), each in constant time.
-            if not sum(hmac.compare_digest(given, key) for key in self.api_keys):
+            # Every key is compared (no early exit), each in constant time; no keys: open.
+            if keys and not sum(hmac.compare_digest(given, key) for key in keys):
                 response = error_response(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
                 await response(scope, receive, send)
                 return
@@ -170,8 +185,12 @@ def add_exception_handlers(app: FastAPI) -> None:
 
 
 def add_middleware(app: FastAPI, config: ServerConfig) -> None:
-    if config.api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=tuple(k.encode() for k in config.api_keys))
+    # Innermost: the body is read (capped) and its text checked only once the key passed.
+    app.add_middleware(BodyCheckMiddleware, max_body_bytes=config.max_request_body_bytes)
+    if config.api_keys or config.admin_api_keys:
+        open_paths = _OPEN_PATHS | {"/metrics"} if config.metrics_public else _OPEN_PATHS
+        app.add_middleware(APIKeyMiddleware, api_keys=tuple(k.encode() for k in config.api_keys),
+                           open_paths=open_paths, admin_keys=tuple(k.encode() for k in config.admin_api_keys))
     # Added last, so outermost: a browser's preflight (OPTIONS, no key) is answered before
     # the key check, as in vLLM.
     app.add_middleware(

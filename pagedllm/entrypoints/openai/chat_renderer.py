@@ -34,11 +34,30 @@ class ChatTemplateError(ValueError):
     """The messages or the template are refused (the server's 400)."""
 
 
+SANDBOX_MEMORY_HEADROOM_BYTES = 1 << 30
+"""Address space the render process may grow by once started: a template that builds a larger
+string ('a' * 10**10) gets a MemoryError (a 400) instead of exhausting the host."""
+
+
+def _limit_address_space(headroom: int) -> None:
+    """RLIMIT_AS at this process's current virtual size plus headroom (Linux; elsewhere none)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            vm_bytes = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        limit = vm_bytes + headroom
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, OSError, ValueError):
+        pass
+
+
 def _sandbox_main(conn: Any, tokenizer: Any, parent_pid: int) -> None:
     """The render process: (messages, template, add_generation_prompt, chat_template_kwargs,
     options) in (options: render_chat_text's keyword arguments: tools, continue_final_message,
     documents), ("ok", text) or ("error", message) out, until the pipe closes."""
     die_with_parent(parent_pid)
+    _limit_address_space(SANDBOX_MEMORY_HEADROOM_BYTES)
     conn.send(("ready", None))
     while True:
         try:

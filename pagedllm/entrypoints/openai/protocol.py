@@ -21,6 +21,19 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+MAX_LOGGED_NAMES = 16
+MAX_LOGGED_CHARS = 64
+
+
+def log_safe(text: str, limit: int = MAX_LOGGED_CHARS) -> str:
+    """A client-sent string fit for one log line: control characters and non-ASCII escaped
+    (a newline cannot forge another line), cut to `limit` characters with a marker."""
+    cut = text[:limit]
+    out = cut.encode("ascii", "backslashreplace").decode("ascii")
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in out)
+    return out + f"...(+{len(text) - limit} chars)" if len(text) > limit else out
+
+
 class RequestModel(BaseModel):
     """A request body: unknown fields are dropped, each named in one warning."""
 
@@ -32,7 +45,10 @@ class RequestModel(BaseModel):
         if isinstance(data, dict):
             unknown = sorted(str(k) for k in data if k not in cls.model_fields)
             if unknown:
-                logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, ", ".join(unknown))
+                names = [log_safe(k) for k in unknown[:MAX_LOGGED_NAMES]]
+                if len(unknown) > MAX_LOGGED_NAMES:
+                    names.append(f"(+{len(unknown) - MAX_LOGGED_NAMES} more)")
+                logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, ", ".join(names))
         return data
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pagedllm.entrypoints.openai.protocol import log_safe
+
 logger = logging.getLogger(__name__)
 
 
@@ -16,6 +18,7 @@ class RequestLogger:
         self.max_log_len = max_log_len
 
     def log(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any) -> None:
+        request_id = log_safe(request_id, 160)  # client-sent: one escaped, bounded line
         logger.info("Received request %s: num_prompt_tokens: %d, params: %s",
                     request_id, len(prompt_token_ids), params)
         if logger.isEnabledFor(logging.DEBUG):

@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import re
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -409,9 +410,13 @@ def add_requests(
     streams: list[RequestStream] = []
     if kv_transfer_params is not None and len(prompts) != 1:
         raise bad_request("kv_transfer_params needs a single prompt", "kv_transfer_params")
+    # Engine ids are the server's: the client's (or random) id plus a random suffix, so a
+    # client-sent request_id cannot equal another request's engine id (say "0_<id>", a
+    # sequence of an n > 1 request) nor a concurrent request's same id. Responses keep base_id.
+    suffix = secrets.token_hex(8)
     try:
         for i, (text, ids) in enumerate(prompts):
-            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            request_id = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{i}-{suffix}"
             if isinstance(params, BeamSearchRequest):
                 if kv_transfer_params is not None:
                     raise ValueError("kv_transfer_params cannot be combined with use_beam_search")
@@ -453,15 +458,17 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         finally:
             streams[0].abort()
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # Bounded: a pump waits while the consumer does not read, so each request's outputs merge
+    # in its stream (one pending output each) instead of piling up here.
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(maxsize=1)
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
+                await queue.put((i, out))
         except Exception as e:  # handed to the consumer
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, None))
+            await queue.put((i, e))
+        await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

@@ -1,4 +1,5 @@
-"""``/health``, ``/ping``, ``/version`` and ``/metrics`` (open without an API key)."""
+"""``/health``, ``/ping``, ``/version`` (open without an API key) and ``/metrics`` (behind the key
+unless --metrics-public)."""
 
 from __future__ import annotations
 
