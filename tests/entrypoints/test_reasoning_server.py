@@ -42,7 +42,8 @@ def client(think_server):
 def ask(client, **kwargs):
     chat = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, temperature=0.0, **kwargs)
     (choice,) = chat.choices
-    return choice.message.reasoning_content, choice.message.content, choice.finish_reason
+    assert choice.message.reasoning == choice.message.reasoning_content  # vLLM's name and the older one
+    return choice.message.reasoning, choice.message.content, choice.finish_reason
 
 
 def ask_streamed(client, **kwargs):
@@ -51,7 +52,8 @@ def ask_streamed(client, **kwargs):
         model=client.models.list().data[0].id, messages=CHAT, temperature=0.0, stream=True, **kwargs)
     for chunk in stream:
         for choice in chunk.choices:
-            r, c = getattr(choice.delta, "reasoning_content", None), choice.delta.content
+            r, c = getattr(choice.delta, "reasoning", None), choice.delta.content
+            assert r == getattr(choice.delta, "reasoning_content", None)
             if r:
                 reasoning += r
                 kinds.append("reasoning")

@@ -271,8 +271,10 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    """With a reasoning parser: the model's thinking, apart from ``content`` (vLLM's name)."""
     reasoning_content: str | None = None
-    """With a reasoning parser: the model's thinking, apart from ``content``."""
+    """The same text under its older name (llama-server's; vLLM's before ``reasoning``)."""
     tool_calls: list[ToolCall] | None = None
 
 
@@ -324,7 +326,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
+    """``reasoning`` again, under its older name."""
     tool_calls: list[DeltaToolCall] | None = None
 
 

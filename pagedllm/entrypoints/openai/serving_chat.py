@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: the chat template, then one request; streaming as OpenAI does
 (a role chunk, content deltas, a finish chunk, optionally a usage chunk). With a reasoning
-parser each choice's text is split into reasoning_content and content (chat_reasoning.py)."""
+parser each choice's text is split into reasoning (also sent as reasoning_content) and content (chat_reasoning.py)."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ class OpenAIServingChat:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, num_logprobs, self._decode))
             split = reasoning.split(c.text)
             message, made_calls = tool_message(tools, split.content)
-            message.reasoning_content = split.reasoning
+            message.reasoning = message.reasoning_content = split.reasoning
             choices.append(ChatChoice(
                 index=c.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason_with_calls(c.finish_reason, made_calls), stop_reason=c.stop_reason,
@@ -205,10 +205,10 @@ class OpenAIServingChat:
                     content = content_so_far[c.index] = content_so_far.get(c.index, "") + part.content
                     state = choice_states.setdefault(c.index, choice_stream(tools))
                     message = delta_message(state.update(content, final=final))
-                    message.reasoning_content = part.reasoning or None
+                    message.reasoning = message.reasoning_content = part.reasoning or None
                     finish_reason = finish_reason_with_calls(c.finish_reason, state.made_calls)
                     start = sent_tokens.get(c.index, 0)
-                    if (message.content is None and message.tool_calls is None and message.reasoning_content is None
+                    if (message.content is None and message.tool_calls is None and message.reasoning is None
                             and finish_reason is None and not (return_ids and len(c.token_ids) > start)):
                         continue  # nothing settled yet (a marker may be arriving)
                     logprobs = None
