@@ -161,7 +161,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
-    """With a reasoning parser: return ``reasoning_content`` (False: drop it, as vLLM)."""
+    """With a reasoning parser: return ``reasoning`` (False: drop it, as vLLM)."""
+    thinking_token_budget: int | None = None
+    """With a reasoning parser: the most output tokens the reasoning may take before its end
+    marker is forced (vLLM's; None: the server's --reasoning-budget; -1: no limit)."""
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: "auto" with tools (needs --enable-auto-tool-choice), else "none"."""

@@ -54,6 +54,7 @@ class ResponsesRequest(RequestModel):
     stop: str | list[str] | None = None
     request_id: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
 
 
 def _part_text(part: Any, where: str) -> str:
@@ -179,7 +180,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
         parallel_tool_calls=req.parallel_tool_calls, response_format=response_format(req.text),
         max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
-        chat_template_kwargs=kwargs or None, stream=req.stream,
+        chat_template_kwargs=kwargs or None, stream=req.stream, thinking_token_budget=req.thinking_token_budget,
         stream_options=StreamOptions(include_usage=True) if req.stream else None,
         logprobs=req.top_logprobs is not None, top_logprobs=req.top_logprobs,
     )

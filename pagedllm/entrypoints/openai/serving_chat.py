@@ -138,7 +138,8 @@ class OpenAIServingChat:
         kept = truncate_prompt(ids, req.truncate_prompt_tokens, max_len)
         text, ids = (text if len(kept) == len(ids) else None), kept
         check_context_length(len(ids), max_tokens, max_len)
-        reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning)
+        reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning,
+                                               req.thinking_token_budget)
         reasoning.apply_to(params)
         request_id = req.request_id or random_id("chatcmpl")
         model = response_model_name(self.model_name, lora_request)
