@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -69,6 +69,8 @@ def _part_text(part: Any, where: str) -> str:
 def _content_text(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: content must be text or a list of text parts", "input")
     return "".join(_part_text(p, where) for p in content)
 
 
@@ -93,6 +95,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 message["reasoning"], reasoning = reasoning, None
             messages.append(message)
         elif kind == "function_call":
+            if not isinstance(item.get("name"), str):
+                raise bad_request(f"{where}: a function_call item needs its name", "input")
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = messages[-1] if messages else None
@@ -133,6 +137,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[ChatTool] | None:
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
             raise bad_request(f"tools[{i}]: only function tools are supported, got {tool.get('type')!r}", "tools")
+        if not isinstance(tool.get("name"), str):
+            raise bad_request(f"tools[{i}]: a function tool needs its name", "tools")
         result.append(ChatTool(function=FunctionDefinition(
             name=tool["name"], description=tool.get("description"), parameters=tool.get("parameters"),
             strict=tool.get("strict"))))
@@ -175,6 +181,15 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
     effort = (req.reasoning or {}).get("effort")
     if effort is not None:
         kwargs.setdefault("reasoning_effort", effort)
+    try:
+        return _chat_request(req, messages, kwargs)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise bad_request(f"invalid request: {where}: {first.get('msg')}", "input") from None
+
+
+def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         messages=messages, model=req.model, tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, response_format=response_format(req.text),
