@@ -201,3 +201,37 @@ def test_openai_agents_sdk_runs_a_tool(client, responses_server):
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def test_cancel_in_progress(client, responses_server):
+    """POST /v1/responses/{id}/cancel stops a response still generating (streamed, or plain
+    under a request_id known beforehand): its status becomes cancelled, its engine request ends."""
+    import threading
+
+    stream = client.responses.create(model=MODEL, input="Count to a thousand.", max_output_tokens=1500,
+                                     temperature=0.0, stream=True)
+    events = iter(stream)
+    created = next(events)
+    assert created.type == "response.created"
+    response_id = created.response.id
+    next(events)
+    assert client.responses.cancel(response_id).status == "cancelled"
+    rest = list(events)
+    assert all(e.type not in ("response.completed", "response.incomplete") for e in rest)
+    assert client.responses.retrieve(response_id).status == "cancelled"
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+        responses_server.base_url + "/responses", timeout=120,
+        json={"input": "Count to a thousand.", "max_output_tokens": 1500, "request_id": "resp-to-cancel"})))
+    worker.start()
+    for _ in range(100):
+        r = httpx.post(responses_server.base_url + "/responses/resp-to-cancel/cancel")
+        if r.status_code == 200:
+            break
+        threading.Event().wait(0.05)
+    assert r.json()["status"] == "cancelled"
+    worker.join()
+    assert result["r"].json()["status"] == "cancelled"
+    # The server goes on serving.
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).status == "incomplete"
