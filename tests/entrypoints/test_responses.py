@@ -8,6 +8,7 @@ GET / DELETE / eviction, and errors in OpenAI's shape."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -229,9 +230,25 @@ def test_cancel_in_progress(client, responses_server):
         r = httpx.post(responses_server.base_url + "/responses/resp-to-cancel/cancel")
         if r.status_code == 200:
             break
-        threading.Event().wait(0.05)
+        time.sleep(0.05)
     assert r.json()["status"] == "cancelled"
     worker.join()
     assert result["r"].json()["status"] == "cancelled"
     # The server goes on serving.
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).status == "incomplete"
+
+
+def test_a_stream_left_early_is_stored_as_failed(client, responses_server):
+    with httpx.stream("POST", responses_server.base_url + "/responses", timeout=120, json={
+            "input": "Count to a thousand.", "max_output_tokens": 1500, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                response_id = json.loads(line[6:])["response"]["id"]
+                break
+    for _ in range(100):
+        stored = client.responses.retrieve(response_id)
+        if stored.status != "in_progress":
+            break
+        time.sleep(0.05)
+    assert stored.status == "failed" and "disconnected" in stored.error.message
     assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).status == "incomplete"

@@ -90,6 +90,13 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}
 
 
+def _mark_abandoned(entry: StoredResponse) -> None:
+    """A response left in progress because its client went away: stored as failed."""
+    if entry.body["status"] == "in_progress":
+        entry.body.update(status="failed", error={"code": "server_error",
+                                                  "message": "the client disconnected before the response finished"})
+
+
 class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
         self.chat = chat
@@ -122,7 +129,7 @@ class OpenAIServingResponses:
         chat_req.request_id = response_id
         model = lora_request.lora_name if lora_request is not None else self.chat.model_name
         body = self._skeleton(req, response_id, model)
-        conversation = [m for m in chat_req.model_dump(exclude_none=True)["messages"]]
+        conversation = chat_req.model_dump(exclude_none=True)["messages"]
         if req.instructions:
             conversation = conversation[1:]  # instructions are not carried to the next response
         entry = StoredResponse(body, conversation)
@@ -138,6 +145,7 @@ class OpenAIServingResponses:
             result = await entry.task
         except asyncio.CancelledError:
             if not entry.cancelled:
+                _mark_abandoned(entry)
                 raise
             body["status"] = "cancelled"
             return body
@@ -167,7 +175,15 @@ class OpenAIServingResponses:
             body["status"] = "completed"
         entry.conversation = [*entry.conversation, *output_messages(output)]
 
-    async def _stream(self, entry: StoredResponse, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _stream(self, entry: StoredResponse, chunks: Any) -> AsyncIterator[str]:
+        try:
+            async for event in self._events(entry, chunks):
+                yield event
+        finally:
+            await chunks.aclose()  # aborts the engine request if the stream stopped early
+            _mark_abandoned(entry)
+
+    async def _events(self, entry: StoredResponse, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         events = ResponseEvents(entry.body)
         yield events.emit("response.created", response=dict(entry.body))
         yield events.emit("response.in_progress", response=dict(entry.body))
