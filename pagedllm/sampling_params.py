@@ -136,6 +136,9 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output (JSON schema, regex, choice, grammar); see StructuredOutputsParams."""
+    thinking_token_budget: int | None = None
+    """Output tokens the reasoning may take (the output starts inside it): once spent, the
+    reasoning parser's end marker is forced and the answer follows (None: no limit)."""
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
     """``bad_words`` as token sequences, set by the engine's input processor (its tokenizer)."""
 
@@ -191,6 +194,9 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
             )
+        if self.thinking_token_budget is not None and (
+                not isinstance(self.thinking_token_budget, int) or self.thinking_token_budget < 0):
+            raise ValueError(f"thinking_token_budget must be a non-negative integer, got {self.thinking_token_budget!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(

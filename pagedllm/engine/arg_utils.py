@@ -135,6 +135,9 @@ class EngineArgs:
     reasoning_parser: str | None = flag(
         None, "split the reasoning (<think>...</think>) from the answer; grammars start after it",
         choices=REASONING_PARSER_NAMES)
+    reasoning_budget: int = flag(
+        -1, "the server's thinking_token_budget: reasoning tokens before the end marker is forced "
+        "(-1: no limit; 0: none), as llama-server; needs --reasoning-parser", type=int)
     scheduling_policy: str = flag(SchedulerConfig.scheduling_policy,
                                   "priority: lower request `priority` first, ties by arrival",
                                   choices=("fcfs", "priority"))

@@ -14,6 +14,7 @@ from typing import Any
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearchManager, BeamSearchParams
+from pagedllm.reasoning.budget import forced_end_token
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
@@ -42,6 +43,8 @@ class EngineCore:
         self.kv_connector = kv_connector
         self.last_num_scheduled_tokens = 0
         """Tokens the last ``step()`` scheduled (for the tokens-per-step histogram)."""
+        self._budgeted: set[str] = set()
+        """Sequences with a thinking_token_budget (reasoning/budget.py), until they finish."""
 
     def add_request(self, request: Request) -> None:
         if request.lora_request is not None:
@@ -55,6 +58,10 @@ class EngineCore:
             raise
 
     def _add_request(self, request: Request) -> None:
+        if request.sampling_params.thinking_token_budget is not None:
+            if self.structured_output is None or self.structured_output.reasoning is None:
+                raise ValueError("thinking_token_budget needs a reasoning parser (--reasoning-parser)")
+            self._budgeted.update(s.request_id for s in (request, *request.pending_forks))
         spec = request.sampling_params.structured_outputs
         if spec is None:
             self.scheduler.add_request(request)
@@ -105,6 +112,8 @@ class EngineCore:
             scheduler_output.grammar_bitmask = so_manager.grammar_bitmask(
                 self._sampling_req_ids(scheduler_output), failed, rejected
             )
+        if self._budgeted:
+            self._force_reasoning_ends(scheduler_output)
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
         runner_output = self.runner.execute(scheduler_output)
@@ -166,6 +175,29 @@ class EngineCore:
         return stats
 
     # ---- structured outputs ------------------------------------------------------------
+
+    def _force_reasoning_ends(self, scheduler_output) -> None:
+        """Sequences whose thinking budget is spent sample the end marker's next token (a
+        one-token bitmask row beside the grammars')."""
+        requests = self.scheduler.requests
+        self._budgeted.difference_update(r for r in scheduler_output.finished_req_ids if r not in requests)
+        assert self.structured_output is not None and self.structured_output.reasoning is not None
+        reasoning = self.structured_output.reasoning
+        grammar = scheduler_output.grammar_bitmask
+        constrained = set(grammar.req_ids) if grammar is not None else set()
+        forced: dict[str, int] = {}
+        for request_id in self._sampling_req_ids(scheduler_output):
+            if request_id not in self._budgeted or request_id in constrained:
+                continue
+            request = requests[request_id]
+            token = forced_end_token(request.output_token_ids, request.sampling_params.thinking_token_budget,
+                                     reasoning.end_marker_ids, reasoning.end_token_ids)
+            if token is not None:
+                forced[request_id] = token
+        if forced:
+            from pagedllm.structured_output.bitmask import with_forced_tokens
+
+            scheduler_output.grammar_bitmask = with_forced_tokens(grammar, forced, self.structured_output.vocab_size)
 
     def _sampling_req_ids(self, scheduler_output) -> list[str]:
         """Scheduled requests that sample this step: their computed tokens (advanced by

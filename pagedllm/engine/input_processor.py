@@ -101,6 +101,10 @@ class InputProcessor:
                 )
         params.validate_vocab(vocab)
         params.update_from_tokenizer(self.tokenizer)
+        if params.thinking_token_budget is not None and self.speculative_config is not None:
+            # The forced end marker is a bitmask row for the sampled position alone (reasoning/budget.py).
+            raise ValueError("thinking_token_budget cannot be combined with speculative decoding yet; "
+                             "start the engine without a speculative config to bound the reasoning")
         if params.structured_outputs is not None:
             from pagedllm.structured_output import check_supported, validate
 

@@ -203,6 +203,7 @@ def _server_config(
         metrics_public=args.metrics_public,
         admin_api_keys=tuple(args.admin_api_key or ()),
         max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
+        max_stored_responses=args.max_stored_responses,
     )
 
 
@@ -235,6 +236,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help='allow tool_choice "auto": calls are parsed from the model\'s text (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                        help="the model's tool-call format (docs/tool_calling.md)")
+    serve.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="/v1/responses kept in memory for GET and previous_response_id "
+                            "(least recently used evicted; 0: none)")
     serve.add_argument("--uvicorn-log-level", default="info")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")

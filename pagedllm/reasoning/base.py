@@ -39,6 +39,8 @@ class ReasoningParser:
         self.end_token_ids = marker_token_ids(tokenizer, self.end_marker)
         """The token-id sequences that spell the end marker in this vocabulary (one id where the
         marker is a token of its own, as in reasoning models' vocabularies)."""
+        self.end_marker_ids = tuple(tokenizer.encode(self.end_marker, add_special_tokens=False))
+        """The ids that spell the end marker alone: what a thinking budget writes (budget.py)."""
 
     def thinking_enabled(self, chat_template_kwargs: dict[str, Any] | None) -> bool:
         """Whether the request lets the model think when the prompt says nothing either way."""

@@ -35,3 +35,19 @@ def apply_grammar_bitmask(logits: Any, grammar_bitmask: GrammarBitmask, req_ids:
     batch_mask[batch_rows] = grammar_bitmask.bitmask[[i for _, i in pairs]]
     batch_mask = batch_mask.to(logits.device)
     xgr.apply_token_bitmask_inplace(logits, batch_mask, vocab_size=logits.shape[1], indices=batch_rows)
+
+
+def with_forced_tokens(grammar_bitmask: GrammarBitmask | None, forced: dict[str, int],
+                       vocab_size: int) -> GrammarBitmask:
+    """``grammar_bitmask`` plus one row per request in ``forced`` (request id -> the one token
+    it may sample this step: the thinking budget's end marker); a forced request has no grammar
+    row (its grammar waits for the reasoning's end)."""
+    import torch
+
+    rows = torch.zeros((len(forced), (vocab_size + 31) // 32), dtype=torch.int32)  # [F, W]
+    for row, token_id in enumerate(forced.values()):
+        bit = token_id % 32
+        rows[row, token_id // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32's sign bit
+    if grammar_bitmask is None:
+        return GrammarBitmask(list(forced), rows)
+    return GrammarBitmask([*grammar_bitmask.req_ids, *forced], torch.cat([grammar_bitmask.bitmask, rows]))

@@ -61,3 +61,12 @@ def test_continue_final_message_and_documents_reach_the_template(processor):
         processor.render_chat(messages, continue_final_message=True)
     open_text, _ = processor.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
     assert open_text.endswith("Fine")
+
+
+def test_thinking_budget_refused_with_speculative_decoding(processor):
+    from pagedllm.sampling_params import SamplingParams
+
+    assert processor.validate([1, 2], SamplingParams(max_tokens=4, thinking_token_budget=2)) == 4
+    processor.speculative_config = object()
+    with pytest.raises(ValueError, match="thinking_token_budget cannot be combined with speculative decoding"):
+        processor.validate([1, 2], SamplingParams(max_tokens=4, thinking_token_budget=2))

@@ -42,7 +42,8 @@ def client(think_server):
 def ask(client, **kwargs):
     chat = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, temperature=0.0, **kwargs)
     (choice,) = chat.choices
-    return choice.message.reasoning_content, choice.message.content, choice.finish_reason
+    assert choice.message.reasoning == choice.message.reasoning_content  # vLLM's name and the older one
+    return choice.message.reasoning, choice.message.content, choice.finish_reason
 
 
 def ask_streamed(client, **kwargs):
@@ -51,7 +52,8 @@ def ask_streamed(client, **kwargs):
         model=client.models.list().data[0].id, messages=CHAT, temperature=0.0, stream=True, **kwargs)
     for chunk in stream:
         for choice in chunk.choices:
-            r, c = getattr(choice.delta, "reasoning_content", None), choice.delta.content
+            r, c = getattr(choice.delta, "reasoning", None), choice.delta.content
+            assert r == getattr(choice.delta, "reasoning_content", None)
             if r:
                 reasoning += r
                 kinds.append("reasoning")
@@ -130,3 +132,62 @@ def test_forced_tool_call_after_the_reasoning(client, tool_choice):
                 arguments += d.function.arguments or ""
             finish = c.finish_reason or finish
     assert (reasoning, names, arguments, finish) == (REASONING, ["answer_it"], call.function.arguments, "tool_calls")
+
+
+# ---- the thinking budget (reasoning/budget.py) ------------------------------------------
+# The model thinks "hello world" (2 tokens) before its "</think>" ("</", "think", ">"); a budget
+# of one token cuts the reasoning after "hello", forces the marker, and the answer follows.
+
+
+def test_thinking_token_budget_cuts_the_reasoning(client):
+    assert both(client, max_tokens=6, extra_body={"thinking_token_budget": 1}) == ("hello", "hello world", "length")
+    assert both(client, max_tokens=5, extra_body={"thinking_token_budget": 0}) == (None, "hello world", "length")
+    # A budget the reasoning stays within changes nothing.
+    assert both(client, max_tokens=8, extra_body={"thinking_token_budget": 5}) == (REASONING, "hello world</", "length")
+    # Thinking off: nothing to cut.
+    off = {"thinking_token_budget": 1, **THINKING_OFF}
+    assert both(client, max_tokens=8, extra_body=off) == (None, "hello world</think>hello world</", "length")
+
+
+def test_thinking_token_budget_refused_values(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, max_tokens=4, extra_body={"thinking_token_budget": -2})
+    assert e.value.body["param"] == "thinking_token_budget"
+
+
+def test_reasoning_budget_server_default(think_model_dir):
+    """--reasoning-budget (llama-server's) applies to requests that leave the field out."""
+    import openai
+
+    srv = RemoteServer(["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "32MiB",
+                        "--reasoning-parser", "qwen3", "--reasoning-budget", "1"], model=think_model_dir)
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+        assert both(c, max_tokens=6) == ("hello", "hello world", "length")
+        assert both(c, max_tokens=7, extra_body={"thinking_token_budget": -1}) == (REASONING, "hello world", "length")
+    finally:
+        srv.stop()
+
+
+def test_responses_reasoning_items_and_events(client, think_server):
+    """/v1/responses on a reasoning model: a reasoning item then the message, plain and
+    streamed (response.reasoning_text.* events, each valid as the SDK's own), with the budget."""
+    from tests.entrypoints.test_responses import raw_events
+
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, input="Is it? Think first.", temperature=0.0, max_output_tokens=6,
+                  extra_body={"thinking_token_budget": 1})
+    r = client.responses.create(**kwargs)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "hello" and r.output_text == "hello world"
+    assert r.status == "incomplete"
+    events = raw_events(think_server, {"model": model, "input": "Is it? Think first.", "temperature": 0.0,
+                                       "max_output_tokens": 6, "thinking_token_budget": 1})
+    kinds = [e["type"] for e in events]
+    assert "response.reasoning_text.delta" in kinds and kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "hello"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "hello world"
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]

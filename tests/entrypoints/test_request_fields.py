@@ -440,6 +440,13 @@ def check_include_reasoning(ctx: Ctx) -> None:
     assert message.reasoning_content is None and ctx.greedy_chat().choices[0].message.reasoning_content is None
 
 
+def check_thinking_token_budget(ctx: Ctx) -> None:
+    # Without --reasoning-parser there is no reasoning to bound: a 400 naming the field, -1 (no
+    # limit) accepted (the budget itself: test_reasoning_server.py).
+    ctx.refused(CHAT, {"messages": YES, "thinking_token_budget": 8}, "thinking_token_budget", "--reasoning-parser")
+    assert ctx.chat(thinking_token_budget=-1).choices[0].message.content == ctx.greedy_chat().choices[0].message.content
+
+
 def check_priority(ctx: Ctx) -> None:
     # This server schedules FCFS: 0 is the default, anything else is refused (as vLLM); the
     # priority policy itself: test_vllm_launch.py and tests/core/test_priority_scheduler.py.
@@ -577,6 +584,7 @@ FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "add_generation_prompt": check_add_generation_prompt, "chat_template": check_chat_template,
     "chat_template_kwargs": check_chat_template_kwargs,
     "include_reasoning": check_include_reasoning,
+    "thinking_token_budget": check_thinking_token_budget,
     "tools": check_tools, "tool_choice": check_tool_choice,
     "functions": _unsupported("functions", [TOOL["function"]]),
     "function_call": _unsupported("function_call", "auto"),

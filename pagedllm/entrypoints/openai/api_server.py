@@ -32,11 +32,12 @@ from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyCheckMiddleware
 from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry, check_in_engine
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
-from pagedllm.entrypoints.openai.routers import admin, completions, health, models, tokenize
+from pagedllm.entrypoints.openai.routers import admin, completions, health, models, responses, tokenize
 from pagedllm.entrypoints.openai.routers.state import ServerState
 from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses
 from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class ServerConfig:
     """--lora-modules: {"name", "path", "base_model_name"?} per adapter (needs --enable-lora)."""
     allow_runtime_lora_updating: bool = False
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    """/v1/responses kept in memory for GET and previous_response_id (least recently used evicted; 0: none)."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -230,9 +233,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     app.state.server = state
+    app.state.responses = OpenAIServingResponses(state.chat, config.max_stored_responses)
     add_middleware(app, config)
     add_exception_handlers(app)
-    for router in (completions.router, models.router, tokenize.router, admin.router, health.router,
+    for router in (completions.router, responses.router, models.router, tokenize.router, admin.router, health.router,
                    dashboard.router):
         app.include_router(router)
     if state.loras is not None and config.allow_runtime_lora_updating:

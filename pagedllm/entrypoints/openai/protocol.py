@@ -177,7 +177,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
-    """With a reasoning parser: return ``reasoning_content`` (False: drop it, as vLLM)."""
+    """With a reasoning parser: return ``reasoning`` (False: drop it, as vLLM)."""
+    thinking_token_budget: int | None = None
+    """With a reasoning parser: the most output tokens the reasoning may take before its end
+    marker is forced (vLLM's; None: the server's --reasoning-budget; -1: no limit)."""
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: "auto" with tools (needs --enable-auto-tool-choice), else "none"."""
@@ -287,8 +290,10 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    """With a reasoning parser: the model's thinking, apart from ``content`` (vLLM's name)."""
     reasoning_content: str | None = None
-    """With a reasoning parser: the model's thinking, apart from ``content``."""
+    """The same text under its older name (llama-server's; vLLM's before ``reasoning``)."""
     tool_calls: list[ToolCall] | None = None
 
 
@@ -340,7 +345,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
+    """``reasoning`` again, under its older name."""
     tool_calls: list[DeltaToolCall] | None = None
 
 

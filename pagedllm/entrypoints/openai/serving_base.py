@@ -384,7 +384,8 @@ def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
 # ---- running prompts ---------------------------------------------------------------------
 
 
-_ENGINE_CHECKED_FIELDS = frozenset({"kv_transfer_params", "priority", "logprobs", "prompt_logprobs"})
+_ENGINE_CHECKED_FIELDS = frozenset({"kv_transfer_params", "priority", "logprobs", "prompt_logprobs",
+                                    "thinking_token_budget"})
 
 
 def response_model_name(base_name: str, lora_request: LoRARequest | None) -> str:

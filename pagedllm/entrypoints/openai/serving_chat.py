@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: the chat template, then one request; streaming as OpenAI does
 (a role chunk, content deltas, a finish chunk, optionally a usage chunk). With a reasoning
-parser each choice's text is split into reasoning_content and content (chat_reasoning.py)."""
+parser each choice's text is split into reasoning (also sent as reasoning_content) and content (chat_reasoning.py)."""
 
 from __future__ import annotations
 
@@ -138,7 +138,8 @@ class OpenAIServingChat:
         kept = truncate_prompt(ids, req.truncate_prompt_tokens, max_len)
         text, ids = (text if len(kept) == len(ids) else None), kept
         check_context_length(len(ids), max_tokens, max_len)
-        reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning)
+        reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning,
+                                               req.thinking_token_budget)
         reasoning.apply_to(params)
         request_id = req.request_id or random_id("chatcmpl")
         model = response_model_name(self.model_name, lora_request)
@@ -157,7 +158,7 @@ class OpenAIServingChat:
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, num_logprobs, self._decode))
             split = reasoning.split(c.text)
             message, made_calls = tool_message(tools, split.content)
-            message.reasoning_content = split.reasoning
+            message.reasoning = message.reasoning_content = split.reasoning
             choices.append(ChatChoice(
                 index=c.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason_with_calls(c.finish_reason, made_calls), stop_reason=c.stop_reason,
@@ -205,10 +206,10 @@ class OpenAIServingChat:
                     content = content_so_far[c.index] = content_so_far.get(c.index, "") + part.content
                     state = choice_states.setdefault(c.index, choice_stream(tools))
                     message = delta_message(state.update(content, final=final))
-                    message.reasoning_content = part.reasoning or None
+                    message.reasoning = message.reasoning_content = part.reasoning or None
                     finish_reason = finish_reason_with_calls(c.finish_reason, state.made_calls)
                     start = sent_tokens.get(c.index, 0)
-                    if (message.content is None and message.tool_calls is None and message.reasoning_content is None
+                    if (message.content is None and message.tool_calls is None and message.reasoning is None
                             and finish_reason is None and not (return_ids and len(c.token_ids) > start)):
                         continue  # nothing settled yet (a marker may be arriving)
                     logprobs = None

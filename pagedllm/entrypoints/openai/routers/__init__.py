@@ -1,6 +1,7 @@
 """The server's routes, one ``APIRouter`` per concern, over one ``ServerState`` (state.py).
 
 - completions.py: ``/v1/completions``, ``/v1/chat/completions``
+- responses.py: ``/v1/responses`` and the stored responses' GET, DELETE, cancel
 - models.py: ``/v1/models``
 - tokenize.py: ``/tokenize``, ``/detokenize``
 - admin.py: ``/reset_prefix_cache``; the runtime LoRA routes (only with --enable-lora and
