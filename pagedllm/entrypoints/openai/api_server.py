@@ -27,6 +27,7 @@ import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.engine.core_client import StartedCore
+from pagedllm.entrypoints.anthropic import router as anthropic_router
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
 from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry
@@ -117,7 +118,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on every path but _OPEN_PATHS (docs and schema included), as plain
+    """Bearer-token (or x-api-key) check on every path but _OPEN_PATHS (docs and schema included), as plain
     ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
 
     def __init__(self, app: Any, api_keys: tuple[bytes, ...]) -> None:
@@ -126,11 +127,15 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            given = header[7:] if header.lower().startswith(b"bearer ") else b""
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"")
+            # Anthropic's clients send the key as x-api-key.
+            given = header[7:] if header.lower().startswith(b"bearer ") else headers.get(b"x-api-key", b"")
             # Every key is compared (no early exit), each in constant time.
             if not sum(hmac.compare_digest(given, key) for key in self.api_keys):
-                response = error_response(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
+                err = OpenAIError("invalid or missing API key", 401, "AuthenticationError")
+                in_anthropic_shape = scope["path"].startswith("/v1/messages")
+                response = anthropic_router.error_response(err) if in_anthropic_shape else error_response(err)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -211,8 +216,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
     app.state.server = state
     add_middleware(app, config)
     add_exception_handlers(app)
-    for router in (completions.router, models.router, tokenize.router, admin.router, health.router,
-                   dashboard.router):
+    for router in (completions.router, anthropic_router.router, models.router, tokenize.router, admin.router,
+                   health.router, dashboard.router):
         app.include_router(router)
     if state.loras is not None and config.allow_runtime_lora_updating:
         app.include_router(admin.lora_router)
