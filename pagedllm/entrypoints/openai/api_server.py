@@ -97,6 +97,12 @@ class ServerConfig:
     """--lora-modules: {"name", "path", "base_model_name"?} per adapter (needs --enable-lora)."""
     allow_runtime_lora_updating: bool = False
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    ssl_keyfile: str | None = None
+    """With ssl_certfile: serve HTTPS (uvicorn's TLS)."""
+    ssl_certfile: str | None = None
+    """With ssl_keyfile: the certificate (chain) file."""
+    root_path: str | None = None
+    """The path prefix a proxy serves this server under (ASGI root_path, --root-path)."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -268,7 +274,8 @@ async def serve(
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
         timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive_s,
-        access_log=not config.disable_uvicorn_access_log,
+        access_log=not config.disable_uvicorn_access_log, ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile, root_path=config.root_path or "",
     )
     server = _Server(uv_config, engine)
 
@@ -281,7 +288,9 @@ async def serve(
             logger.error("the engine failed: %s; stopping the server", e)
             server.should_exit = True
             return
-        logger.info("pagedllm is serving %s on http://%s:%d", model_name, config.host, config.port)
+        scheme = "https" if config.ssl_certfile else "http"
+        logger.info("pagedllm is serving %s on %s://%s:%d%s", model_name, scheme, config.host, config.port,
+                    config.root_path or "")
         logger.error("the engine core died: %s; stopping the server", await engine.wait_dead())
         server.should_exit = True
 
