@@ -57,7 +57,7 @@ def text_of(message) -> str:
 def test_create_plain(client):
     out = create(client, system=SYSTEM)
     assert isinstance(out, anthropic.types.Message)
-    assert out.id.startswith("msg") and out.role == "assistant" and out.model == MODEL
+    assert out.id.startswith("msg_") and out.role == "assistant" and out.model == MODEL
     assert [b.type for b in out.content] == ["text"] and text_of(out)
     assert out.stop_reason in ("end_turn", "max_tokens")
     assert 1 <= out.usage.output_tokens <= 24

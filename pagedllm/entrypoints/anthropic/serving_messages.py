@@ -188,7 +188,8 @@ class AnthropicServingMessages:
 
     async def create(self, req: MessagesRequest, lora_request: LoRARequest | None = None
                      ) -> MessagesResponse | AsyncIterator[str]:
-        run = await self.chat.start(to_chat_request(req, random_id("msg")), lora_request)
+        # Anthropic's ids read msg_<hex>.
+        run = await self.chat.start(to_chat_request(req, random_id("msg").replace("-", "_", 1)), lora_request)
         if req.stream:
             return self._stream(run)
         try:
