@@ -79,6 +79,20 @@ def test_count_tokens_matches_the_template(client, msg_server):
     assert counted == r.json()["count"]
 
 
+def test_assistant_prefill_is_continued(client, msg_server):
+    prefill = "The capital of France is"
+    history = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": prefill}]
+    out = create(client, messages=history, max_tokens=8)
+    counted = client.messages.count_tokens(model=MODEL, messages=history).input_tokens
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == counted
+    # The chat route's continue_final_message on the same conversation: the same continuation.
+    r = httpx.post(msg_server.url + "/v1/chat/completions", headers={"x-api-key": KEY}, timeout=60, json={
+        "model": MODEL, "messages": history, "max_tokens": 8, "temperature": 0,
+        "continue_final_message": True, "add_generation_prompt": False})
+    assert r.status_code == 200, r.text
+    assert text_of(out) == r.json()["choices"][0]["message"]["content"] and text_of(out)
+
+
 def test_stop_sequence(client):
     words = text_of(create(client, max_tokens=16)).split()
     stop = words[len(words) // 2]

@@ -137,6 +137,10 @@ def to_chat_request(req: CountTokensRequest, request_id: str | None = None) -> C
         if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
             # vLLM's per-request thinking budget (the chat path's field; see docs/anthropic.md).
             fields["thinking_token_budget"] = req.thinking.budget_tokens
+    if req.messages and req.messages[-1].role == "assistant":
+        # Anthropic's prefill: the reply continues the last assistant turn (and holds only
+        # what follows it).
+        fields.update(continue_final_message=True, add_generation_prompt=False)
     if isinstance(req, MessagesRequest):
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                       top_p=req.top_p, top_k=req.top_k, stream=req.stream)
@@ -182,8 +186,9 @@ class AnthropicServingMessages:
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         chat_req = to_chat_request(req)
-        _, ids = await self.chat.render(chat_req.messages, None, True, chat_req.chat_template_kwargs,
-                                        request_tools(chat_req))
+        _, ids = await self.chat.render(chat_req.messages, None, chat_req.add_generation_prompt,
+                                        chat_req.chat_template_kwargs, request_tools(chat_req),
+                                        continue_final_message=chat_req.continue_final_message)
         return {"input_tokens": len(ids)}
 
     async def create(self, req: MessagesRequest, lora_request: LoRARequest | None = None
