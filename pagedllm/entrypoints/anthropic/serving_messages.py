@@ -119,8 +119,10 @@ def _tool_choice(req: CountTokensRequest) -> tuple[Any, bool | None]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def to_chat_request(req: CountTokensRequest, request_id: str | None = None) -> ChatCompletionRequest:
-    """The chat request the engine runs for a Messages (or count_tokens) request."""
+def to_chat_request(req: CountTokensRequest, request_id: str | None = None,
+                    has_reasoning_parser: bool = False) -> ChatCompletionRequest:
+    """The chat request the engine runs for a Messages (or count_tokens) request;
+    ``has_reasoning_parser``: the server splits reasoning out (so a thinking budget applies)."""
     for tool in req.tools or ():
         if tool.type not in (None, "custom"):
             raise bad_request(f"tool {tool.name!r}: Anthropic's server tools ({tool.type}) do not run here", "tools")
@@ -134,8 +136,9 @@ def to_chat_request(req: CountTokensRequest, request_id: str | None = None) -> C
     }
     if req.thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
-        if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+        if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None and has_reasoning_parser:
             # vLLM's per-request thinking budget (the chat path's field; see docs/anthropic.md).
+            # Without a reasoning parser there is no thinking to count: the budget is moot.
             fields["thinking_token_budget"] = req.thinking.budget_tokens
     if req.messages and req.messages[-1].role == "assistant":
         # Anthropic's prefill: the reply continues the last assistant turn (and holds only
@@ -194,7 +197,8 @@ class AnthropicServingMessages:
     async def create(self, req: MessagesRequest, lora_request: LoRARequest | None = None
                      ) -> MessagesResponse | AsyncIterator[str]:
         # Anthropic's ids read msg_<hex>.
-        run = await self.chat.start(to_chat_request(req, random_id("msg").replace("-", "_", 1)), lora_request)
+        chat_req = to_chat_request(req, random_id("msg").replace("-", "_", 1), self.chat.reasoning.name is not None)
+        run = await self.chat.start(chat_req, lora_request)
         if req.stream:
             return self._stream(run)
         try:
