@@ -17,6 +17,7 @@ from pagedllm.entrypoints.vllm_flags import (
     check_vllm_compat_args,
     kv_cache_bytes_from_env,
     runtime_lora_updating_from_env,
+    server_dev_mode_from_env,
 )
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ def _server_config(
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path,
+        dev_mode=server_dev_mode_from_env(os.environ),
     )
 
 

@@ -172,6 +172,12 @@ def runtime_lora_updating_from_env(environ: Mapping[str, str]) -> bool:
     return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
+def server_dev_mode_from_env(environ: Mapping[str, str]) -> bool:
+    """VLLM_SERVER_DEV_MODE as vLLM reads it: "1" serves the development routes
+    (/reset_prefix_cache); unset or anything else does not."""
+    return environ.get("VLLM_SERVER_DEV_MODE", "0").strip() == "1"
+
+
 def kv_cache_bytes_from_env(environ: Mapping[str, str], flag_value: str | None) -> str | int | None:
     """The KV cache budget as vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE: whole GiB, 0 or
     unset meaning the default (4 GiB). Here an explicit --kv-cache-memory-bytes wins over it

@@ -133,5 +133,7 @@ def test_tls_and_root_path(tmp_path):
         assert httpx.get(srv.url + "/openapi.json", verify=False).json()["servers"] == [{"url": "/api"}]
         with pytest.raises(httpx.HTTPError):
             httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+        # Not in dev mode (VLLM_SERVER_DEV_MODE unset): no /reset_prefix_cache, as vLLM.
+        assert httpx.post(srv.url + "/reset_prefix_cache", verify=False).status_code == 404
     finally:
         srv.stop()

@@ -103,6 +103,8 @@ class ServerConfig:
     """With ssl_keyfile: the certificate (chain) file."""
     root_path: str | None = None
     """The path prefix a proxy serves this server under (ASGI root_path, --root-path)."""
+    dev_mode: bool = False
+    """Serve the development routes (/reset_prefix_cache), as vLLM under VLLM_SERVER_DEV_MODE=1."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -222,9 +224,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
     app.state.server = state
     add_middleware(app, config)
     add_exception_handlers(app)
-    for router in (completions.router, anthropic_router.router, models.router, tokenize.router, admin.router,
-                   health.router, dashboard.router):
+    for router in (completions.router, anthropic_router.router, models.router, tokenize.router, health.router,
+                   dashboard.router):
         app.include_router(router)
+    if config.dev_mode:
+        app.include_router(admin.router)
     if state.loras is not None and config.allow_runtime_lora_updating:
         app.include_router(admin.lora_router)
     return app

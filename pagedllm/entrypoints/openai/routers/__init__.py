@@ -3,8 +3,8 @@
 - completions.py: ``/v1/completions``, ``/v1/chat/completions``
 - models.py: ``/v1/models``
 - tokenize.py: ``/tokenize``, ``/detokenize``
-- admin.py: ``/reset_prefix_cache``; the runtime LoRA routes (only with --enable-lora and
-  runtime updating allowed)
+- admin.py: ``/reset_prefix_cache`` (dev mode only: VLLM_SERVER_DEV_MODE=1); the runtime
+  LoRA routes (only with --enable-lora and runtime updating allowed)
 - health.py: ``/health``, ``/ping``, ``/version``, ``/metrics``
 - the dashboard's routes live with it (../dashboard.py)
 
