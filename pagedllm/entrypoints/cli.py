@@ -31,6 +31,7 @@ class StartupError(SystemExit):
     """A user error found at start-up: main() prints its one line and exits with status 2
     (argparse's), never a traceback."""
 
+
 DEMO_QUESTIONS = [
     "What is the capital of France?",
     "Give me three tips for writing clear code.",

@@ -56,7 +56,7 @@ class ServerConfig:
     """The names clients may use in `model` (the first is the one responses and metrics
     report); default: the model argument."""
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens, any one of which is required on every path but /health, /version,
+    """Keys (a bearer token or x-api-key), any one of which is required on every path but /health, /version,
     /metrics and the /dashboard page (its data, /dashboard/state, needs one)."""
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the model's."""
@@ -126,8 +126,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class APIKeyMiddleware:
-    """Bearer-token (or x-api-key) check on every path but _OPEN_PATHS (docs and schema included), as plain
-    ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
+    """The key check (a bearer token, or Anthropic's x-api-key header) on every path but
+    _OPEN_PATHS (docs and schema included), as plain ASGI (so client disconnects still reach
+    the handlers, which BaseHTTPMiddleware would hide)."""
 
     def __init__(self, app: Any, api_keys: tuple[bytes, ...]) -> None:
         self.app = app
