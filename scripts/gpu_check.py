@@ -281,7 +281,7 @@ def check_w1_served(path: str, num: int, out_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
     parser.add_argument("--checks", default="big_pool,greedy,syncs,graphs,w1_offline,w1_served")
     parser.add_argument("--w1-prompts", type=int, default=128)

@@ -134,7 +134,7 @@ def write_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--num-layers", type=int, default=8, help="of Qwen3-30B-A3B's 48")
     parser.add_argument("--tokenizer", default=None, help="a directory with a (Qwen3) tokenizer to copy")

@@ -357,7 +357,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def namespace(**overrides) -> argparse.Namespace:
     """The defaults of `pagedllm bench serve`, with overrides (for scripts and tests)."""
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     add_arguments(parser)
     args = parser.parse_args([])
     for key, value in overrides.items():

@@ -4,6 +4,8 @@
 ranks separated by ``|``, e.g. ``0-3|4-7`` or ``0,2|1,3``; ``all`` leaves every rank on every
 core (no pinning, torch's default thread count). Default: the cores this process may run
 on, split evenly between the ranks in order (rank r gets the r-th contiguous share).
+Without it, vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` is read the same way (its ``auto``: the
+default; its ``nobind``: ``all``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,18 @@ import os
 logger = logging.getLogger(__name__)
 
 ENV = "PAGEDLLM_CPU_BIND"
+VLLM_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def env_spec() -> str | None:
+    """The binding asked for in the environment: PAGEDLLM_CPU_BIND, else vLLM's variable."""
+    spec = os.environ.get(ENV)
+    if spec:
+        return spec
+    vllm = os.environ.get(VLLM_ENV, "").strip()
+    if vllm.lower() == "nobind":
+        return "all"
+    return None if vllm.lower() in ("", "auto") else vllm
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -31,7 +45,7 @@ def parse_cpu_list(text: str) -> list[int]:
 
 def rank_cpus(rank: int, size: int, spec: str | None = None, available: list[int] | None = None) -> list[int] | None:
     """The cores of ``rank`` (None: do not pin). ValueError naming a bad ``spec``."""
-    spec = os.environ.get(ENV) if spec is None else spec
+    spec = env_spec() if spec is None else spec
     if spec is not None and spec.strip().lower() == "all":
         return None
     if spec:
@@ -58,7 +72,7 @@ def rank_cpus(rank: int, size: int, spec: str | None = None, available: list[int
 def placement_spec(size: int) -> str:
     """Every rank's cores as one PAGEDLLM_CPU_BIND string, fixed by the starting process
     before it pins itself (its workers inherit its affinity)."""
-    spec = os.environ.get(ENV)
+    spec = env_spec()
     if spec:
         return spec
     sets = [rank_cpus(rank, size, "") for rank in range(size)]

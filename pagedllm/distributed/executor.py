@@ -22,8 +22,7 @@ import pickle
 from typing import Any
 
 from pagedllm.config import ParallelConfig
-from pagedllm.distributed.cpu_bind import ENV as CPU_BIND_ENV
-from pagedllm.distributed.cpu_bind import bind_rank, placement_spec
+from pagedllm.distributed.cpu_bind import bind_rank, env_spec, placement_spec
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.distributed.worker import ModelLoadSpec, WorkerSpec, load_rank_model
 
@@ -57,7 +56,7 @@ class DistributedExecutor(abc.ABC):
         self._saved_placement: tuple[set[int], int] | None = None
         # mp: every rank's cores fixed here (workers inherit rank 0's pinned affinity);
         # ray: each actor splits its own machine unless PAGEDLLM_CPU_BIND says otherwise.
-        self._cpu_bind = placement_spec(self.size) if self.backend == "mp" else os.environ.get(CPU_BIND_ENV)
+        self._cpu_bind = placement_spec(self.size) if self.backend == "mp" else env_spec()
         self._closed = False
 
     def load_model(self) -> Any:

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.vllm_flags import (
     check_vllm_compat_args,
     kv_cache_bytes_from_env,
     runtime_lora_updating_from_env,
+    server_dev_mode_from_env,
 )
 
 if TYPE_CHECKING:
@@ -24,6 +25,12 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.tool_parsers.handler import ToolCallConfig
 
 logger = logging.getLogger(__name__)
+
+
+class StartupError(SystemExit):
+    """A user error found at start-up: main() prints its one line and exits with status 2
+    (argparse's), never a traceback."""
+
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -35,10 +42,12 @@ DEMO_QUESTIONS = [
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", nargs="?", default=DEFAULT_MODEL,
+        "model", nargs="?", default=None,
         help="in this order: a local path (.gguf file or HF directory), a packaged model name "
         f"(default {DEFAULT_MODEL}), or a Hugging Face hub id such as Qwen/Qwen3-0.6B",
     )
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the model, as vLLM's --model (instead of the positional argument)")
     EngineArgs.add_cli_args(parser)
     add_vllm_compat_args(parser)
 
@@ -47,6 +56,7 @@ def _engine_args(args: argparse.Namespace, command: str) -> EngineArgs:
     """EngineArgs from the command line and vLLM's environment; a flag this engine cannot
     honour, or a bad value, stops here (before anything loads) with the reason."""
     try:
+        args.model = _model_from(args)
         for warning in check_vllm_compat_args(args):
             logger.warning(warning)
         args.kv_cache_memory_bytes = kv_cache_bytes_from_env(os.environ, args.kv_cache_memory_bytes)
@@ -56,7 +66,25 @@ def _engine_args(args: argparse.Namespace, command: str) -> EngineArgs:
         engine_args.usage_context = "serve" if command == "serve" else "offline"
         return engine_args
     except ValueError as e:
-        raise SystemExit(f"pagedllm {command}: {e}") from None
+        raise StartupError(f"pagedllm {command}: {e}") from None
+
+
+def _model_from(args: argparse.Namespace) -> str:
+    """The positional model or --model (vLLM accepts both); the default model if neither."""
+    option = getattr(args, "model_option", None)
+    if option is not None and args.model is not None and option != args.model:
+        raise ValueError(f"the model is given twice: {args.model!r} and --model {option!r}; give one")
+    return option or args.model or DEFAULT_MODEL
+
+
+def _check_model_source(engine_args: EngineArgs, command: str) -> None:
+    """A model that cannot be found stops the start here, in one line (before the core spawns)."""
+    from pagedllm.models.sources import check_source
+
+    try:
+        check_source(engine_args.model, engine_args.revision, engine_args.download_dir)
+    except ValueError as e:
+        raise StartupError(f"pagedllm {command}: {e}") from None
 
 
 def _engine_config(args: argparse.Namespace, command: str) -> tuple[EngineArgs, EngineConfig]:
@@ -66,7 +94,7 @@ def _engine_config(args: argparse.Namespace, command: str) -> tuple[EngineArgs, 
     try:
         return engine_args, engine_args.create_engine_config()
     except ValueError as e:
-        raise SystemExit(f"pagedllm {command}: {e}") from None
+        raise StartupError(f"pagedllm {command}: {e}") from None
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -94,12 +122,13 @@ def _sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.llm import LLM
 
-    _, engine_config = _engine_config(args, "generate")
+    engine_args, engine_config = _engine_config(args, "generate")
+    _check_model_source(engine_args, "generate")
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     try:
         llm = LLM.from_engine_config(engine_config)
     except ValueError as e:  # a model that cannot load (not found, invalid, too big): one line
-        raise SystemExit(f"pagedllm generate: {e}") from None
+        raise StartupError(f"pagedllm generate: {e}") from None
     params = _sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -129,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SystemExit(2)
     engine_args, engine_config = _engine_config(args, "serve")
     tool_calls, allow_runtime_lora_updating = _check_serve_args(args, engine_args)
+    _check_model_source(engine_args, "serve")
     # Start-up: the core loads the model on one CPU while this process imports the server
     # and the tokenizer classes (which unpickling the core's tokenizer needs) on the other:
     # a GGUF model's tokenizer is a snapshot over `tokenizers` (models/tokenizer_snapshot.py),
@@ -157,6 +187,11 @@ def _check_serve_args(args: argparse.Namespace, engine_args: EngineArgs) -> tupl
 
     try:
         tool_calls = ToolCallConfig(args.enable_auto_tool_choice, args.tool_call_parser)
+        if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+        for name, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path}: no such file")
         allow_runtime_lora_updating = runtime_lora_updating_from_env(os.environ)
         if allow_runtime_lora_updating and not engine_args.enable_lora:
             raise ValueError("VLLM_ALLOW_RUNTIME_LORA_UPDATING needs --enable-lora")
@@ -166,7 +201,7 @@ def _check_serve_args(args: argparse.Namespace, engine_args: EngineArgs) -> tupl
         for module in args.lora_modules or ():
             check.add(module["name"], module["path"])
     except ValueError as e:
-        raise SystemExit(f"pagedllm serve: {e}") from None
+        raise StartupError(f"pagedllm serve: {e}") from None
     return tool_calls, allow_runtime_lora_updating
 
 
@@ -204,16 +239,24 @@ def _server_config(
         admin_api_keys=tuple(args.admin_api_key or ()),
         max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
         max_stored_responses=args.max_stored_responses,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
+        dev_mode=server_dev_mode_from_env(os.environ),
     )
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from pagedllm.entrypoints.openai.tool_parsers import tool_parser_names
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API", allow_abbrev=False)
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (with --ssl-certfile)")
+    serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file (with --ssl-keyfile)")
+    serve.add_argument("--root-path", default=None,
+                       help="the path prefix a proxy serves this server under (ASGI root_path), as vLLM")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the names clients may send as `model` (the first is reported)")
     serve.add_argument("--api-key", nargs="+", default=None,
@@ -293,7 +336,8 @@ def cmd_proxy(args: argparse.Namespace) -> None:
 
 
 def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
-    proxy = sub.add_parser("proxy", help="route requests over prefill and decode instances")
+    proxy = sub.add_parser("proxy", help="route requests over prefill and decode instances",
+                           allow_abbrev=False)
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                        help="prefill instances (serve --kv-transfer-config with kv_producer)")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL",
@@ -308,11 +352,12 @@ def _add_proxy_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference on CPUs")
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference on CPUs",
+                                     allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions for prompts (args or stdin)")
+    gen = sub.add_parser("generate", help="generate completions for prompts (args or stdin)", allow_abbrev=False)
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--prompt", "-p", action="append", help="a prompt (repeatable)")
@@ -320,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("chat-demo", help="answer a few chat prompts with the default model")
+    demo = sub.add_parser("chat-demo", help="answer a few chat prompts with the default model", allow_abbrev=False)
     _add_engine_args(demo)
     _add_sampling_args(demo)
     demo.set_defaults(func=cmd_chat_demo)
@@ -337,7 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args.func(args)
+    try:
+        args.func(args)
+    except StartupError as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

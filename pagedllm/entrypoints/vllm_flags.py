@@ -11,6 +11,7 @@ is missing. Flags vLLM has that are neither here nor elsewhere in the parser are
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ class CompatFlag:
 
     @property
     def dest(self) -> str:
-        return _DEST_PREFIX + self.flags[0].lstrip("-").replace("-", "_")
+        return _DEST_PREFIX + self.flags[0].lstrip("-").replace("-", "_").replace(".", "_")
 
 
 def _store_true(*flags: str, reason: str) -> CompatFlag:
@@ -50,6 +51,19 @@ def _missing_switch(*flags: str, reason: str) -> CompatFlag:
 
 def _one_of(*values: str) -> Callable[[Any], bool]:
     return lambda value: value in values
+
+
+_XGRAMMAR = "structured outputs always run on xgrammar"
+_XGRAMMAR_NAMES = ("auto", "xgrammar")
+
+
+def _backend_only(value: str) -> bool:
+    """vLLM's --structured-outputs-config as JSON: harmless when it names xgrammar (or auto) only."""
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(config, dict) and set(config) <= {"backend"} and config.get("backend", "auto") in _XGRAMMAR_NAMES
 
 
 NO_OP_FLAGS: tuple[CompatFlag, ...] = (
@@ -79,6 +93,13 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--logprobs-mode",), "logprobs are the log-softmax of the raw logits",
                {}, harmless=_one_of("raw_logprobs")),
     CompatFlag(("--hf-token",), "set HF_TOKEN instead (huggingface_hub reads it for hub downloads)", {}),
+    CompatFlag(("--async-scheduling",), "the engine core schedules each step after the last one's output "
+               "(the HTTP front end, tokenizing and detokenizing already run beside it)",
+               {"action": argparse.BooleanOptionalAction}),
+    CompatFlag(("--max-cudagraph-capture-size",), "CUDA graphs are captured for the sizes in --cuda-graph-sizes",
+               {"type": int}),
+    CompatFlag(("--structured-outputs-config.backend",), _XGRAMMAR, {}, harmless=_one_of(*_XGRAMMAR_NAMES)),
+    CompatFlag(("--structured-outputs-config",), _XGRAMMAR, {}, harmless=_backend_only),
 )
 
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
@@ -149,6 +170,12 @@ def runtime_lora_updating_from_env(environ: Mapping[str, str]) -> bool:
     """VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM reads it: "1" or "true" (any case) allow
     loading and unloading LoRA adapters through the API; unset or anything else does not."""
     return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+
+
+def server_dev_mode_from_env(environ: Mapping[str, str]) -> bool:
+    """VLLM_SERVER_DEV_MODE as vLLM reads it: "1" serves the development routes
+    (/reset_prefix_cache); unset or anything else does not."""
+    return environ.get("VLLM_SERVER_DEV_MODE", "0").strip() == "1"
 
 
 def kv_cache_bytes_from_env(environ: Mapping[str, str], flag_value: str | None) -> str | int | None:

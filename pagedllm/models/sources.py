@@ -44,3 +44,30 @@ def is_gguf_source(model: str) -> bool:
         local = local_checkpoint(model)
         return local is not None and local[0] is not None
     return model in PACKAGED_MODELS or model in ASSEMBLED_MODELS or split_quant_tag(model) is not None
+
+
+def check_source(model: str, revision: str | None = None, download_dir: str | None = None) -> None:
+    """Whether `model` can be found, checked without torch and without downloading: a
+    ValueError saying why not (the start-up's one-line error). A hub id is looked up in the
+    cache only under HF_HUB_OFFLINE=1; otherwise the loader fetches it (and reports its own)."""
+    from pagedllm.models.hub import hub_gguf_file, hub_snapshot, is_hub_id, offline_from_env
+
+    if os.path.exists(model):
+        if local_checkpoint(model) is None:
+            raise ValueError(f"model path {model!r} is neither a .gguf file nor a directory with config.json "
+                             "(or a single .gguf file)")
+        return
+    if model in PACKAGED_MODELS or model in ASSEMBLED_MODELS:
+        return
+    if model.startswith(("/", ".", "~")) or model.endswith(".gguf"):
+        raise ValueError(f"model path {model!r}: no such file or directory")
+    tagged = split_quant_tag(model)
+    if tagged is None and not is_hub_id(model):
+        known = ", ".join([*PACKAGED_MODELS, *ASSEMBLED_MODELS])
+        raise ValueError(f"model {model!r} is not a known name ({known}), a local path or a Hugging Face hub id")
+    if not offline_from_env():
+        return
+    if tagged is not None:
+        hub_gguf_file(*tagged, revision, download_dir, offline=True)
+    else:
+        hub_snapshot(model, revision, download_dir, offline=True)

@@ -7,11 +7,13 @@ import pytest
 from tests.entrypoints.utils import SMALL_SERVER_ARGS, RemoteServer
 
 MODEL = "SmolLM2-135M-Instruct"
+# vLLM's dev mode serves /reset_prefix_cache, which the shared servers' tests call.
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 @pytest.fixture(scope="session")
 def server():
-    srv = RemoteServer(SMALL_SERVER_ARGS)
+    srv = RemoteServer(SMALL_SERVER_ARGS, env=DEV_MODE)
     yield srv
     srv.stop()
 
@@ -48,7 +50,7 @@ def keyed_server(_keyed_server_slot):
             srv.stop()
             del slot["server"]
         try:
-            slot["server"] = RemoteServer(KEYED_SERVER_ARGS)
+            slot["server"] = RemoteServer(KEYED_SERVER_ARGS, env=DEV_MODE)
         except Exception as e:
             slot["error"] = str(e).splitlines()[0]
             raise

@@ -36,8 +36,8 @@ KV_FAIL_ARGS = ["--kv-transfer-config", json.dumps(
 
 @pytest.fixture(scope="module")
 def faulty_server(tiny_llama_dir):
-    srv = RemoteServer(TINY_ARGS + KV_FAIL_ARGS, model=tiny_llama_dir, env={"PAGEDLLM_INJECT_FAULT": FAULTS},
-                       startup_timeout_s=600)
+    srv = RemoteServer(TINY_ARGS + KV_FAIL_ARGS, model=tiny_llama_dir,
+                       env={"PAGEDLLM_INJECT_FAULT": FAULTS, "VLLM_SERVER_DEV_MODE": "1"}, startup_timeout_s=600)
     yield srv
     srv.stop()
 

@@ -27,6 +27,7 @@ import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
 from pagedllm.engine.core_client import StartedCore
+from pagedllm.entrypoints.anthropic import router as anthropic_router
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
 from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyCheckMiddleware
@@ -60,9 +61,9 @@ class ServerConfig:
     """The names clients may use in `model` (the first is the one responses and metrics
     report); default: the model argument."""
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens, any one of which is required on every path but /health, /ping, /version
-    and the /dashboard page (its data, /dashboard/state, needs one); /metrics too unless
-    metrics_public."""
+    """Keys (a bearer token, or Anthropic's x-api-key header), any one of which is required on
+    every path but /health, /ping, /version and the /dashboard page (its data, /dashboard/state,
+    needs one); /metrics too unless metrics_public."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """--max-request-body-bytes: a longer body is refused with a 413 before it is parsed."""
     admin_api_keys: tuple[str, ...] = ()
@@ -110,6 +111,14 @@ class ServerConfig:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     """/v1/responses kept in memory for GET and previous_response_id (least recently used evicted; 0: none)."""
+    ssl_keyfile: str | None = None
+    """With ssl_certfile: serve HTTPS (uvicorn's TLS)."""
+    ssl_certfile: str | None = None
+    """With ssl_keyfile: the certificate (chain) file."""
+    root_path: str | None = None
+    """The path prefix a proxy serves this server under (ASGI root_path, --root-path)."""
+    dev_mode: bool = False
+    """Serve the development routes (/reset_prefix_cache), as vLLM under VLLM_SERVER_DEV_MODE=1."""
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -131,8 +140,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on every path but _OPEN_PATHS (docs and schema included), as plain
-    ASGI (so client disconnects still reach the handlers, which BaseHTTPMiddleware would hide)."""
+    """The key check (a bearer token, or Anthropic's x-api-key header) on every path but
+    _OPEN_PATHS (docs and schema included), as plain ASGI (so client disconnects still reach
+    the handlers, which BaseHTTPMiddleware would hide)."""
 
     def __init__(self, app: Any, api_keys: tuple[bytes, ...], open_paths: frozenset[str] = _OPEN_PATHS,
                  admin_keys: tuple[bytes, ...] = ()) -> None:
@@ -144,11 +154,15 @@ class APIKeyMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             keys = self.admin_keys if self.admin_keys and scope["path"] in ADMIN_PATHS else self.api_keys
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            given = header[7:] if header.lower().startswith(b"bearer ") else b""
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"")
+            # Anthropic's clients send the key as x-api-key.
+            given = header[7:] if header.lower().startswith(b"bearer ") else headers.get(b"x-api-key", b"")
             # Every key is compared (no early exit), each in constant time; no keys: open.
             if keys and not sum(hmac.compare_digest(given, key) for key in keys):
-                response = error_response(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
+                err = OpenAIError("invalid or missing API key", 401, "AuthenticationError")
+                in_anthropic_shape = scope["path"].startswith("/v1/messages")
+                response = anthropic_router.error_response(err) if in_anthropic_shape else error_response(err)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -236,9 +250,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
     app.state.responses = OpenAIServingResponses(state.chat, config.max_stored_responses)
     add_middleware(app, config)
     add_exception_handlers(app)
-    for router in (completions.router, responses.router, models.router, tokenize.router, admin.router, health.router,
-                   dashboard.router):
+    for router in (completions.router, responses.router, anthropic_router.router, models.router, tokenize.router,
+                   health.router, dashboard.router):
         app.include_router(router)
+    if config.dev_mode or config.admin_api_keys:  # the admin routes: dev mode, or an admin key given
+        app.include_router(admin.router)
     if state.loras is not None and config.allow_runtime_lora_updating:
         app.include_router(admin.lora_router)
     return app
@@ -288,7 +304,8 @@ async def serve(
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
         timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive_s,
-        access_log=not config.disable_uvicorn_access_log,
+        access_log=not config.disable_uvicorn_access_log, ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile, root_path=config.root_path or "",
     )
     server = _Server(uv_config, engine)
 
@@ -301,7 +318,9 @@ async def serve(
             logger.error("the engine failed: %s; stopping the server", e)
             server.should_exit = True
             return
-        logger.info("pagedllm is serving %s on http://%s:%d", model_name, config.host, config.port)
+        scheme = "https" if config.ssl_certfile else "http"
+        logger.info("pagedllm is serving %s on %s://%s:%d%s", model_name, scheme, config.host, config.port,
+                    config.root_path or "")
         logger.error("the engine core died: %s; stopping the server", await engine.wait_dead())
         server.should_exit = True
 

@@ -5,9 +5,9 @@ parser each choice's text is split into reasoning (also sent as reasoning_conten
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError, RequestStream
 from pagedllm.entrypoints.openai.chat_reasoning import RequestReasoning, ServerReasoning
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer, ChatTemplateError
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
@@ -77,6 +77,18 @@ def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
     return result
 
 
+class ChatRun(NamedTuple):
+    """A queued chat request: its id, reported model, streams and per-request parsers."""
+
+    request_id: str
+    model: str
+    streams: list[RequestStream]
+    prompt_token_ids: list[int]
+    tools: ToolCallHandler | None
+    reasoning: RequestReasoning
+    num_logprobs: int | None
+
+
 class OpenAIServingChat:
     def __init__(
         self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer,
@@ -120,9 +132,9 @@ class OpenAIServingChat:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
 
-    async def create(
-        self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None
-    ) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def start(self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None) -> ChatRun:
+        """Check, render and queue one chat request: what /v1/chat/completions and the other
+        chat-shaped APIs (anthropic/serving_messages.py) share; each shapes the outputs its way."""
         num_logprobs = self._check(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs, self.engine.generation_defaults)
@@ -145,6 +157,12 @@ class OpenAIServingChat:
         model = response_model_name(self.model_name, lora_request)
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params,
                                priority=req.priority, request_logger=self.request_logger, lora_request=lora_request)
+        return ChatRun(request_id, model, streams, ids, tools, reasoning, num_logprobs)
+
+    async def create(
+        self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        request_id, model, streams, ids, tools, reasoning, num_logprobs = await self.start(req, lora_request)
         if req.stream:
             return self._stream(req, request_id, model, streams, ids, tools, reasoning)
         try:

@@ -4,8 +4,8 @@
 - responses.py: ``/v1/responses`` and the stored responses' GET, DELETE, cancel
 - models.py: ``/v1/models``
 - tokenize.py: ``/tokenize``, ``/detokenize``
-- admin.py: ``/reset_prefix_cache``; the runtime LoRA routes (only with --enable-lora and
-  runtime updating allowed)
+- admin.py: ``/reset_prefix_cache`` (dev mode only: VLLM_SERVER_DEV_MODE=1); the runtime
+  LoRA routes (only with --enable-lora and runtime updating allowed)
 - health.py: ``/health``, ``/ping``, ``/version``, ``/metrics``
 - the dashboard's routes live with it (../dashboard.py)
 

@@ -1,4 +1,5 @@
-"""Operator routes: ``/reset_prefix_cache``, and loading or unloading LoRA adapters at run
+"""Operator routes: ``/reset_prefix_cache`` (``router``, included only in dev mode:
+VLLM_SERVER_DEV_MODE=1, as vLLM), and loading or unloading LoRA adapters at run
 time (``lora_router``, included only with --enable-lora and runtime updating allowed)."""
 
 from __future__ import annotations
