@@ -71,7 +71,11 @@ def check_response(r: httpx.Response | object, label: str) -> None:
     status = r.status_code
     assert status < 500, f"{label}: {status} {r.text[:2000]}"
     if status >= 400:
-        check_error_shape(r.json()["error"], status, r.text)
+        body = r.json()
+        if body.get("type") == "error":  # /v1/messages answers in Anthropic's shape
+            assert {"type", "message"} <= set(body["error"]), f"{label}: {r.text[:2000]}"
+            return
+        check_error_shape(body["error"], status, r.text)
     elif _content_type(r).startswith("text/event-stream"):
         COUNTS["streams"] += 1
         check_stream_body(r.text, label)

@@ -24,7 +24,9 @@ NAMES = [
 
 
 def metrics(server) -> str:
-    r = httpx.get(server.url + "/metrics")
+    # /metrics needs the key where the server has one (docs/security.md).
+    key = getattr(server, "api_key", None)
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
     assert r.status_code == 200
     return r.text
 

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vattn_server():
     srv = RemoteServer(SMALL_SERVER_ARGS + ["--kv-cache-backend", "vattention"], env={"PAGEDLLM_API_KEY": ENV_KEY})
+    srv.api_key = ENV_KEY  # /metrics needs it (test_metrics_disconnect.metrics)
     yield srv
     srv.stop()
 
