@@ -29,11 +29,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     return load_model(str(root / "base"), dtype="float32").model, adapters
 
 
+def _manager(model, slots: int):
+    """A manager with `slots` adapter slots and as many host-cached adapters; layer 0's QKV slots."""
+    manager = LoRAManager(model, LoRAConfig(max_loras=slots, max_lora_rank=4, max_cpu_loras=slots), PACKED_MODULES,
+                          torch.float32)
+    return manager, model.model.layers[0].self_attn.qkv_proj.lora_slots
+
+
 def test_slots_and_host_cache(setup) -> None:
     model, (a0, a1, a2) = setup
-    manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=4, max_cpu_loras=2), PACKED_MODULES,
-                          torch.float32)
-    qkv = model.model.layers[0].self_attn.qkv_proj.lora_slots
+    manager, qkv = _manager(model, slots=2)
     manager.add_adapter(a0)
     manager.add_adapter(a1)
     mapping = manager.prepare([a0, None, a1], np.array([2, 1, 3]))
@@ -71,9 +76,7 @@ def test_slots_and_host_cache(setup) -> None:
 
 def test_pins_hold_adapters_through_eviction_and_unload(setup) -> None:
     model, (a0, a1, a2) = setup
-    manager = LoRAManager(model, LoRAConfig(max_loras=1, max_lora_rank=4, max_cpu_loras=1), PACKED_MODULES,
-                          torch.float32)
-    qkv = model.model.layers[0].self_attn.qkv_proj.lora_slots
+    manager, qkv = _manager(model, slots=1)
     manager.add_adapter(a0)
     manager.pin("r0", a0.lora_int_id)
     manager.add_adapter(a1)  # capacity 1, but a0 is pinned by r0: not evicted
