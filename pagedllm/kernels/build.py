@@ -74,10 +74,10 @@ EXTENSIONS: dict[str, Extension] = {
         Extension("decode_layers", ("decode_layers.cpp", "layer_ops.h", "paged_attention.h", "kv_codes.h", "quant_linear.h",
                                     "quant_q16_avx512.h", "quant_scales.h", "gemm_tiles.h", "vec_avx2.h",
                                     "lora_delta.h", "decode_gguf_linear.h", "gguf_matmul.h", "gguf_decode.h",
-                                    "gguf_types.h", "gguf_dot_avx512.h"),
+                                    "gguf_types.h", "gguf_dot_avx512.h", "gguf_dot_int8_avx512.h"),
                   "running the layers one module at a time", min_isa="avx2"),
         Extension("gguf_linear", ("gguf_blocks.cpp", "gguf_matmul.h", "gguf_moe.h", "gguf_decode.h", "gguf_types.h",
-                                  "gguf_dot_avx512.h"),
+                                  "gguf_dot_avx512.h", "gguf_dot_int8_avx512.h"),
                   "dequantizing GGUF blocks with gguf-py", min_isa="generic"),
     )
 }

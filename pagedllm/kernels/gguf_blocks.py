@@ -31,6 +31,14 @@ from pagedllm.kernels.gemm import chunked_bf16_gemm, chunked_gemm
 
 # Up to this many activation rows the small-M kernel runs; above, decode + torch's GEMM.
 SMALL_M_MAX_ROWS = 16
+DECODE_ACTIVATIONS = ("int16", "int8")
+"""How the small-M kernel (decode steps, M <= SMALL_M_MAX_ROWS) rounds its activations:
+"int16" per group of 32 (the float32 mode's: drift below 1e-4 relative) or "int8" per block
+of 256 against the K-quants (INT8_DECODE_TYPES; csrc/gguf_dot_int8_avx512.h: the integer
+pipeline applies the sub-block scales, 1.4-2.5x the int16 kernel's speed per core; drift
+about 0.7% relative per matmul on Gaussian activations, bounded in tests/kernels). Set per
+layer by layers/linear.set_prefill_activations: "int8" in the bf16 and int8 modes."""
+INT8_DECODE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 # ggml type name -> (elements per block, bytes per block), as the GGUF spec fixes them.
 GGUF_BLOCK_GEOMETRY: dict[str, tuple[int, int]] = {
@@ -171,11 +179,14 @@ def type_index(ops, type_name: str) -> int:  # type: ignore[no-untyped-def]
 
 
 def gguf_linear(
-    x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None, bf16_min_rows: int | None = None
+    x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None, bf16_min_rows: int | None = None,
+    decode_activations: str = "int16",
 ) -> torch.Tensor:
     """x: [..., K] -> [..., N] in float32 arithmetic, returned in x's dtype. Up to
     SMALL_M_MAX_ROWS rows, where the build has AVX-512 VNNI (`small_m_kernels()`), the activations
-    are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|). From
+    are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|), or with
+    decode_activations "int8" (DECODE_ACTIVATIONS) for the K-quants the int8 kernel takes
+    (INT8_DECODE_TYPES) to int8 per block of 256 (at most 1/254 of the block's largest |x|). From
     `bf16_min_rows` rows up (above SMALL_M_MAX_ROWS; None: never) bf16 panels
     (gemm.chunked_bf16_gemm): the error of a bf16 model's matmul."""
     n, k = weight.shape
@@ -184,7 +195,8 @@ def gguf_linear(
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
     m = x2.shape[0]
     if ops is not None and m <= SMALL_M_MAX_ROWS:
-        y = ops.linear(x2, weight.data.contiguous(), type_index(ops, weight.type_name), "")
+        path = "fast" if decode_activations == "int8" else ""
+        y = ops.linear(x2, weight.data.contiguous(), type_index(ops, weight.type_name), path)
     elif ops is not None and bf16_min_rows is not None and m >= bf16_min_rows:
         # bf16 panels, decoded as csrc/decode_gguf_linear.h's bf16_panels decodes them (so the
         # fused decode gives the same floats)

@@ -111,6 +111,7 @@ class LMHead(_QuantizableTable):
         super().__init__(vocab_size, hidden_size)
         self.vocab_size = vocab_size
         self._tied: list[VocabEmbedding] = []  # a list: not registered as a submodule
+        self.decode_activations = "int16"  # GGUF blocks' small-M kernel (linear.Linear's)
         self.bf16_weight: torch.Tensor | None = None
         self.bf16_min_rows = 0
         """--matmul-activations bf16: at least bf16_min_rows rows in bf16, through a bf16 copy
@@ -159,7 +160,7 @@ class LMHead(_QuantizableTable):
         if owner.quant is not None:
             return quantized_linear(hidden_states, owner.quant, None, None, panel_rows)
         if owner.blocks is not None:
-            return gguf_linear(hidden_states, owner.blocks, None, panel_rows)
+            return gguf_linear(hidden_states, owner.blocks, None, panel_rows, self.decode_activations)
         logits = linear_op(hidden_states, owner.weight, persistent_weight=True)
         if self.tp.size > 1:
             # [N, vocab / size] per rank -> [N, vocab] (the padding rows cut off)

@@ -57,24 +57,25 @@ KeptWeight = QuantizedWeight | GGUFBlocks
 
 def kept_linear(
     x: torch.Tensor, weight: KeptWeight, bias: torch.Tensor | None, int8_min_rows: int | None = None,
-    bf16_panel_rows: int | None = None,
+    bf16_panel_rows: int | None = None, decode_activations: str = "int16",
 ) -> torch.Tensor:
     # x: [..., K] -> [..., N]; bf16_panel_rows: from this many rows up bf16 panels (None: never)
     if isinstance(weight, GGUFBlocks):
-        return gguf_linear(x, weight, bias, bf16_panel_rows)
+        return gguf_linear(x, weight, bias, bf16_panel_rows, decode_activations)
     return quantized_linear(x, weight, bias, int8_min_rows, bf16_panel_rows)
 
 
 def sectioned_linear(
     x: torch.Tensor, sections: tuple[tuple[int, KeptWeight], ...], bias: torch.Tensor | None, int8_min_rows: int | None,
-    bf16_panel_rows: int | None = None,
+    bf16_panel_rows: int | None = None, decode_activations: str = "int16",
 ) -> torch.Tensor:
     """x: [T, K] -> [T, N], output rows [offset, offset + rows) from each section's weight."""
     n = sum(w.shape[0] for _, w in sections)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     for offset, weight in sections:
         part_bias = None if bias is None else bias[offset : offset + weight.shape[0]]
-        y[..., offset : offset + weight.shape[0]] = kept_linear(x, weight, part_bias, int8_min_rows, bf16_panel_rows)
+        y[..., offset : offset + weight.shape[0]] = kept_linear(x, weight, part_bias, int8_min_rows, bf16_panel_rows,
+                                                                  decode_activations)
     return y
 
 
@@ -101,6 +102,9 @@ class Linear(nn.Module):
         self.int8_min_rows: int | None = None
         """quantized weight: from this many activation rows up, int8 activations (None: never;
         set_prefill_activations)"""
+        self.decode_activations = "int16"
+        """GGUF blocks: the small-M kernel's activation rounding (kernels/gguf_blocks.py
+        DECODE_ACTIVATIONS; set_prefill_activations)"""
         self.bf16_weight: torch.Tensor | None = None
         self.bf16_min_rows = 0
         """--matmul-activations bf16: matmuls of at least bf16_min_rows rows in bf16, with a
@@ -180,9 +184,10 @@ class Linear(nn.Module):
         elif self.quant is not None:
             y = quantized_linear(x, self.quant, self.bias, self.int8_min_rows, self.bf16_panel_rows())
         elif self.blocks is not None:
-            y = gguf_linear(x, self.blocks, self.bias, self.bf16_panel_rows())
+            y = gguf_linear(x, self.blocks, self.bias, self.bf16_panel_rows(), self.decode_activations)
         elif self.sections is not None:
-            y = sectioned_linear(x, self.sections, self.bias, self.int8_min_rows, self.bf16_panel_rows())
+            y = sectioned_linear(x, self.sections, self.bias, self.int8_min_rows, self.bf16_panel_rows(),
+                                 self.decode_activations)
         else:
             y = linear_op(x, self.weight, self.bias, persistent_weight=True)
         return y if self.lora_slots is None else add_lora_delta(self.lora_slots, x, y)
@@ -373,7 +378,9 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
     """Set how the matmuls of `net` with at least `min_rows` activation rows (prefill chunks,
     large decode batches) meet their weights; returns how many layers it concerns (float,
     int8: the quantized Linears; bf16: the layers that took a bf16 copy):
-    - "float": float32 activations always (the default);
+    - "float": float32 activations always (the default), and the GGUF small-M kernel's
+      activations rounded to int16 per 32 (near exact); in the other modes that kernel rounds
+      them to int8 per 256 for the K-quants (kernels/gguf_blocks.py DECODE_ACTIVATIONS);
     - "int8": every quantized Linear rounds activations to int8 per group of 32 from
       `min_rows` (default INT8_ACTIVATION_MIN_ROWS) rows up;
     - "bf16": every Linear and LM head with a float32 or quantized weight keeps a bf16 copy
@@ -388,8 +395,11 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
         warn_if_not_native()
     int8_rows = (min_rows or INT8_ACTIVATION_MIN_ROWS) if mode == "int8" else None
     bf16_rows = (min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None
+    decode = "int16" if mode == "float" else "int8"
     count = 0
     for module in net.modules():
+        if isinstance(module, (Linear, LMHead)):
+            module.decode_activations = decode
         if isinstance(module, Linear):
             module.int8_min_rows = int8_rows
             # float, int8: the layers with a QuantizedWeight (whole, or a section of it)

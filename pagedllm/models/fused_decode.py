@@ -151,14 +151,16 @@ def _projections(layer: nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
 
 def _kept_form(
     ops: Any, weight: KeptWeight, bias: torch.Tensor = _EMPTY, bf16: torch.Tensor = _EMPTY, bf16_min_rows: int = 0,
-    panel_min_rows: int = 0,
+    panel_min_rows: int = 0, decode_activations: str = "int16",
 ) -> Any:
     """A kept weight (a whole layer's, or one section's: no bias or bf16 copy) as a DecodeLinear;
-    GGUF blocks in bf16 panels from panel_min_rows rows up (0: never)."""
+    GGUF blocks in bf16 panels from panel_min_rows rows up (0: never), their small-M kernel's
+    activations as `decode_activations` says (kernels/gguf_blocks.py DECODE_ACTIVATIONS)."""
     if isinstance(weight, GGUFBlocks):
         type_index = ops.gguf_type_names().index(weight.type_name)
+        small_path = "fast" if decode_activations == "int8" else ""
         return ops.DecodeLinear.gguf(weight.data.contiguous(), type_index, weight.k, SMALL_M_MAX_ROWS, CHUNK_ROWS,
-                                     panel_min_rows, bias, bf16, bf16_min_rows)
+                                     panel_min_rows, bias, bf16, bf16_min_rows, small_path)
     zeros = _EMPTY if weight.zeros is None else weight.zeros
     return ops.DecodeLinear(weight.bits, weight.qweight, weight.scales, zeros, bias, bf16, bf16_min_rows)
 
@@ -171,13 +173,14 @@ def _decode_linear(ops: Any, linear: Linear, bf16_min_rows: int) -> Any:
     bf16 = _EMPTY if linear.bf16_weight is None else linear.bf16_weight
     panel_min_rows = linear.bf16_panel_rows() or 0  # GGUF blocks' bf16 panels
     if linear.sections is not None:
-        parts = [_kept_form(ops, weight, panel_min_rows=panel_min_rows) for _, weight in linear.sections]
+        parts = [_kept_form(ops, weight, panel_min_rows=panel_min_rows, decode_activations=linear.decode_activations)
+                 for _, weight in linear.sections]
         offsets = [offset for offset, _ in linear.sections]
         return ops.DecodeLinear.sections(parts, offsets, bias, bf16, bf16_min_rows)
     kept = linear.quant if linear.quant is not None else linear.blocks
     if kept is None:
         return ops.DecodeLinear(32, linear.weight.detach(), _EMPTY, _EMPTY, bias, bf16, bf16_min_rows)
-    return _kept_form(ops, kept, bias, bf16, bf16_min_rows, panel_min_rows)
+    return _kept_form(ops, kept, bias, bf16, bf16_min_rows, panel_min_rows, linear.decode_activations)
 
 
 def _gguf_refusal(ops: Any, linear: Linear) -> str | None:
@@ -205,6 +208,7 @@ class FusedDecoderLayers(nn.Module):
         self._bound_cache: torch.Tensor | None = None  # layer 0's KV cache when built
         self._bound_bf16: torch.Tensor | None = None  # layer 0's qkv bf16 copy when built
         self._bound_panel_rows: int | None = None  # and its bf16 panels' min rows
+        self._bound_decode_activations = "int16"  # and its small-M kernel's activations
         self._unsupported: str | None = None  # why this model cannot run fused, once found
         self._layout: KVLayout = BLOCK_TABLES  # the bound attention backend's KV layout
 
@@ -225,7 +229,8 @@ class FusedDecoderLayers(nn.Module):
         first = layers[0].self_attn
         if (self._decoder is None or first.attn.kv_cache is not self._bound_cache
                 or first.qkv_proj.bf16_weight is not self._bound_bf16
-                or first.qkv_proj.bf16_panel_rows() != self._bound_panel_rows):  # set_prefill_activations
+                or first.qkv_proj.bf16_panel_rows() != self._bound_panel_rows  # set_prefill_activations
+                or first.qkv_proj.decode_activations != self._bound_decode_activations):
             self._build(layers)
         return self._decoder is not None
 
@@ -282,6 +287,7 @@ class FusedDecoderLayers(nn.Module):
         self._bound_cache = first.self_attn.attn.kv_cache
         self._bound_bf16 = first.self_attn.qkv_proj.bf16_weight
         self._bound_panel_rows = first.self_attn.qkv_proj.bf16_panel_rows()
+        self._bound_decode_activations = first.self_attn.qkv_proj.decode_activations
 
     @staticmethod
     def _bind_lora(decoder: Any, layers: nn.ModuleList) -> None:

@@ -13,6 +13,7 @@ from gguf.quants import dequantize
 from pagedllm.kernels import build, isa
 from pagedllm.kernels.gguf_blocks import (
     GGUF_BLOCK_GEOMETRY,
+    INT8_DECODE_TYPES,
     KEPT_GGUF_TYPES,
     SMALL_M_MAX_ROWS,
     GGUFBlocks,
@@ -177,6 +178,66 @@ def test_int16_path_rows_do_not_depend_on_m(type_name: str) -> None:
     alone = torch.cat([ops.linear(x[i : i + 1].contiguous(), w.data, idx, "int16") for i in range(x.shape[0])])
     for m in range(2, SMALL_M_MAX_ROWS + 1):
         assert torch.equal(ops.linear(x[:m].contiguous(), w.data, idx, "int16"), alone[:m]), m
+
+
+def _int8_ops():  # type: ignore[no-untyped-def]
+    """The extension where its build holds the int8-activation kernel (AVX-512 VNNI), else skip."""
+    isa.set_cpu_isa(None)
+    ops = build.gguf_linear_ops()
+    if ops is None or not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= _cpu_flags():
+        pytest.skip("no AVX-512 VNNI: no int8-activation kernel in this build")
+    return ops
+
+
+@pytest.mark.parametrize("type_name", INT8_DECODE_TYPES)
+def test_int8_path_matches_its_rounded_activations(type_name: str) -> None:
+    """The int8-activation kernel (csrc/gguf_dot_int8_avx512.h) against float64 math over the
+    activations rounded as it documents (round-half-even of x * 127 / absmax per block of 256,
+    in float32): the integer pipeline is exact, so only float32 summation rounding may differ."""
+    ops = _int8_ops()
+    idx = list(ops.type_names()).index(type_name)
+    gen = torch.Generator().manual_seed(4)
+    for k in (256, 768, 2048):
+        w = random_blocks(type_name, 13, k, seed=k + 4)
+        w64 = gguf_py_dequantize(w)
+        x = torch.randn(6, k, generator=gen) * torch.exp(torch.randn(6, 1, generator=gen))
+        x[1, :256] = 0.0  # a block of zeros (scale 0)
+        x[2, 5] = 40.0  # an outlier: the block's scale follows it
+        xb = x.view(6, -1, 256)
+        amax = xb.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        xr = (torch.round(xb * inv) * (amax / 127.0)).view(6, k).double()
+        ref = xr @ w64.T
+        bound = 1e-5 * (xr.abs() @ w64.abs().T) + 1e-30
+        err = (ops.linear(x, w.data, idx, "int8").double() - ref).abs()
+        assert bool((err <= bound).all()), f"K={k}: max excess {float((err - bound).max())}"
+
+
+@pytest.mark.parametrize("type_name", INT8_DECODE_TYPES)
+def test_int8_path_drift_and_batch_invariance(type_name: str) -> None:
+    """The stated drift of int8 activations against float32 ones (kernels/gguf_blocks.py
+    DECODE_ACTIVATIONS): on Gaussian activations the relative error of a matmul is about 0.7%
+    (bounded here at 1.2%, against below 1e-4 for the int16 path); and each output row is the
+    same whatever M (rows taken 4, 3, 2 or 1 at a time)."""
+    ops = _int8_ops()
+    idx = list(ops.type_names()).index(type_name)
+    w = random_blocks(type_name, 96, 2048, seed=6)
+    x = torch.randn(SMALL_M_MAX_ROWS, 2048, generator=torch.Generator().manual_seed(7))
+    ref = ops.linear(x, w.data, idx, "float")
+    rel = lambda y: float((y - ref).norm() / ref.norm())  # noqa: E731
+    assert rel(ops.linear(x, w.data, idx, "int8")) < 1.2e-2
+    assert rel(ops.linear(x, w.data, idx, "int16")) < 1e-4
+    alone = torch.cat([ops.linear(x[i : i + 1].contiguous(), w.data, idx, "int8") for i in range(x.shape[0])])
+    for m in range(2, SMALL_M_MAX_ROWS + 1):
+        assert torch.equal(ops.linear(x[:m].contiguous(), w.data, idx, "int8"), alone[:m]), m
+    # "fast" is int8 for these types, the build's choice for the others
+    assert torch.equal(ops.linear(x, w.data, idx, "fast"), ops.linear(x, w.data, idx, "int8"))
+    q8 = list(ops.type_names()).index("Q8_0")
+    w8 = random_blocks("Q8_0", 8, 256, seed=1)
+    assert torch.equal(ops.linear(x[:, :256].contiguous(), w8.data, q8, "fast"),
+                       ops.linear(x[:, :256].contiguous(), w8.data, q8, ""))
+    with pytest.raises(RuntimeError, match="no int8 kernel"):
+        ops.linear(x[:, :256].contiguous(), w8.data, q8, "int8")
 
 
 def test_linear_keeps_dtype_shape_and_bias() -> None:

@@ -3,7 +3,8 @@
 // decode (decode_layers.cpp) multiplies it: the same kernels, in the same order, as the
 // module path's gguf_linear, so both give the same floats.
 //   M <= small_max_rows: gguf_matmul.h's small-M kernel (matmul_small with the build's choice,
-//       as the gguf_linear extension's `linear(x, data, type, "")`);
+//       or "fast" (int8 activations for the K-quants), as the gguf_linear extension's
+//       `linear(x, data, type, small_path)`);
 //   larger M: chunk_rows weight rows at a time decoded to float32 (decode_rows, as
 //       `dequantize_rows`) and torch's GEMM into that column slice of y, as kernels/gemm.py's
 //       chunked_gemm does; from panel_min_rows rows up (bf16 matmul activations; 0: never)
@@ -12,6 +13,8 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "gguf_matmul.h"
 
@@ -24,12 +27,14 @@ struct GGUFDecodeWeight {
   int64_t small_max_rows = 0;  // kernels/gguf_blocks.py SMALL_M_MAX_ROWS
   int64_t chunk_rows = 0;      // kernels/gemm.py CHUNK_ROWS
   int64_t panel_min_rows = 0;  // from this many rows bf16 panels (kernels/gguf_blocks.py); 0: never
+  std::string small_path;      // the small-M kernel's path: "" or "fast" (int8 activations, K-quants)
 
   GGUFDecodeWeight() = default;
   GGUFDecodeWeight(torch::Tensor data_, int64_t type_, int64_t K_, int64_t small_max_rows_, int64_t chunk_rows_,
-                   int64_t panel_min_rows_ = 0)
+                   int64_t panel_min_rows_ = 0, std::string small_path_ = "")
       : data(data_), K(K_), small_max_rows(small_max_rows_), chunk_rows(chunk_rows_),
-        panel_min_rows(panel_min_rows_) {
+        panel_min_rows(panel_min_rows_), small_path(std::move(small_path_)) {
+    TORCH_CHECK(small_path.empty() || small_path == "fast", "small_path must be \"\" or \"fast\"");
     TORCH_CHECK(type_ >= 0 && type_ < int64_t(gguf::Type::kCount), "unknown GGUF type index ", type_);
     TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kUInt8 && data.dim() == 2 &&
                     data.is_contiguous(), "GGUF blocks must be a contiguous CPU uint8 [N, row bytes] tensor");
@@ -48,7 +53,7 @@ struct GGUFDecodeWeight {
     const int64_t row_bytes = data.size(1);
     if (M <= small_max_rows) {
       gguf::with_type(type, [&](auto tag) {
-        gguf::matmul_small<decltype(tag)::value>(x, M, K, d, row_bytes, N, y, "");
+        gguf::matmul_small<decltype(tag)::value>(x, M, K, d, row_bytes, N, y, small_path.c_str());
       });
       return;
     }

@@ -423,13 +423,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "(bits 32/8/4, weight, scales, zeros, bias, bf16 copy, bf16_min_rows): float32 or int8/int4")
       .def_static("gguf",
                   [](torch::Tensor data, int64_t type, int64_t K, int64_t small_max_rows, int64_t chunk_rows,
-                     int64_t panel_min_rows, torch::Tensor bias, torch::Tensor bf16, int64_t bf16_min_rows) {
+                     int64_t panel_min_rows, torch::Tensor bias, torch::Tensor bf16, int64_t bf16_min_rows,
+                     std::string small_path) {
                     return DecodeLinear::from_gguf(
-                        GGUFDecodeWeight(data, type, K, small_max_rows, chunk_rows, panel_min_rows), bias, bf16,
-                        bf16_min_rows);
+                        GGUFDecodeWeight(data, type, K, small_max_rows, chunk_rows, panel_min_rows,
+                                         std::move(small_path)),
+                        bias, bf16, bf16_min_rows);
                   },
                   "(blocks uint8 [N, row bytes], type index, K, small_max_rows, chunk_rows, panel_min_rows "
-                  "(bf16 panels from this many rows; 0: never), bias, bf16 copy, bf16_min_rows)")
+                  "(bf16 panels from this many rows; 0: never), bias, bf16 copy, bf16_min_rows, small_path "
+                  "(\"\" or \"fast\": int8 activations for the K-quants))")
       .def_static("sections", &DecodeLinear::from_sections,
                   "(parts, offsets, bias, bf16 copy, bf16_min_rows): part i's rows at offsets[i]")
       .def_readonly("N", &DecodeLinear::N)

@@ -15,9 +15,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "gguf_decode.h"
 #include "gguf_dot_avx512.h"
+#include "gguf_dot_int8_avx512.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -143,18 +145,29 @@ constexpr bool use_int16_path() {
 }
 
 // y [M, N] = x [M, K] @ W.T, the kernel picked per type (use_int16_path), or the one named by
-// `path` ("int16", "float"; "" for the build's choice). False if `path` is not compiled for T.
+// `path` ("int8", "int16", "float"; "" for the build's choice; "fast": int8 where compiled for
+// T, else the build's choice). False if `path` is not compiled for T.
 template <Type T>
 bool matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y,
                   const char* path) {
-  const bool want_int16 = path[0] == 0 ? use_int16_path<T>() : path[0] == 'i';
-  if (want_int16) {
+  std::string want = path;
+  if (want == "fast" && has_int8_dot<T>()) want = "int8";
+  if (want.empty() || want == "fast") want = use_int16_path<T>() ? "int16" : "float";
+  if (want == "int8") {
+    if constexpr (has_int8_dot<T>()) {
+      matmul_int8<T>(x, M, K, data, row_bytes, N, y);
+      return true;
+    }
+    return false;
+  }
+  if (want == "int16") {
     if constexpr (has_int16_dot<T>()) {
       matmul_int16<T>(x, M, K, data, row_bytes, N, y);
       return true;
     }
     return false;
   }
+  if (want != "float") return false;
   matmul_f32<T>(x, M, K, data, row_bytes, N, y);
   return true;
 }
