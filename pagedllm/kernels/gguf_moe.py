@@ -109,12 +109,15 @@ def _int16_types(ops) -> frozenset[str]:  # type: ignore[no-untyped-def]
 
 
 def grouped_experts(
-    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, stacks: ExpertStacks
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, stacks: ExpertStacks,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """x: [T, H], expert_ids / weights: [T, k] -> [T, H] = sum over the k slots of
     weight * down(silu(gate x) * up x) of the slot's expert, in float32 arithmetic (x's dtype
     out). Where the build has AVX-512 VNNI and the type an int16 dot (gguf_blocks.small_m_kernels),
-    x and the silu products are rounded to int16 per group of 32, as gguf_linear rounds them."""
+    x and the silu products are rounded to int16 per group of 32, as gguf_linear rounds them;
+    with int8_activations (the experts' decode_activations "int8") to int8 per block of 256 for
+    the projections of a type in gguf_blocks.INT8_DECODE_TYPES."""
     ops = gguf_linear_ops()
     assert ops is not None, "grouped_experts needs the gguf_linear extension (grouped_experts_available)"
     out = ops.moe_experts(
@@ -125,5 +128,6 @@ def grouped_experts(
         type_index(ops, stacks.gate_up_type),
         stacks.down,
         type_index(ops, stacks.down_type),
+        int8_activations,
     )
     return out.to(x.dtype)

@@ -195,7 +195,8 @@ class SparseMoE(nn.Module):
         self.last_routing = routing
         if self._grouped(x):
             assert self.expert_stacks is not None
-            out = grouped_experts(x, routing.expert_ids, routing.weights, self.expert_stacks)
+            int8 = self.experts[0].gate_up_proj.decode_activations == "int8"  # set_prefill_activations
+            out = grouped_experts(x, routing.expert_ids, routing.weights, self.expert_stacks, int8)
         else:
             out = self._expert_loop(x, routing)
         if self.shared_expert is not None:

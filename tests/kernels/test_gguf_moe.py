@@ -37,7 +37,9 @@ def random_stacks(gate_up_type: str, down_type: str, seed: int = 0) -> ExpertSta
     return ExpertStacks(gu, gate_up_type, dn, down_type)
 
 
-def loop_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s: ExpertStacks) -> torch.Tensor:
+def loop_reference(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s: ExpertStacks, decode_activations: str = "int16"
+) -> torch.Tensor:
     """layers/moe.py's loop: per expert in id order, its tokens' rows through gguf_linear."""
     out = torch.zeros_like(x)
     flat = ids.flatten()
@@ -47,9 +49,11 @@ def loop_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s:
         if len(pairs) == 0:
             continue
         tokens = pairs // k
-        gate, up = gguf_linear(x[tokens], GGUFBlocks(s.gate_up[e], s.gate_up_type, H)).chunk(2, dim=-1)
+        gate_up = GGUFBlocks(s.gate_up[e], s.gate_up_type, H)
+        gate, up = gguf_linear(x[tokens], gate_up, decode_activations=decode_activations).chunk(2, dim=-1)
         h = torch.nn.functional.silu(gate) * up
-        y = gguf_linear(h, GGUFBlocks(s.down[e], s.down_type, I)) * weights.flatten()[pairs, None]
+        y = gguf_linear(h, GGUFBlocks(s.down[e], s.down_type, I), decode_activations=decode_activations)
+        y = y * weights.flatten()[pairs, None]
         out.index_add_(0, tokens, y)
     return out
 
@@ -95,6 +99,29 @@ def test_mixed_types_and_repeated_expert_in_one_token(ops, gate_up_type: str, do
     # Token 0's two slots of expert 5 equal one slot of weight 0.75.
     single = grouped_experts(x[:1], torch.tensor([[5]]), torch.tensor([[0.75]]), s)
     assert_close_to_loop(out[:1], single, "repeated expert")
+
+
+@pytest.mark.parametrize(("gate_up_type", "down_type"), [("Q4_K", "Q6_K"), ("Q5_K", "Q5_K"), ("Q4_K", "Q8_0")])
+def test_int8_activations_match_the_loop_in_int8(gate_up_type: str, down_type: str) -> None:
+    """With int8 activations (the experts' decode_activations "int8": the bf16 and int8 matmul
+    modes) the K-quant projections round x and h to int8 per 256 in both the grouped call and
+    the loop's gguf_linear (a Q8_0 down keeps int16 in both); an ulp of silu's exp can move one
+    int8 rounding of h (1/254 of a block's largest |h|), hence a looser bound than int16's.
+    Against the int16 call it differs by the int8 rounding itself (stated drift, ~1%)."""
+    ops_list = list(gguf_ops_at("native"))
+    if not ops_list or "avx512_vnni" not in " ".join(ops_list[0].small_m_kernels()):
+        pytest.skip("no AVX-512 VNNI: no int8 dot in this build")
+    s = random_stacks(gate_up_type, down_type, seed=11)
+    for num_tokens, top_k in [(1, 8), (4, 2), (16, 8)]:
+        x = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(num_tokens))
+        ids, weights = random_routing(num_tokens, top_k, num_tokens)
+        out = grouped_experts(x, ids, weights, s, int8_activations=True)
+        ref = loop_reference(x, ids, weights, s, decode_activations="int8")
+        scale = ref.abs().max().item()
+        assert (out - ref).abs().max().item() <= 2e-3 * scale, f"{gate_up_type}/{down_type} T={num_tokens}"
+        exact = grouped_experts(x, ids, weights, s)
+        drift = ((out - exact).norm() / exact.norm()).item()
+        assert 1e-4 < drift < 3e-2, drift  # the int8 path ran, and within its stated drift
 
 
 def test_dtype_and_checks(ops) -> None:  # type: ignore[no-untyped-def]

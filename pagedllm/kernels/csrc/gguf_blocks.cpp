@@ -108,7 +108,7 @@ ExpertStack expert_stack(const torch::Tensor& data, int64_t type, int64_t K, con
 // out [T, H] = sum over slots of weights * down(silu(gate x) * up x) (gguf_moe.h).
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights,
                           const torch::Tensor& gate_up, int64_t gate_up_type, const torch::Tensor& down,
-                          int64_t down_type) {
+                          int64_t down_type, bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [T, H] tensor");
   const int64_t T = x.size(0), H = x.size(1);
@@ -131,7 +131,7 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_id
   auto out = torch::zeros({T, H}, x.options());
   if (T * k > 0)
     moe_grouped(x.data_ptr<float>(), T, ids, weights.data_ptr<float>(), k, E, gu, dn,
-                out.data_ptr<float>());
+                out.data_ptr<float>(), int8_activations);
   return out;
 }
 
@@ -157,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows", &gather_rows, "(data, type, ids) -> float32 [T, K]: rows ids (embedding lookup)");
   m.def("linear", &linear, "(x [M, K], data, type, path) -> x @ W.T [M, N]: the small-M kernel");
   m.def("moe_experts", &moe_experts,
-        "(x, expert_ids, weights, gate_up, gate_up_type, down, down_type) -> [T, H]: the grouped-expert MLP");
+        "(x, expert_ids, weights, gate_up, gate_up_type, down, down_type, int8_activations) -> [T, H]: the "
+        "grouped-expert MLP (int8_activations: per 256 for the K-quant projections)");
   m.def("small_m_kernels", &small_m_kernels, "per type (type_names order): the kernel linear runs");
 }

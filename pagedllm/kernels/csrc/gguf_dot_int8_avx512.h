@@ -213,6 +213,22 @@ inline void rows_int8(const uint8_t* row, int64_t row_bytes, const Int8Activatio
   }
 }
 
+// sums[i] (i < n) = activation row rows[i] dotted with one weight row (the rows in passes of
+// up to 4; the grouped-expert call, gguf_moe.h).
+template <Type T>
+inline void gathered_dots_int8(const uint8_t* row, const Int8Activations& a, const int32_t* rows, int64_t n,
+                               float* sums) {
+  const int64_t row_bytes = a.blocks * kGeometry[int(T)].bytes;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) rows_int8<T, 4>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i);
+  switch (n - i) {
+    case 3: rows_int8<T, 3>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    case 2: rows_int8<T, 2>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    case 1: rows_int8<T, 1>(row, row_bytes, a, [&](int r) { return rows[i + r]; }, sums + i); break;
+    default: break;
+  }
+}
+
 // y [M, N] = x [M, K] @ W.T with int8 activations; threads over output rows (guided), each
 // weight row read once for all M activation rows, up to 4 of them per pass.
 template <Type T>
@@ -247,5 +263,10 @@ constexpr bool has_int8_dot() {
 }
 template <Type T>
 void matmul_int8(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
+struct Int8Activations {
+  Int8Activations(const float*, int64_t, int64_t, bool) {}
+};
+template <Type T>
+inline void gathered_dots_int8(const uint8_t*, const Int8Activations&, const int32_t*, int64_t, float*) {}
 }  // namespace pagedllm::gguf
 #endif

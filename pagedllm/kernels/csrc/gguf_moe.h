@@ -7,7 +7,8 @@
 // 2. gate/up: work items (active expert, block of kItemRows intermediate rows), dynamic
 //    schedule; each weight row read once for all of that expert's tokens (x's rows gathered),
 //    h[pair, j] = silu(gate) * up, each element written by one thread;
-// 3. h rounded to int16 once (where the down type takes the int16 path);
+// 3. h rounded to int16 once (where the down type takes the int16 path; or to int8 per 256
+//    where int8 activations were asked for and the type has that dot);
 // 4. down: work items = blocks of output rows (moe_down); an item runs every active expert over
 //    its rows in expert order and adds w * dot into out[t, n]: each output element is one
 //    thread's, summed in the loop path's order (expert by expert), so no races and the result
@@ -83,15 +84,20 @@ inline void gathered_dots_f32(const uint8_t* row, int64_t K, const float* x, con
 }
 
 // Activation rows [M, K] as a type's dot reads them: float32, and their int16 rounding where
-// some type of the phase takes the int16 path.
+// the phase's type takes the int16 path, or their int8 rounding (per 256) where int8
+// activations were asked for and the type has the int8 dot (gguf_dot_int8_avx512.h).
 struct Activations {
   const float* x;
   int64_t K;
   std::unique_ptr<Int16Activations> q;
+  std::unique_ptr<Int8Activations> q8;
 };
 
 template <Type T>
 inline void gathered_dots(const uint8_t* row, const Activations& a, const int32_t* rows, int64_t n, float* sums) {
+  if constexpr (has_int8_dot<T>()) {
+    if (a.q8) return gathered_dots_int8<T>(row, *a.q8, rows, n, sums);
+  }
   if constexpr (use_int16_path<T>()) {
     gathered_dots_int16<T>(row, a.K, *a.q, rows, n, sums);
   } else {
@@ -103,6 +109,20 @@ inline bool int16_path(Type t) {
   bool out = false;
   with_type(t, [&](auto tag) { out = use_int16_path<decltype(tag)::value>(); });
   return out;
+}
+inline bool int8_path(Type t) {
+  bool out = false;
+  with_type(t, [&](auto tag) { out = has_int8_dot<decltype(tag)::value>(); });
+  return out;
+}
+
+// A phase's activations rounded as its type's dot reads them (int8: asked for and the type has
+// that dot; else int16 where the type takes it; else none).
+inline void round_activations(Activations& a, const float* x, int64_t M, Type t, bool int8) {
+  if (int8 && int8_path(t))
+    a.q8 = std::make_unique<Int8Activations>(x, M, a.K, t != Type::Q6_K);
+  else if (int16_path(t))
+    a.q = std::make_unique<Int16Activations>(x, M, a.K);
 }
 
 // Phase 2 (called by every thread of the region): h [P, I] from x's gathered rows.
@@ -144,20 +164,22 @@ void moe_down(const ExpertPlan& p, const Activations& h, const ExpertStack& down
   }
 }
 
-// out [T, H] (zeroed by the caller) = the grouped-expert MLP of x [T, H]; ids, w: [T, k].
+// out [T, H] (zeroed by the caller) = the grouped-expert MLP of x [T, H]; ids, w: [T, k];
+// int8: int8 activations per 256 for the K-quant projections (the layer's decode_activations).
 inline void moe_grouped(const float* x, int64_t T, const int64_t* ids, const float* w, int64_t k, int64_t E,
-                        const ExpertStack& gu, const ExpertStack& down, float* out) {
+                        const ExpertStack& gu, const ExpertStack& down, float* out, bool int8 = false) {
   const ExpertPlan p = plan_experts(ids, w, T, k, E);
   const int64_t I = gu.rows / 2, P = T * k;
-  Activations xa{x, gu.k, int16_path(gu.type) ? std::make_unique<Int16Activations>(x, T, gu.k) : nullptr};
+  Activations xa{x, gu.k, nullptr, nullptr};
+  round_activations(xa, x, T, gu.type, int8);
   std::vector<float> h(P * I);
-  Activations ha{h.data(), I, nullptr};
+  Activations ha{h.data(), I, nullptr, nullptr};
 #pragma omp parallel
   {
     with_type(gu.type, [&](auto tag) { moe_gate_up<decltype(tag)::value>(p, xa, gu, h.data()); });
     // The implicit barrier of the omp for above: h is complete.
 #pragma omp single
-    if (int16_path(down.type)) ha.q = std::make_unique<Int16Activations>(h.data(), P, I);
+    round_activations(ha, h.data(), P, down.type, int8);
     // The single's barrier: ha is complete.
     with_type(down.type, [&](auto tag) { moe_down<decltype(tag)::value>(p, ha, down, out); });
   }
