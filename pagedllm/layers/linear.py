@@ -35,7 +35,7 @@ from pagedllm.kernels.bf16_activations import (
     bf16_copy_for,
     warn_if_not_native,
 )
-from pagedllm.kernels.gguf_blocks import GGUFBlocks, gguf_linear
+from pagedllm.kernels.gguf_blocks import DECODE_ACTIVATIONS, GGUFBlocks, gguf_linear
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.utils import set_weight_loader
@@ -374,6 +374,21 @@ def bf16_copy_bytes_needed(net: nn.Module) -> int:
     return total
 
 
+def set_decode_activations(net: nn.Module, mode: str) -> int:
+    """How the GGUF small-M kernel of every Linear and LM head of `net` rounds its activations
+    (kernels/gguf_blocks.py DECODE_ACTIVATIONS: "int16" or "int8"); returns the layers set.
+    set_prefill_activations calls it ("int8" in the bf16 and int8 modes); the fused decode
+    rebuilds on the change."""
+    if mode not in DECODE_ACTIVATIONS:
+        raise ValueError(f"decode_activations={mode!r} is not one of {', '.join(DECODE_ACTIVATIONS)}")
+    count = 0
+    for module in net.modules():
+        if isinstance(module, (Linear, LMHead)):
+            module.decode_activations = mode
+            count += 1
+    return count
+
+
 def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = None, copies: bool = True) -> int:
     """Set how the matmuls of `net` with at least `min_rows` activation rows (prefill chunks,
     large decode batches) meet their weights; returns how many layers it concerns (float,
@@ -395,11 +410,9 @@ def set_prefill_activations(net: nn.Module, mode: str, min_rows: int | None = No
         warn_if_not_native()
     int8_rows = (min_rows or INT8_ACTIVATION_MIN_ROWS) if mode == "int8" else None
     bf16_rows = (min_rows or BF16_ACTIVATION_MIN_ROWS) if mode == "bf16" else None
-    decode = "int16" if mode == "float" else "int8"
+    set_decode_activations(net, "int16" if mode == "float" else "int8")
     count = 0
     for module in net.modules():
-        if isinstance(module, (Linear, LMHead)):
-            module.decode_activations = decode
         if isinstance(module, Linear):
             module.int8_min_rows = int8_rows
             # float, int8: the layers with a QuantizedWeight (whole, or a section of it)
