@@ -39,6 +39,18 @@ pipeline applies the sub-block scales, 1.4-2.5x the int16 kernel's speed per cor
 about 0.7% relative per matmul on Gaussian activations, bounded in tests/kernels). Set per
 layer by layers/linear.set_prefill_activations: "int8" in the bf16 and int8 modes."""
 INT8_DECODE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+INT8_SMALL_M_MAX_ROWS = 64
+"""With int8 decode activations the small-M kernel takes these types up to this many rows
+(decode batches of up to 64 sequences, short prefill chunks): one thread, [2048, 2048], its
+time against the bf16 panels' (decode to bf16 + torch's GEMM) at M = 32 / 64 / 128: Q4_K
+0.67x / 0.95x / 1.25x, Q6_K 0.47x / 0.80x / 1.09x (2026-12-03, Zen 4)."""
+
+
+def small_m_max_rows(type_name: str, decode_activations: str) -> int:
+    """The most activation rows the small-M kernel takes for a weight of this type."""
+    if decode_activations == "int8" and type_name in INT8_DECODE_TYPES:
+        return INT8_SMALL_M_MAX_ROWS
+    return SMALL_M_MAX_ROWS
 
 # ggml type name -> (elements per block, bytes per block), as the GGUF spec fixes them.
 GGUF_BLOCK_GEOMETRY: dict[str, tuple[int, int]] = {
@@ -186,7 +198,8 @@ def gguf_linear(
     SMALL_M_MAX_ROWS rows, where the build has AVX-512 VNNI (`small_m_kernels()`), the activations
     are rounded to int16 per group of 32 (at most 1/65534 of the group's largest |x|), or with
     decode_activations "int8" (DECODE_ACTIVATIONS) for the K-quants the int8 kernel takes
-    (INT8_DECODE_TYPES) to int8 per block of 256 (at most 1/254 of the block's largest |x|). From
+    (INT8_DECODE_TYPES) to int8 per block of 256 (at most 1/254 of the block's largest |x|),
+    those up to INT8_SMALL_M_MAX_ROWS rows. From
     `bf16_min_rows` rows up (above SMALL_M_MAX_ROWS; None: never) bf16 panels
     (gemm.chunked_bf16_gemm): the error of a bf16 model's matmul."""
     n, k = weight.shape
@@ -194,7 +207,7 @@ def gguf_linear(
     x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
     m = x2.shape[0]
-    if ops is not None and m <= SMALL_M_MAX_ROWS:
+    if ops is not None and m <= small_m_max_rows(weight.type_name, decode_activations):
         path = "fast" if decode_activations == "int8" else ""
         y = ops.linear(x2, weight.data.contiguous(), type_index(ops, weight.type_name), path)
     elif ops is not None and bf16_min_rows is not None and m >= bf16_min_rows:

@@ -11,7 +11,7 @@ kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of to
 the results agree with the module path to float32 rounding, exactly for quantized weights
 (tests/models/test_fused_decode.py). A projection is passed in its kept form
 (`_decode_linear`): float32, `QuantizedWeight` int8/int4, GGUF blocks of any kept type
-(`Linear.blocks`: up to SMALL_M_MAX_ROWS rows the gguf_linear small-M kernel, above it rows
+(`Linear.blocks`: up to small_m_max_rows (16; 64 for int8 K-quants) the gguf_linear small-M kernel, above it rows
 decoded to float32 in chunked_gemm's chunks and torch's GEMM, csrc/decode_gguf_linear.h), or
 `Linear.sections` of those, each part into its output rows: the module path's floats exactly
 (tests/models/test_fused_decode_gguf.py). With `--prefill-activations bf16` a step of at least
@@ -53,7 +53,7 @@ from pagedllm.attention.params import AttentionParams
 from pagedllm.attention.torch_backend import MAX_SHORT_RUN, CompiledBackend
 from pagedllm.kernels import decode_layers_ops
 from pagedllm.kernels.gemm import CHUNK_ROWS
-from pagedllm.kernels.gguf_blocks import SMALL_M_MAX_ROWS, GGUFBlocks
+from pagedllm.kernels.gguf_blocks import SMALL_M_MAX_ROWS, GGUFBlocks, small_m_max_rows
 from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import KeptWeight, Linear
 from pagedllm.lora.layers import active_mapping
@@ -159,7 +159,8 @@ def _kept_form(
     if isinstance(weight, GGUFBlocks):
         type_index = ops.gguf_type_names().index(weight.type_name)
         small_path = "fast" if decode_activations == "int8" else ""
-        return ops.DecodeLinear.gguf(weight.data.contiguous(), type_index, weight.k, SMALL_M_MAX_ROWS, CHUNK_ROWS,
+        small_rows = small_m_max_rows(weight.type_name, decode_activations)
+        return ops.DecodeLinear.gguf(weight.data.contiguous(), type_index, weight.k, small_rows, CHUNK_ROWS,
                                      panel_min_rows, bias, bf16, bf16_min_rows, small_path)
     zeros = _EMPTY if weight.zeros is None else weight.zeros
     return ops.DecodeLinear(weight.bits, weight.qweight, weight.scales, zeros, bias, bf16, bf16_min_rows)

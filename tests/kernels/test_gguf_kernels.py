@@ -14,6 +14,7 @@ from pagedllm.kernels import build, isa
 from pagedllm.kernels.gguf_blocks import (
     GGUF_BLOCK_GEOMETRY,
     INT8_DECODE_TYPES,
+    INT8_SMALL_M_MAX_ROWS,
     KEPT_GGUF_TYPES,
     SMALL_M_MAX_ROWS,
     GGUFBlocks,
@@ -230,6 +231,13 @@ def test_int8_path_drift_and_batch_invariance(type_name: str) -> None:
     alone = torch.cat([ops.linear(x[i : i + 1].contiguous(), w.data, idx, "int8") for i in range(x.shape[0])])
     for m in range(2, SMALL_M_MAX_ROWS + 1):
         assert torch.equal(ops.linear(x[:m].contiguous(), w.data, idx, "int8"), alone[:m]), m
+    # gguf_linear with int8 decode activations takes the int8 kernel up to INT8_SMALL_M_MAX_ROWS
+    # rows, bf16 panels past it; int16 only up to SMALL_M_MAX_ROWS
+    x64 = torch.randn(INT8_SMALL_M_MAX_ROWS + 1, 2048, generator=torch.Generator().manual_seed(8))
+    m = INT8_SMALL_M_MAX_ROWS
+    assert torch.equal(gguf_linear(x64[:m], w, None, 17, "int8"), ops.linear(x64[:m], w.data, idx, "int8"))
+    assert torch.equal(gguf_linear(x64, w, None, 17, "int8"), gguf_linear(x64, w, None, 17, "int16"))  # panels
+    assert not torch.equal(gguf_linear(x64[:m], w, None, 17, "int16"), ops.linear(x64[:m], w.data, idx, "int16"))
     # "fast" is int8 for these types, the build's choice for the others
     assert torch.equal(ops.linear(x, w.data, idx, "fast"), ops.linear(x, w.data, idx, "int8"))
     q8 = list(ops.type_names()).index("Q8_0")
