@@ -194,10 +194,12 @@ def test_refused_when_it_does_not_fit(tiny_hf: tuple[Any, Path], monkeypatch: py
 
 def test_prefill_activations_on_block_layers(tiny_hf: tuple[Any, Path]) -> None:
     """--prefill-activations bf16 takes a bf16 copy of a block layer's dequantized weight;
-    int8 leaves block layers at float32 activations (it rounds QuantizedWeight parts only).
-    The modes' own bounds are stated and tested on real weights (test_int8_prefill.py,
-    test_bf16_activations.py); here, on random weights of std 0.05, |d logprob| <= 0.2 shows
-    the block and section paths take part, and "float" returns exactly to the float32 path."""
+    both bf16 and int8 set the block layers' decode activations to int8 (K-quant blocks round
+    them per 256 in the small-M kernel, which this short prompt takes; int8 rounds
+    QuantizedWeight parts per 32 too). The modes' own bounds are stated and tested on real
+    weights (test_int8_prefill.py, test_bf16_activations.py, test_int8_decode_drift.py); here,
+    on random weights of std 0.05, |d logprob| <= 0.5 (measured up to 0.33) shows the block and
+    section paths take part, and "float" returns exactly to the float32 path."""
     from pagedllm.layers.linear import set_prefill_activations
 
     path = write(tiny_hf, "prefill-mixed", _mixed_type)
@@ -205,10 +207,10 @@ def test_prefill_activations_on_block_layers(tiny_hf: tuple[Any, Path]) -> None:
     bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
     ref = prompt_logprobs(loaded.model, PROMPT)
     assert set_prefill_activations(loaded.model, "int8", min_rows=1) > 0
-    torch.testing.assert_close(prompt_logprobs(loaded.model, PROMPT), ref, atol=0.2, rtol=0)
+    torch.testing.assert_close(prompt_logprobs(loaded.model, PROMPT), ref, atol=0.5, rtol=0)
     assert set_prefill_activations(loaded.model, "bf16", min_rows=1) > 0
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj
     assert qkv.sections is not None and qkv.bf16_weight is not None and qkv.bf16_weight.shape == (512, 256)
-    torch.testing.assert_close(prompt_logprobs(loaded.model, PROMPT), ref, atol=0.2, rtol=0)
+    torch.testing.assert_close(prompt_logprobs(loaded.model, PROMPT), ref, atol=0.5, rtol=0)
     set_prefill_activations(loaded.model, "float")
     torch.testing.assert_close(prompt_logprobs(loaded.model, PROMPT), ref, atol=0, rtol=0)
