@@ -74,18 +74,6 @@ def validate(spec: StructuredOutputsParams) -> None:
     _validate_key(*spec.key)
 
 
-def check_supported(params: SamplingParams, speculative_config: object | None = None) -> None:
-    """Refuse combinations structured outputs do not support yet, with a clear ValueError."""
-    if params.structured_outputs is None:
-        return
-    if speculative_config is not None:
-        raise ValueError(
-            "structured_outputs cannot be combined with speculative decoding yet (the grammar "
-            "matcher does not roll back rejected draft tokens); start the engine without a "
-            "speculative config to use structured outputs"
-        )
-
-
 def compile_spec(compiler: Any, spec: StructuredOutputsParams) -> Any:
     """Compile with the engine's vocabulary (the slow part: a mask per grammar state)."""
     try:
