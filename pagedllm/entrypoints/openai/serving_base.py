@@ -152,7 +152,10 @@ def structured_outputs_from(req: SamplingFields) -> StructuredOutputsParams | No
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
             return StructuredOutputsParams(json=spec["schema"])
-        raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
+        if kind == "structural_tag":  # vLLM's: xgrammar's structural tag, this object itself
+            return StructuredOutputsParams(structural_tag=fmt)
+        raise ValueError(f"response_format type {kind!r} is not supported; "
+                         "use text, json_object, json_schema or structural_tag")
     except TypeError as e:  # an unknown key in structured_outputs
         raise bad_request(f"{source}: {e}", source) from None
     except ValueError as e:
