@@ -24,7 +24,8 @@ ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"typ
 # For qwen3_coder, whose values are text converted by the schema's types.
 CONFIGURE = {"name": "configure", "parameters": {"type": "object", "properties": {
     "count": {"type": "integer"}, "ratio": {"type": "number"}, "on": {"type": "boolean"}, "tags": {"type": "array"},
-    "opts": {"type": "object"}, "label": {"type": "string"}, "note": {"type": ["string", "null"]}}}}
+    "opts": {"type": "object"}, "label": {"type": "string"}, "note": {"type": ["string", "null"]},
+    "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "whole": {"type": "number"}}}}
 FUNCTIONS = [WEATHER, ADD, CONFIGURE]
 HERMES = ToolCallConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
 
@@ -76,11 +77,12 @@ CASES = {
                        "<parameter=count>\n42\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
                        "<parameter=on>\nTrue\n</parameter>\n<parameter=tags>\n[\"a\", \"b}\"]\n</parameter>\n"
                        "<parameter=opts>\n{'k': 1}\n</parameter>\n<parameter=label>\n007\n</parameter>\n"
-                       "<parameter=note>\nnull\n</parameter>\n<parameter=extra>\nline1\nline2 <b> \"Zürich\"\n</parameter>\n"
+                       "<parameter=note>\nnull\n</parameter>\n<parameter=maybe>\nNone\n</parameter>\n"
+                       "<parameter=whole>\n3.0\n</parameter>\n<parameter=extra>\nline1\nline2 <b> \"Zürich\"\n</parameter>\n"
                        "</function>\n</tool_call>\nDone.",
         "I'll check.\n\n\nDone.",
         [("get_weather", PARIS), ("configure", {"count": 42, "ratio": 0.5, "on": True, "tags": ["a", "b}"], "opts": {"k": 1},
-                                                "label": "007", "note": None, "extra": "line1\nline2 <b> \"Zürich\""})]),
+                                                "label": "007", "note": None, "maybe": None, "whole": 3, "extra": "line1\nline2 <b> \"Zürich\""})]),
     "qwen3_coder closing tags left out": (
         "qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n2\n<parameter=b>\n3\n</function>\n</tool_call>",
         "", [("add", {"a": 2, "b": 3})]),

@@ -9,9 +9,11 @@
     </tool_call>
 
 A parameter's value is text (one newline either side of it is layout): it is converted by
-the type its tool's ``parameters`` schema gives it (``integer``, ``number``, ``boolean``,
-``null``, ``object``/``array`` read as JSON or a Python literal; a string, an unknown
-parameter or a value that does not convert stays text). The arguments are the JSON object
+the type its tool's ``parameters`` schema gives it (``type``, a list of types or ``anyOf``:
+``integer``, ``number`` (integral values as integers), ``boolean``, ``object``/``array``
+read as JSON or a Python literal, ``null``/``None`` as null where the type is not a string or
+null is allowed); a string, an undeclared parameter or a value that does not convert stays
+text. The arguments are the JSON object
 of the parameters in order; while streaming, a call shows once its ``<function=...>`` tag
 has closed (arguments ``{``) and grows by one parameter as each closes, ``}`` last.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract import (
@@ -35,36 +38,54 @@ FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 
 
-def _schema_type(functions: list[dict[str, Any]], name: str, key: str) -> Any:
+def _schema_types(functions: list[dict[str, Any]], name: str, key: str) -> tuple[list[str], bool] | None:
+    """The parameter's JSON-schema types (``type``, a list of them, or ``anyOf``'s) and whether
+    null is one; None for a parameter the tool does not declare."""
     for function in functions:
         if function.get("name") == name:
             properties = (function.get("parameters") or {}).get("properties") or {}
             prop = properties.get(key)
-            return prop.get("type") if isinstance(prop, dict) else None
+            if not isinstance(prop, dict):
+                return None
+            raw = prop.get("type") if "type" in prop else [o.get("type") for o in prop.get("anyOf", ())
+                                                           if isinstance(o, dict)]
+            types = [str(t).strip().lower() for t in (raw if isinstance(raw, list) else [raw]) if t is not None]
+            return [t for t in types if t != "null"] or ["string"], "null" in types
     return None
 
 
-def convert(value: str, type_: Any) -> Any:
-    """A parameter's text as its schema type (the text itself when it does not convert)."""
-    types = type_ if isinstance(type_, list) else [type_]
+def convert(value: str, schema: tuple[list[str], bool] | None) -> Any:
+    """A parameter's text as its schema type: the text itself for a string, an undeclared
+    parameter or a value that does not convert; ``null``/``None`` is null where the schema
+    allows it or the type is not a string."""
+    if schema is None:
+        return value
+    types, nullable = schema
     stripped = value.strip()
-    if "null" in types and stripped.lower() in ("null", "none"):
+    is_null = stripped.lower() in ("null", "none")
+    if is_null and nullable:
         return None
     for t in types:
+        if t in ("string", "str", "text", "char", "varchar", "enum"):
+            return value
+        if is_null:
+            return None
         try:
-            if t in ("integer", "int"):
+            if t.startswith(("int", "uint", "long", "short")):
                 return int(stripped)
-            if t in ("number", "float"):
+            if t.startswith(("num", "float", "double")):
                 number = float(stripped)
-                return int(stripped) if number.is_integer() and stripped.lstrip("-").isdigit() else number
+                if not math.isfinite(number):  # no JSON for it: stays text
+                    continue
+                return int(number) if number.is_integer() else number
             if t in ("boolean", "bool") and stripped.lower() in ("true", "false"):
                 return stripped.lower() == "true"
-            if t in ("object", "array", "dict", "list"):
+            if t in ("object", "array", "arr") or t.startswith(("dict", "list")):
                 try:
                     return json.loads(stripped)
                 except ValueError:
                     return ast.literal_eval(stripped)
-        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+        except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError, OverflowError):
             continue
     return value
 
@@ -114,7 +135,7 @@ class Qwen3CoderToolParser(ToolParser):
             value = rest[value_start:value_end]
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
-            members.append(_member(key, convert(value, _schema_type(self.functions, name, key))))
+            members.append(_member(key, convert(value, _schema_types(self.functions, name, key))))
             pos = value_end + len(PARAMETER_END) if rest.startswith(PARAMETER_END, value_end) else value_end
         arguments = "{" + ", ".join(members)
         return ParsedCall(name, arguments + "}" if done else arguments)
