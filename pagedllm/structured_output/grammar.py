@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 JSON_SEPARATORS = (",", ":")
 """Between items and between a key and its value: compact JSON, no whitespace."""
