@@ -19,8 +19,9 @@ otherwise (checked by InputProcessor.validate)."""
 
 @dataclass
 class StructuredOutputsParams:
-    """Constrain the output to a JSON schema, JSON object, regex, choice or EBNF grammar (as
-    vLLM's). Exactly one must be given; the grammar decides where the output ends."""
+    """Constrain the output to a JSON schema, JSON object, regex, choice, EBNF grammar or
+    structural tag (as vLLM's). Exactly one must be given; the grammar decides where the
+    output ends."""
 
     json: dict | str | type | None = None
     """A JSON schema: a dict, a JSON string, or a pydantic model class (its schema)."""
@@ -32,6 +33,10 @@ class StructuredOutputsParams:
     """An EBNF grammar (GBNF style) whose start rule is ``root``."""
     json_object: bool | None = None
     """Any JSON object."""
+    structural_tag: str | dict | None = None
+    """xgrammar's structural tag (JSON text or a dict): ``{"type": "structural_tag", "format":
+    {...}}``, or the older ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``
+    (free text until a trigger, then the tagged structure)."""
     reasoning_ended: bool | None = None
     """Only with a reasoning parser on the engine: whether the reasoning is over before the
     output starts. True: the grammar constrains from the first output token; False: from the
@@ -51,13 +56,21 @@ class StructuredOutputsParams:
                 "structured_outputs.json must be a JSON schema (a dict, a JSON string or a "
                 f"pydantic model class), got {type(self.json).__name__}"
             )
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if isinstance(self.structural_tag, str):
+            try:
+                self.structural_tag = _json.loads(self.structural_tag)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise ValueError("structured_outputs.structural_tag must be a JSON object (a dict or its JSON text)")
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs needs exactly one of json, regex, choice, grammar or "
-                f"json_object, got {given or 'none'}"
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object or structural_tag, got {given or 'none'}"
             )
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
@@ -83,6 +96,8 @@ class StructuredOutputsParams:
             return "choice", _json.dumps(self.choice)
         if self.grammar is not None:
             return "grammar", self.grammar
+        if self.structural_tag is not None:
+            return "structural_tag", _json.dumps(self.structural_tag, sort_keys=True, separators=(",", ":"))
         return "json_object", ""
 
 

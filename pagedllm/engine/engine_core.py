@@ -110,7 +110,8 @@ class EngineCore:
             # Finished (not preempted) requests drop their matchers.
             so_manager.remove(r for r in scheduler_output.finished_req_ids if r not in self.scheduler.requests)
             scheduler_output.grammar_bitmask = so_manager.grammar_bitmask(
-                self._sampling_req_ids(scheduler_output), failed, rejected
+                self._sampling_req_ids(scheduler_output), failed, rejected,
+                scheduler_output.scheduled_spec_decode_tokens,
             )
         if self._budgeted:
             self._force_reasoning_ends(scheduler_output)
@@ -201,11 +202,12 @@ class EngineCore:
 
     def _sampling_req_ids(self, scheduler_output) -> list[str]:
         """Scheduled requests that sample this step: their computed tokens (advanced by
-        ``schedule``) reach the end of their known tokens."""
+        ``schedule``, past their draft tokens too) reach the end of their known tokens."""
         requests = self.scheduler.requests
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         return [
             r for r in scheduler_output.num_scheduled_tokens
-            if requests[r].num_computed_tokens == requests[r].num_tokens
+            if requests[r].num_computed_tokens - len(drafts.get(r, ())) == requests[r].num_tokens
         ]
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:

@@ -30,7 +30,7 @@ class InputProcessor:
                  max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
-        # Structured outputs are refused while speculative decoding is on (see check_supported).
+        # The thinking budget is refused while speculative decoding is on (see validate).
         self.speculative_config = speculative_config
         self.max_logprobs = max_logprobs
 
@@ -106,9 +106,8 @@ class InputProcessor:
             raise ValueError("thinking_token_budget cannot be combined with speculative decoding yet; "
                              "start the engine without a speculative config to bound the reasoning")
         if params.structured_outputs is not None:
-            from pagedllm.structured_output import check_supported, validate
+            from pagedllm.structured_output import validate
 
-            check_supported(params, self.speculative_config)
             validate(params.structured_outputs)
         room = max_len - n
         if params.max_tokens is None:

@@ -239,6 +239,7 @@ def _server_config(
         admin_api_keys=tuple(args.admin_api_key or ()),
         max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
         max_stored_responses=args.max_stored_responses,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path,
@@ -282,6 +283,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-stored-responses", type=int, default=1000,
                        help="/v1/responses kept in memory for GET and previous_response_id "
                             "(least recently used evicted; 0: none)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
     serve.add_argument("--uvicorn-log-level", default="info")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")

@@ -5,7 +5,8 @@ regex, choice, EBNF).
   for the front end) and ``compile_spec`` (with the engine's tokenizer vocabulary).
 - ``manager.py``: StructuredOutputManager, owned by the engine core: compiles off the step
   loop, caches compiled grammars by spec, keeps one matcher per sequence, fills each step's
-  token bitmask and advances the matchers with the sampled tokens.
+  token bitmask (under speculative decoding, a row per verified position) and advances the
+  matchers with the sampled tokens.
 - ``bitmask.py``: GrammarBitmask (plain data in SchedulerOutput) and the runner's in-place
   masking of logits.
 
@@ -13,6 +14,6 @@ xgrammar (and torch) load on the first constrained request, never at import of t
 """
 
 from pagedllm.structured_output.bitmask import GrammarBitmask
-from pagedllm.structured_output.grammar import check_supported, validate
+from pagedllm.structured_output.grammar import validate
 
-__all__ = ["GrammarBitmask", "check_supported", "validate"]
+__all__ = ["GrammarBitmask", "validate"]

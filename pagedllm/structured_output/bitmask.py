@@ -13,20 +13,37 @@ class GrammarBitmask:
     req_ids: list[str]
     """Constrained requests that sample this step; row i of ``bitmask`` is req_ids[i]'s."""
     bitmask: Any
-    """torch.Tensor [len(req_ids), ceil(vocab_size / 32)] int32: bit j of word w allows token
+    """torch.Tensor [sum(num_rows), ceil(vocab_size / 32)] int32: bit j of word w allows token
     32 * w + j (xgrammar's packed layout)."""
+    num_rows: list[int] | None = None
+    """Rows per request, consecutive (speculative decoding: 1 + its drafts); None: one each."""
+
+    def row_counts(self) -> list[int]:
+        return self.num_rows if self.num_rows is not None else [1] * len(self.req_ids)
 
 
-def apply_grammar_bitmask(logits: Any, grammar_bitmask: GrammarBitmask, req_ids: list[str]) -> None:
+def apply_grammar_bitmask(logits: Any, grammar_bitmask: GrammarBitmask, req_ids: list[str],
+                          logits_rows: list[int] | None = None) -> None:
     """Set the logits of disallowed tokens to -inf, in place, for the constrained rows only.
 
-    logits: [B, V] float32, row b belongs to req_ids[b]. Unconstrained rows are untouched.
+    logits: [B, V] float32; request i (req_ids[i]) owns ``logits_rows[i]`` consecutive rows
+    (None: one each). Unconstrained rows are untouched.
     """
     import torch
     import xgrammar as xgr
 
-    row_of = {r: i for i, r in enumerate(req_ids)}
-    pairs = [(row_of[r], i) for i, r in enumerate(grammar_bitmask.req_ids) if r in row_of]
+    logits_rows = logits_rows or [1] * len(req_ids)
+    logits_start, start = {}, 0
+    for r, n in zip(req_ids, logits_rows):
+        logits_start[r] = (start, n)
+        start += n
+    pairs = []  # (logits row, bitmask row)
+    mask_start = 0
+    for r, n in zip(grammar_bitmask.req_ids, grammar_bitmask.row_counts()):
+        if r in logits_start:
+            first, count = logits_start[r]
+            pairs.extend((first + j, mask_start + j) for j in range(min(n, count)))
+        mask_start += n
     if not pairs:
         return
     batch_rows = [b for b, _ in pairs]
@@ -50,4 +67,5 @@ def with_forced_tokens(grammar_bitmask: GrammarBitmask | None, forced: dict[str,
         rows[row, token_id // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32's sign bit
     if grammar_bitmask is None:
         return GrammarBitmask(list(forced), rows)
-    return GrammarBitmask([*grammar_bitmask.req_ids, *forced], torch.cat([grammar_bitmask.bitmask, rows]))
+    num_rows = None if grammar_bitmask.num_rows is None else [*grammar_bitmask.num_rows, *[1] * len(forced)]
+    return GrammarBitmask([*grammar_bitmask.req_ids, *forced], torch.cat([grammar_bitmask.bitmask, rows]), num_rows)

@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 JSON_SEPARATORS = (",", ":")
 """Between items and between a key and its value: compact JSON, no whitespace."""
@@ -44,12 +44,32 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
             return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice))
         if spec.grammar is not None:
             return xgr.Grammar.from_ebnf(spec.grammar)
+        if spec.structural_tag is not None:
+            return _structural_tag_grammar(spec.structural_tag)
         return xgr.Grammar.from_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False, separators=JSON_SEPARATORS)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own errors
-        what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "EBNF grammar"}
+        what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "EBNF grammar",
+                "structural_tag": "structural tag"}
         raise ValueError(
             f"structured_outputs.{kind}: invalid {what.get(kind, kind)}: {_error_text(e)}"
         ) from None
+
+
+def _structural_tag_grammar(tag: dict[str, Any]) -> Any:
+    """xgrammar's structural tag; the older form (``structures`` and ``triggers``, which
+    vLLM's response_format structural_tag carries) through xgrammar's older call."""
+    import xgrammar as xgr
+
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(tag)
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+            for s in structures):
+        raise ValueError('needs "structures": [{"begin": ..., "schema": {...}, "end": ...}] and "triggers": [...]')
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema") or {}), end=s["end"])
+             for s in structures]
+    return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 @functools.lru_cache(maxsize=512)
@@ -74,18 +94,6 @@ def validate(spec: StructuredOutputsParams) -> None:
     _validate_key(*spec.key)
 
 
-def check_supported(params: SamplingParams, speculative_config: object | None = None) -> None:
-    """Refuse combinations structured outputs do not support yet, with a clear ValueError."""
-    if params.structured_outputs is None:
-        return
-    if speculative_config is not None:
-        raise ValueError(
-            "structured_outputs cannot be combined with speculative decoding yet (the grammar "
-            "matcher does not roll back rejected draft tokens); start the engine without a "
-            "speculative config to use structured outputs"
-        )
-
-
 def compile_spec(compiler: Any, spec: StructuredOutputsParams) -> Any:
     """Compile with the engine's vocabulary (the slow part: a mask per grammar state)."""
     try:
@@ -97,6 +105,8 @@ def compile_spec(compiler: Any, spec: StructuredOutputsParams) -> Any:
             return compiler.compile_grammar(choice_ebnf(spec.choice))
         if spec.grammar is not None:
             return compiler.compile_grammar(spec.grammar)
+        if spec.structural_tag is not None:
+            return compiler.compile_grammar(build_grammar(spec))
         return compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False, separators=JSON_SEPARATORS)
     except Exception as e:
         raise ValueError(f"structured_outputs.{spec.key[0]}: cannot compile: {_error_text(e)}") from None

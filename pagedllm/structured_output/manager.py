@@ -6,7 +6,13 @@ Life of a constrained request:
 2. Once compiled, ``add_matchers`` gives each sequence (n > 1: every sequence of the group)
    its own matcher; until then the engine core keeps the request out of the scheduler.
 3. Each step ``grammar_bitmask`` fills one bitmask row per constrained request that samples
-   (a prefill chunk that does not reach the end samples nothing and gets no row).
+   (a prefill chunk that does not reach the end samples nothing and gets no row). Under
+   speculative decoding a request with k draft tokens gets k + 1 rows: row i is the mask
+   after its first i drafts, found by feeding the drafts to its matcher and rolling them
+   back. A draft the grammar rejects ends that: the target's masked row at its position
+   cannot pick it, so verification stops there, and later rows (never used) allow all.
+   Verification thus samples every kept token from a masked distribution, as without
+   speculation (greedy: the same output).
 4. After sampling, ``accept`` advances the matcher with the appended tokens; a terminated
    matcher (the grammar accepted a stop token) means the request is done.
 
@@ -153,26 +159,41 @@ class StructuredOutputManager:
     # ---- one step ----------------------------------------------------------------------
 
     def grammar_bitmask(
-        self, sampling_req_ids: list[str], failed: dict[str, str], rejected: set[str] | None = None
+        self, sampling_req_ids: list[str], failed: dict[str, str], rejected: set[str] | None = None,
+        drafts: dict[str, list[int]] | None = None,
     ) -> GrammarBitmask | None:
         """Masks for the constrained requests among ``sampling_req_ids`` (those that sample
-        this step), in that order; None if none is constrained. A request whose matcher raises
-        gets no row and lands in ``failed`` (id -> message); its matcher is dropped. One whose
-        grammar admits no token here (a dead end in this vocabulary) lands in ``failed`` and
-        in ``rejected`` too: the request's own fault, not the engine's."""
-        req_ids = [r for r in sampling_req_ids if r in self._matchers and r not in self._in_reasoning]
+        this step), in that order; None if none is constrained. ``drafts``: each request's
+        draft tokens this step (speculative decoding): 1 + len(drafts) rows for it. A request
+        whose matcher raises gets no row and lands in ``failed`` (id -> message); its matcher
+        is dropped. One whose grammar admits no token here (a dead end in this vocabulary)
+        lands in ``failed`` and in ``rejected`` too: the request's own fault, not the engine's."""
+        drafts = drafts or {}
+        # (request, tokens before its grammar applies): those inside their reasoning take part
+        # only when their drafts end it (their rows until then allow all).
+        req_ids: list[tuple[str, int]] = []
+        for r in sampling_req_ids:
+            if r not in self._matchers:
+                continue
+            if r not in self._in_reasoning:
+                req_ids.append((r, 0))
+            elif drafts.get(r) and (end := self._reasoning_end_in(r, drafts[r])) is not None:
+                req_ids.append((r, end))
         if not req_ids:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)  # [R, W] int32
-        rows: list[int] = []
-        for row, request_id in enumerate(req_ids):
+        num_rows = [1 + len(drafts.get(r, ())) for r, _ in req_ids]
+        bitmask = xgr.allocate_token_bitmask(sum(num_rows), self.vocab_size)  # [R, W] int32, all allowed
+        kept: list[int] = []  # indices into req_ids
+        first = 0
+        for index, ((request_id, skip), n) in enumerate(zip(req_ids, num_rows)):
+            row, first = first + skip, first + n
             try:
                 faults.maybe_raise("grammar", request_id)
                 matcher = self._matchers[request_id]
                 matcher.fill_next_token_bitmask(bitmask, row)
-                if not matcher.is_terminated() and not bool(bitmask[row].any()):
+                if skip == 0 and not matcher.is_terminated() and not bool(bitmask[row].any()):
                     del self._matchers[request_id]
                     failed[request_id] = (
                         "the structured-output constraint admits no token of this model's vocabulary "
@@ -181,16 +202,48 @@ class StructuredOutputManager:
                     if rejected is not None:
                         rejected.add(request_id)
                     continue
-                rows.append(row)
+                if n > 1:
+                    self._fill_draft_rows(matcher, bitmask, row, drafts[request_id][skip:])
+                kept.append(index)
             except Exception as e:  # noqa: BLE001 -- one grammar's fault fails its request alone
                 logger.error("request %s: filling its grammar bitmask failed: %s", request_id, e)
                 del self._matchers[request_id]
                 failed[request_id] = f"{type(e).__name__}: {e}"
-        if len(rows) < len(req_ids):
-            if not rows:
-                return None
-            req_ids, bitmask = [req_ids[r] for r in rows], bitmask[rows]
-        return GrammarBitmask(req_ids, bitmask)
+        if not kept:
+            return None
+        if len(kept) < len(req_ids):
+            starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+            bitmask = bitmask[[starts[i] + j for i in kept for j in range(num_rows[i])]]
+        ids, rows = [req_ids[i][0] for i in kept], [num_rows[i] for i in kept]
+        return GrammarBitmask(ids, bitmask, rows if any(n > 1 for n in rows) else None)
+
+    @staticmethod
+    def _fill_draft_rows(matcher: Any, bitmask: Any, row: int, draft: list[int]) -> None:
+        """Rows ``row + 1 ...``: the masks after each draft token the grammar accepts (row
+        ``row`` is filled already); the matcher is rolled back after. Rows past a rejected
+        draft, a finished grammar or a dead end allow every token (they are never used:
+        verification stops at the rejected draft, the stop token, or the request fails)."""
+        accepted = 0
+        for token_id in draft:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            accepted += 1
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, row + accepted)
+                if not bool(bitmask[row + accepted].any()):
+                    bitmask[row + accepted] = -1
+        if accepted:
+            matcher.rollback(accepted)
+
+    def _reasoning_end_in(self, request_id: str, token_ids: list[int]) -> int | None:
+        """Like ``_reasoning_end`` on tokens not output yet (drafts), changing nothing."""
+        assert self.reasoning is not None
+        tail = self._in_reasoning[request_id]
+        seq = tail + tuple(token_ids)
+        for end in range(len(tail) + 1, len(seq) + 1):
+            if any(seq[max(0, end - len(m)):end] == m for m in self.reasoning.end_token_ids):
+                return end - len(tail)
+        return None
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool | None:
         """Advance the request's matcher. Returns None when it has no matcher, True when the

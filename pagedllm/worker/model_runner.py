@@ -232,12 +232,15 @@ class ModelRunner:
     def _logits(
         self, hidden: torch.Tensor, batch: Batch, sampling_states: list[CachedRequestState], so: SchedulerOutput
     ) -> torch.Tensor:
-        """Logits at the sampled positions [num_logits, V], grammar-masked where asked."""
+        """Logits at the sampled positions [num_logits, V] (speculative decoding: 1 + drafts
+        rows per request), grammar-masked where asked."""
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if so.grammar_bitmask is not None:
             from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 
-            apply_grammar_bitmask(logits, so.grammar_bitmask, [s.req_id for s in sampling_states])
+            req_ids = [s.req_id for s in sampling_states]
+            rows = [1 + len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids]
+            apply_grammar_bitmask(logits, so.grammar_bitmask, req_ids, rows)
         return logits
 
     def _sample(self, logits: torch.Tensor, sampling_states: list[CachedRequestState]) -> ModelRunnerOutput:

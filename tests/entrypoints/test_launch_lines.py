@@ -98,9 +98,9 @@ def test_start_errors_are_one_line_and_exit_2(tmp_path, argv, message):
 
 def test_tool_call_parser_without_a_parser_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--tool-call-parser",
-                           "qwen3_coder"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                           "glm45"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "invalid choice: 'qwen3_coder'" in proc.stderr.strip().splitlines()[-1]
+    assert "invalid choice: 'glm45'" in proc.stderr.strip().splitlines()[-1]
 
 
 class _HTTPSServer(RemoteServer):

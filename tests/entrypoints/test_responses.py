@@ -3,7 +3,8 @@ server on the default model: plain and streamed (each event parsed as the SDK's 
 types, sequence numbers in order, the streamed text equal to the plain one), a function tool
 round trip (forced, so deterministic) through previous_response_id and through the full
 input, text.format json_schema, max_output_tokens as an incomplete response, the store's
-GET / DELETE / eviction, and errors in OpenAI's shape."""
+GET / DELETE / eviction, and errors in OpenAI's shape. The server runs with
+--enable-prompt-tokens-details: the prefix cache's share of the prompt in each route's usage."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ TOOL = {"type": "function", "name": "get_weather", "description": "The weather i
 @pytest.fixture(scope="module")
 def responses_server():
     srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                        "--max-stored-responses", "4"])
+                        "--max-stored-responses", "4", "--enable-prompt-tokens-details"])
     yield srv
     srv.stop()
 
@@ -85,6 +86,31 @@ def test_plain_and_streamed_agree(client, responses_server):
     final = events[-1].response
     assert final.output_text == text and final.incomplete_details.reason == "max_output_tokens"
     assert final.usage.output_tokens == 12
+
+
+def test_cached_tokens_in_usage(client):
+    """A prompt sent again is served from the prefix cache: usage says how much of it, in
+    chat's and completions' prompt_tokens_details (plain and streamed) and in the Responses
+    input_tokens_details."""
+    long_prompt = "Here is a long note to read twice so its blocks are cached. " * 6
+    messages = [{"role": "user", "content": long_prompt}]
+    chat = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+            for _ in range(2)]
+    assert chat[1].usage.prompt_tokens_details.cached_tokens >= 16, chat[1].usage
+    assert chat[1].usage.prompt_tokens_details.cached_tokens <= chat[1].usage.prompt_tokens
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= 16, streamed[-1].usage
+    text = "Completions: " + long_prompt
+    completions = [client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0) for _ in range(2)]
+    assert completions[1].usage.prompt_tokens_details.cached_tokens >= 16, completions[1].usage
+    responses = [client.responses.create(model=MODEL, input="Responses: " + long_prompt, max_output_tokens=2,
+                                         temperature=0) for _ in range(2)]
+    assert responses[1].usage.input_tokens_details.cached_tokens >= 16, responses[1].usage
+    events = list(client.responses.create(model=MODEL, input="Responses: " + long_prompt, max_output_tokens=2,
+                                          temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete"  # cut by max_output_tokens
+    assert events[-1].response.usage.input_tokens_details.cached_tokens >= 16, events[-1].response.usage
 
 
 def test_completed_status_and_get(client):

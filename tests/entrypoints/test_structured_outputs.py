@@ -103,7 +103,11 @@ BAD = [
     ("invalid schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
      "response_format", "frobnicate"),
     ("schema missing", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
-    ("unsupported response_format", {"response_format": {"type": "structural_tag"}}, "response_format", "structural_tag"),
+    ("unsupported response_format", {"response_format": {"type": "xml"}}, "response_format", "structural_tag"),
+    ("structural_tag without a format", {"response_format": {"type": "structural_tag"}}, "response_format",
+     "structural tag"),
+    ("structural_tag not JSON", {"structured_outputs": {"structural_tag": "{oops"}}, "structured_outputs",
+     "not valid JSON"),
     ("invalid regex", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
     ("invalid grammar", {"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs", "nowhere"),
     ("unknown key", {"structured_outputs": {"jsn": {}}}, "structured_outputs", "jsn"),
@@ -128,6 +132,36 @@ def test_invalid_structured_outputs_are_400(server, client, label, extra, param,
     # Nothing else is affected.
     ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0.0)
     assert ok.choices[0].message.content
+    wait_all_blocks_free(server)
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                 "additionalProperties": False}
+# xgrammar's structural tag: the output is <answer>, a JSON document, </answer>.
+STRUCTURAL_TAG = {"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": ANSWER_SCHEMA},
+    "end": "</answer>"}}
+
+
+def test_structural_tag(server, client):
+    """response_format structural_tag (xgrammar's format, as vLLM takes it), plain and
+    streamed, and the same as structured_outputs.structural_tag (JSON text); the older
+    structures/triggers form is accepted (free text until a trigger)."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Answer with a number."}], max_tokens=40,
+                  temperature=0.0)
+    text = client.chat.completions.create(response_format=STRUCTURAL_TAG, **kwargs).choices[0].message.content
+    match = re.fullmatch(r"<answer>(.*)</answer>", text, re.S)
+    assert match, text
+    jsonschema.validate(json.loads(match.group(1)), ANSWER_SCHEMA)
+    streamed, finish = _stream_chat_text(client, response_format=STRUCTURAL_TAG, max_tokens=40, temperature=0.0)
+    assert finish == "stop" and re.fullmatch(r"<answer>(.*)</answer>", streamed, re.S), streamed
+    via_field = client.chat.completions.create(extra_body={"structured_outputs": {"structural_tag": json.dumps(
+        STRUCTURAL_TAG)}}, **kwargs).choices[0].message.content
+    assert via_field == text
+    legacy = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=add>", "schema": ANSWER_SCHEMA, "end": "</function>"}]}
+    out = client.chat.completions.create(response_format=legacy, **kwargs).choices[0]
+    assert out.message.content is not None
     wait_all_blocks_free(server)
 
 

@@ -136,6 +136,31 @@ def test_auto_parses_the_models_calls(client):
     assert (none.message.content, none.message.tool_calls, none.finish_reason) == (AUTO_TEXT, None, "stop")
 
 
+# The same with qwen3_coder's XML calls: the parser is given the request's tools, whose
+# schemas type the parameter values (integers here, not strings).
+QWEN3_CODER_TEXT = ("Sure.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                    "<parameter=b>\n22\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.slow
+def test_qwen3_coder_parser_on_the_server():
+    srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"])
+    try:
+        import openai
+
+        qwen_client = openai.OpenAI(base_url=srv.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+        body = {"structured_outputs": {"regex": QWEN3_CODER_TEXT.replace(".", "\\.")}}
+        plain = chat(qwen_client, extra_body=body, max_tokens=60).choices[0]
+        assert plain.finish_reason == "tool_calls" and plain.message.content == "Sure.\n"
+        (call,) = plain.message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("add", '{"a": 1, "b": 22}')
+        streamed = collect_stream(chat(qwen_client, extra_body=body, max_tokens=60, stream=True))[0]
+        assert streamed["content"] == "Sure.\n" and streamed["finish_reason"] == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [("add", call.function.arguments)]
+    finally:
+        srv.stop()
+
+
 def test_tool_choice_none_renders_tools_and_answers_text(client):
     with_tools = chat(client, tool_choice="none", max_tokens=8)
     without = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8)

@@ -287,3 +287,47 @@ def test_forked_sequences_copy_the_draft_kv(tiny_llama_dir):
     )
     assert both.num_accepted_tokens_per_pos == [2 * n for n in single.num_accepted_tokens_per_pos]
     assert_all_blocks_free(llm)
+
+
+# Structured outputs under speculation: a regex of a few repeated words, so n-gram drafts
+# are found (in the prompt and the output), while the draft model's drafts ignore the grammar.
+SO_REGEX = "(abc|abd|xyz|x1){14}"
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}, id="ngram"),
+    pytest.param({"method": "draft_model", "num_speculative_tokens": 3, "model": "DRAFT"}, id="draft_model"),
+])
+def test_structured_outputs_with_speculation_match_without(tiny_llama_dir, tiny_draft_dir, default_tokenizer, spec):
+    """Each verified position is masked by the grammar state after the drafts before it
+    (drafts the grammar rejects are rejected): greedy outputs equal the non-speculative
+    structured outputs (the tie-aware rule), follow the regex, and the drafts were used."""
+    import re
+
+    from pagedllm import StructuredOutputsParams
+
+    if spec.get("model") == "DRAFT":
+        spec = spec | {"model": tiny_draft_dir}
+    prompts = [{"prompt_token_ids": default_tokenizer.encode("abcabdxyz" * (1 + i % 3) + "x1abc" * (i % 2),
+                                                             add_special_tokens=False)} for i in range(8)]
+    params = [SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, logprobs=2,
+                             structured_outputs=StructuredOutputsParams(regex=SO_REGEX)) for _ in prompts]
+    # Two unconstrained requests in the same batch.
+    plain = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
+    inputs = prompts + prompts[:2]
+    ref_llm = LLM(tiny_llama_dir, **ENGINE_ARGS)
+    ref_outs = ref_llm.generate(inputs, params + [plain] * 2, use_tqdm=False)
+    ref_tokens, ref_gaps = tokens_and_gaps(ref_outs[: len(prompts)])
+    del ref_llm
+    llm = LLM(tiny_llama_dir, speculative_config=spec, **ENGINE_ARGS)
+    outs = llm.generate(inputs, params + [plain] * 2, use_tqdm=False)
+    tokens, _ = tokens_and_gaps(outs[: len(prompts)])
+    for i, (ours, ref, gaps, out) in enumerate(zip(tokens, ref_tokens, ref_gaps, outs)):
+        assert re.fullmatch(SO_REGEX, out.outputs[0].text), out.outputs[0].text
+        assert_same_greedy(ours, ref, gaps, f"prompt {i}")
+    for ours, ref in zip(outs[len(prompts):], ref_outs[len(prompts):]):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+    stats = llm.llm_engine.scheduler.get_stats().spec_decoding_stats
+    assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert_all_blocks_free(llm)
+    assert llm.llm_engine.engine_core.structured_output.num_matchers == 0

@@ -1,5 +1,6 @@
 """`pagedllm serve --speculative-config`: the official openai client gets the same greedy
-text as without speculation, /metrics counts drafts, the stats line shows the acceptance."""
+text as without speculation (structured outputs too), /metrics counts drafts, the stats line
+shows the acceptance."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.entrypoints.utils import RemoteServer, metric_value
 
 ALLOWED = list(range(1000, 1012))  # a restricted random model repeats itself: n-gram drafts
+SO_REGEX = "(abc|abd|xyz|x1){10}"  # a grammar of repeated words: n-gram drafts too
+SO_PROMPT = "abcabdxyzx1abcabd"
 
 
 @pytest.mark.slow
@@ -26,6 +29,11 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
     want = llm.generate(
         [{"prompt_token_ids": prompt}],
         SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, allowed_token_ids=ALLOWED),
+        use_tqdm=False,
+    )[0].outputs[0].text
+    want_structured = llm.generate(
+        [SO_PROMPT], SamplingParams(max_tokens=40, temperature=0.0,
+                                    structured_outputs=StructuredOutputsParams(regex=SO_REGEX)),
         use_tqdm=False,
     )[0].outputs[0].text
 
@@ -59,6 +67,9 @@ def test_server_with_ngram_speculation(tiny_llama_dir):
             assert f"injected fault at {site} for" in err.message, err.message
         assert out.choices[0].text == want
         assert out.usage.completion_tokens == 24
+        structured = client.completions.create(model=tiny_llama_dir, prompt=SO_PROMPT, max_tokens=40, temperature=0,
+                                               extra_body={"structured_outputs": {"regex": SO_REGEX}})
+        assert structured.choices[0].text == want_structured
         deadline = time.monotonic() + 30
         while True:  # counters arrive with the core's periodic stats
             text = httpx.get(server.url + "/metrics").text

@@ -201,15 +201,6 @@ def test_min_tokens_and_structured_outputs_refused():
         SamplingParams(min_tokens=2, structured_outputs=SO(regex="a+"))
 
 
-def test_speculative_decoding_combination_refused():
-    from pagedllm.structured_output import check_supported
-
-    params = SamplingParams(structured_outputs=SO(regex="a+"))
-    check_supported(params, None)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        check_supported(params, object())
-
-
 def test_request_waiting_for_its_grammar_does_not_block_others(default_llm):
     from concurrent.futures import Future
 

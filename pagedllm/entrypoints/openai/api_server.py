@@ -110,6 +110,9 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    enable_prompt_tokens_details: bool = False
+    """Usage carries the prefix cache's share of the prompt: prompt_tokens_details.cached_tokens
+    (chat, completions), input_tokens_details.cached_tokens (responses)."""
     """/v1/responses kept in memory for GET and previous_response_id (least recently used evicted; 0: none)."""
     ssl_keyfile: str | None = None
     """With ssl_certfile: serve HTTPS (uvicorn's TLS)."""
@@ -226,9 +229,9 @@ def build_state(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, 
         engine=engine,
         model_names=model_names,
         loras=build_lora_registry(engine.args, config.lora_modules, model_names),
-        completion=OpenAIServingCompletion(engine, model_name, request_logger),
+        completion=OpenAIServingCompletion(engine, model_name, request_logger, config.enable_prompt_tokens_details),
         chat=OpenAIServingChat(engine, model_name, renderer, config.tool_calls, engine.args.reasoning_parser,
-                               request_logger),
+                               request_logger, config.enable_prompt_tokens_details),
     )
 
 

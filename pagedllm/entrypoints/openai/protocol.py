@@ -195,10 +195,17 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """Under --enable-prompt-tokens-details (as vLLM); None otherwise."""
 
 
 class ErrorInfo(BaseModel):

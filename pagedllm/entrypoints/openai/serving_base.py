@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ErrorResponse,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     SamplingFields,
     TopLogprob,
     UsageInfo,
@@ -151,7 +152,10 @@ def structured_outputs_from(req: SamplingFields) -> StructuredOutputsParams | No
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
             return StructuredOutputsParams(json=spec["schema"])
-        raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
+        if kind == "structural_tag":  # vLLM's: xgrammar's structural tag, this object itself
+            return StructuredOutputsParams(structural_tag=fmt)
+        raise ValueError(f"response_format type {kind!r} is not supported; "
+                         "use text, json_object, json_schema or structural_tag")
     except TypeError as e:  # an unknown key in structured_outputs
         raise bad_request(f"{source}: {e}", source) from None
     except ValueError as e:
@@ -187,8 +191,18 @@ def continuous_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.continuous_usage_stats
 
 
-def usage_info(num_prompt: int, num_completion: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
+def usage_info(num_prompt: int, num_completion: int, num_cached: int | None = None) -> UsageInfo:
+    """``num_cached``: the prompt tokens the prefix cache served (None: no details)."""
+    details = None if num_cached is None else PromptTokensDetails(cached_tokens=num_cached)
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion,
+                     prompt_tokens_details=details)
+
+
+def final_usage(outputs: list[RequestOutput], prompt_tokens_details: bool) -> UsageInfo:
+    """A request's usage; with ``prompt_tokens_details`` (--enable-prompt-tokens-details),
+    the prompt tokens the prefix cache served as ``prompt_tokens_details.cached_tokens``."""
+    cached = sum(min(o.num_cached_tokens, len(o.prompt_token_ids)) for o in outputs)
+    return usage_info(*usage_of(outputs), cached if prompt_tokens_details else None)
 
 
 UNHONOURED_FIELDS = {

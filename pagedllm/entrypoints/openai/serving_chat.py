@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     response_model_name,
     bad_request,
     engine_error,
+    final_usage,
     chat_logprobs,
     check_context_length,
     check_structured_outputs,
@@ -41,7 +42,6 @@ from pagedllm.entrypoints.openai.serving_base import (
     sse,
     truncate_prompt,
     usage_info,
-    usage_of,
 )
 from pagedllm.entrypoints.openai.serving_tools import (
     choice_stream,
@@ -93,9 +93,11 @@ class OpenAIServingChat:
     def __init__(
         self, engine: AsyncLLM, model_name: str, renderer: ChatRenderer,
         tool_config: ToolCallConfig | None = None, reasoning_parser: str | None = None,
-        request_logger: RequestLogger | None = None,
+        request_logger: RequestLogger | None = None, prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details
+        """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens."""
         self.model_name = model_name
         self.renderer = renderer
         self.tool_config = tool_config or ToolCallConfig()
@@ -183,7 +185,7 @@ class OpenAIServingChat:
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage_info(*usage_of([out])), prompt_logprobs=prompt_logprobs_of(out),
+                                      usage=final_usage([out], self.prompt_tokens_details), prompt_logprobs=prompt_logprobs_of(out),
                                       prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
                                       kv_transfer_params=out.kv_transfer_params)
 
@@ -241,7 +243,7 @@ class OpenAIServingChat:
                         token_ids=list(c.token_ids[start:]) if return_ids else None,
                     ), None if num_prompt is None else usage_info(num_prompt, len(c.token_ids)))
             if out is not None and req.stream_options is not None and req.stream_options.include_usage:
-                usage = usage_info(*usage_of([out]))
+                usage = final_usage([out], self.prompt_tokens_details)
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
         except (EngineNotReadyError, RequestFaultError) as e:
             yield sse(engine_error(e).to_response())

@@ -24,23 +24,26 @@ from pagedllm.entrypoints.openai.serving_base import (
     completion_logprobs,
     continuous_usage,
     final_outputs,
+    final_usage,
     merge_streams,
     prompt_logprobs_of,
     sampling_params_from,
     sse,
     truncate_prompt,
     usage_info,
-    usage_of,
 )
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, model_name: str, request_logger: RequestLogger | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, request_logger: RequestLogger | None = None,
+                 prompt_tokens_details: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.request_logger = request_logger
+        self.prompt_tokens_details = prompt_tokens_details
+        """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens."""
 
     async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt; tokenized off the event loop."""
@@ -124,7 +127,7 @@ class OpenAIServingCompletion:
                     prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
                     token_ids=list(c.token_ids) if req.return_token_ids else None,
                 ))
-        usage = usage_info(*usage_of(outputs))
+        usage = final_usage(outputs, self.prompt_tokens_details)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
                                   kv_transfer_params=outputs[0].kv_transfer_params if outputs else None)
 
@@ -166,7 +169,7 @@ class OpenAIServingCompletion:
                     sent_prompt.add(index)
                     yield sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
-                usage = usage_info(*usage_of(list(last.values())))
+                usage = final_usage(list(last.values()), self.prompt_tokens_details)
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         except (EngineNotReadyError, RequestFaultError) as e:
             yield sse(engine_error(e).to_response())

@@ -70,9 +70,14 @@ class ResponseStore:
             raise not_found(response_id)
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """The chat usage in the Responses shape (cached tokens where the chat usage has them:
+    --enable-prompt-tokens-details)."""
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -161,8 +166,7 @@ class OpenAIServingResponses:
             output.append(_message_item(random_id("msg"), message.content))
         for call in message.tool_calls or ():
             output.append(_call_item(random_id("fc"), call.id, call.function.name, call.function.arguments))
-        self._finish(entry, output, choice.finish_reason, _usage(result.usage.prompt_tokens,
-                                                                 result.usage.completion_tokens))
+        self._finish(entry, output, choice.finish_reason, _usage(result.usage.model_dump()))
         return body
 
     def _finish(self, entry: StoredResponse, output: list[dict[str, Any]], finish_reason: str | None,
@@ -199,7 +203,7 @@ class OpenAIServingResponses:
                     error = chunk["error"]
                     continue
                 if chunk.get("usage") is not None and not chunk["choices"]:
-                    usage = _usage(chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"])
+                    usage = _usage(chunk["usage"])
                 for choice in chunk["choices"]:
                     delta = choice["delta"]
                     for event in events.feed(delta.get("reasoning"), delta.get("content"), delta.get("tool_calls")):

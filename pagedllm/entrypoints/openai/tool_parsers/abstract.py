@@ -7,12 +7,20 @@ the content outside calls and the calls found. Called on a growing prefix with
 (content and every call's ``arguments`` grow by appending, calls are only added). The
 streaming layer (``stream.py``) sends exactly those extensions, so the streamed deltas
 concatenate to the ``final=True`` answer, byte for byte.
+
+So that a long stream costs work in proportion to its length (not its length squared), a
+parse may also say where the settled text ends (``ParsedText.resume``): the text before
+that offset gave the answer's first ``content_len`` characters of content and its first
+``num_calls`` calls, all final, and a fresh parse of the text after it (with the same
+``final``) gives exactly the rest. The streaming layer then feeds the parser only the text
+from the last such offset on.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +35,32 @@ class ParsedText:
     content: str = ""
     """The text outside calls; in a non-final parse, only what can no longer turn into a call."""
     calls: list[ParsedCall] = field(default_factory=list)
+    resume: Resume | None = None
+    """Where a later parse may start over (None: from where this one started)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A settled point of the text (see the module docstring)."""
+
+    offset: int
+    """Characters of the parsed text before the point."""
+    content_len: int
+    """Characters of ``ParsedText.content`` from the text before the point."""
+    num_calls: int
+    """Calls (complete) from the text before the point."""
+    rest_is_content: bool = False
+    """All the text after the point is content, whatever follows (a format whose calls
+    must open the output, once it has not)."""
 
 
 class ToolParser(ABC):
     """Turns one model output format into content and calls (see the module docstring)."""
+
+    def __init__(self, functions: list[dict[str, Any]] | None = None) -> None:
+        self.functions = functions or []
+        """The request's tools' ``function`` objects (a format whose argument values are
+        text reads their types from the ``parameters`` schemas)."""
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedText:

@@ -57,6 +57,7 @@ class NamedToolParser(ToolParser):
     """The whole output is the arguments of one known function."""
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
 
     def parse(self, text: str, final: bool) -> ParsedText:

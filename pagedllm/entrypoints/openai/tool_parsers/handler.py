@@ -82,7 +82,7 @@ class ToolCallHandler:
                 raise ToolChoiceError(
                     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                     '(or use tool_choice "none", "required" or a named function)', "tool_choice")
-            return cls(get_tool_parser(config.tool_call_parser), None)
+            return cls(get_tool_parser(config.tool_call_parser, functions), None)
         if choice == "required":
             schema = required_schema(functions, parallel_tool_calls is not False)
             return cls(RequiredToolParser(), StructuredOutputsParams(json=schema))

@@ -3,7 +3,7 @@ number of times, with content around the calls."""
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedText, ToolParser, settled_content
+from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedText, Resume, ToolParser, settled_content
 from pagedllm.entrypoints.openai.tool_parsers.json_calls import call_from_object, decode_first, parse_partial
 
 START, END = "<tool_call>", "</tool_call>"
@@ -14,10 +14,12 @@ class HermesToolParser(ToolParser):
         content: list[str] = []
         calls = []
         pos = 0
+        resume = None
         while True:
             start = text.find(START, pos)
             if start < 0:
                 content.append(settled_content(text[pos:], START, final))
+                resume = Resume(pos + len(content[-1]), sum(map(len, content)), len(calls))
                 break
             content.append(text[pos:start])
             body_start = start + len(START)
@@ -33,6 +35,7 @@ class HermesToolParser(ToolParser):
                 else:  # a closed but malformed call is text
                     content.append(text[start:end + len(END)])
                 pos = end + len(END)
+                resume = Resume(pos, sum(map(len, content)), len(calls))
                 continue
             # An open call (cut by max_tokens or still streaming): its settled part.
             if call is None:
@@ -42,4 +45,4 @@ class HermesToolParser(ToolParser):
             elif final:
                 content.append(text[start:])
             break
-        return ParsedText("".join(content), calls)
+        return ParsedText("".join(content), calls, resume)

@@ -4,7 +4,7 @@ not start that way is content."""
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedText, ToolParser, partial_marker_len
+from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedText, Resume, ToolParser, partial_marker_len
 from pagedllm.entrypoints.openai.tool_parsers.json_calls import call_from_object, decode_first, parse_partial
 
 PYTHON_TAG = "<|python_tag|>"
@@ -18,7 +18,9 @@ class Llama3JsonToolParser(ToolParser):
         elif not final and stripped and partial_marker_len(stripped, PYTHON_TAG) == len(stripped):
             return ParsedText()  # may still become the tag
         if not stripped.startswith("{"):
-            return ParsedText(text if final or stripped else "")
+            if not stripped:
+                return ParsedText(text if final else "")
+            return ParsedText(text, [], Resume(len(text), len(text), 0, rest_is_content=True))
         calls = []
         rest = stripped
         while rest:

@@ -14,7 +14,7 @@ import ast
 import json
 from typing import Any
 
-from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedCall, ParsedText, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedCall, ParsedText, Resume, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.json_calls import settled_prefix
 
 _OPEN, _CLOSE = "([{", ")]}"
@@ -98,7 +98,9 @@ class PythonicToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedText:
         stripped = text.strip()
         if not stripped.startswith("["):
-            return ParsedText(text if final or stripped else "")
+            if not stripped:
+                return ParsedText(text if final else "")
+            return ParsedText(text, [], Resume(len(text), len(text), 0, rest_is_content=True))
         full = _full_calls(stripped)
         if full is not None:
             return ParsedText("", full)

@@ -4,6 +4,9 @@ Each call's first delta carries its ``index``, ``id``, ``type`` and ``function.n
 deltas carry ``index`` and ``function.arguments`` fragments only. The fragments are the
 growth of the parser's settled arguments (abstract.py's contract), so they concatenate to
 the non-streamed ``arguments`` byte for byte.
+
+The parser is fed the text from its last settled point on (``ParsedText.resume``), not the
+whole output: content and calls settled before that point have been sent already.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class ToolStreamState:
         self.num_content_sent = 0
         self.arguments_sent: list[str] = []  # per call index
         self.ids: list[str] = []
+        # The settled point: text offset, content characters and calls before it.
+        self.base_offset = 0
+        self.base_content = 0
+        self.base_calls = 0
+        self.rest_is_content = False
 
     @property
     def made_calls(self) -> bool:
@@ -65,10 +73,11 @@ class ToolStreamState:
 
     def update(self, text: str, final: bool) -> StreamDelta:
         """``text``: the choice's whole output so far; ``final``: the choice has finished."""
-        parsed: ParsedText = self.parser.parse(text, final)
-        delta = StreamDelta(content=parsed.content[self.num_content_sent:])
-        self.num_content_sent = max(self.num_content_sent, len(parsed.content))
-        for index, call in enumerate(parsed.calls):
+        rest = text[self.base_offset:]
+        parsed = ParsedText(rest) if self.rest_is_content else self.parser.parse(rest, final)
+        delta = StreamDelta(content=parsed.content[self.num_content_sent - self.base_content:])
+        self.num_content_sent = max(self.num_content_sent, self.base_content + len(parsed.content))
+        for index, call in enumerate(parsed.calls, start=self.base_calls):
             if index == len(self.ids):
                 self.ids.append(tool_call_id())
                 self.arguments_sent.append("")
@@ -86,4 +95,9 @@ class ToolStreamState:
                     delta.tool_calls[-1].arguments += fragment
                 else:
                     delta.tool_calls.append(ToolCallDelta(index, fragment))
+        if parsed.resume is not None and not final:
+            self.base_offset += parsed.resume.offset
+            self.base_content += parsed.resume.content_len
+            self.base_calls += parsed.resume.num_calls
+            self.rest_is_content = parsed.resume.rest_is_content
         return delta
