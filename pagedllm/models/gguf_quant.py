@@ -1,13 +1,12 @@
-"""A GGUF tensor's kept form: QuantizedWeight for Q4_0/Q4_1/Q8_0, GGUFBlocks for every other
-kept type, BF16 blocks for the types that are dequantized (IQ1-IQ3, TQ1/TQ2).
+"""A GGUF tensor's kept form: QuantizedWeight for Q4_0/Q4_1, GGUFBlocks for every other kept
+type, BF16 blocks for the types that are dequantized (IQ1-IQ3, TQ1/TQ2).
 
 | file type | kept as | resident bytes per 32 weights (file) |
 | --- | --- | --- |
-| Q8_0 | QuantizedWeight int8 + fp16 scale | 34 (34) |
 | Q4_1 | QuantizedWeight int4 + fp16 scale, zero | 20 (20) |
 | Q4_0 | QuantizedWeight int4 + fp16 scale, zero = -8 d | 20 (18): +11%, for the fast kernels |
-| Q4_0, Q4_1, Q8_0 of a 3-D expert stack | GGUFBlocks, the file's bytes | as in the file |
-| Q4_K, Q5_*, Q2_K-Q6_K, IQ4_*, MXFP4 | GGUFBlocks, the file's bytes | as in the file |
+| Q4_0, Q4_1 of a 3-D expert stack | GGUFBlocks, the file's bytes | as in the file |
+| Q8_0, Q4_K, Q5_*, Q2_K-Q6_K, IQ4_*, MXFP4 | GGUFBlocks, the file's bytes | as in the file |
 | F16, BF16 | GGUFBlocks F16 / BF16 | 64 (64) |
 | IQ1_*, IQ2_*, IQ3_*, TQ1_0, TQ2_0 | GGUFBlocks BF16 (dequantized) | 64 (7-14) |
 
@@ -40,7 +39,11 @@ from pagedllm.models.gguf_index import GGUF_FLOAT_TYPES
 
 GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 # The types kept as QuantizedWeight (its fast kernels, the compiled decode); others as blocks.
-QUANTIZED_WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Q8_0 was one until 2026-12-03: as blocks its decode runs the GGUF int16 kernel (1.40x
+# quantized_linear's at one thread, docs/quantization.md) and a 1B file measured 1.47x tg and
+# 1.29x pp256 (alternated, loaded machine; docs/benchmarks.md). gguf_quantized_weight still
+# converts Q8_0 for callers that ask for it.
+QUANTIZED_WEIGHT_TYPES = ("Q4_0", "Q4_1")
 # Types dequantized to BF16 per tensor (no kernel of their own): gguf-py dequantizes them.
 DEQUANTIZED_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
 

@@ -2,8 +2,8 @@
 packages) through our engine, against HF transformers reading the same GGUF file: greedy,
 float32, 5 prompts of 48 tokens, one prompt longer than the 512-token sliding window.
 
-The file's matrices are kept in their own types (Q4_K, Q5_0, Q6_K as GGUF blocks, Q8_0 as
-QuantizedWeight): no tensor is dequantized, and the resident weights are within 3% of the
+The file's matrices are kept in their own types (Q4_K, Q5_0, Q6_K, Q8_0 as GGUF blocks): no
+tensor is dequantized, and the resident weights are within 3% of the
 file's tensor bytes.
 
 Slow: transformers takes ~60 s to load the file, and the kept path's reference kernels
@@ -75,7 +75,6 @@ def test_model_config(llm: LLM) -> None:
 
 @pytest.mark.slow
 def test_kept_quantized(llm: LLM) -> None:
-    from pagedllm.kernels import QuantizedWeight
     from pagedllm.kernels.gguf_blocks import GGUFBlocks
     from pagedllm.layers.linear import Linear
     from pagedllm.models.gguf_loader import gguf_index
@@ -87,8 +86,9 @@ def test_kept_quantized(llm: LLM) -> None:
         if isinstance(module, Linear):
             assert module.weight.numel() == 0, f"{name} holds a float matrix"
             types |= {w.type_name if isinstance(w, GGUFBlocks) else f"int{w.bits}" for w in module.kept_weights()}
-    assert types == {"Q4_K", "Q5_0", "Q6_K", "int8"}, types  # int8: the Q8_0 matrices
-    assert isinstance(model.model.embed_tokens.quant, QuantizedWeight)  # Q8_0, tied to the head
+    assert types == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}, types
+    table = model.model.embed_tokens.blocks  # Q8_0, tied to the head
+    assert isinstance(table, GGUFBlocks) and table.type_name == "Q8_0"
     path, _ = resolve_checkpoint(NAME)
     file_bytes = sum(t.num_bytes for t in gguf_index(path).tensors)
     assert abs(resident_weight_bytes(model) - file_bytes) <= 0.03 * file_bytes

@@ -116,7 +116,7 @@ def test_each_type_kept_matches_hf(tiny_hf: tuple[Any, Path], qtype: str) -> Non
     assert loaded.quantization == "gguf"
     assert_no_float_matrix(loaded)
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj
-    want = QuantizedWeight if qtype in ("Q4_0", "Q4_1", "Q8_0") else GGUFBlocks
+    want = QuantizedWeight if qtype in ("Q4_0", "Q4_1") else GGUFBlocks
     assert isinstance(qkv.kept_weights()[0], want)
     if qtype in DEQUANTIZED:
         assert qkv.blocks is not None and qkv.blocks.type_name == "BF16"
@@ -130,8 +130,8 @@ def test_each_type_kept_matches_hf(tiny_hf: tuple[Any, Path], qtype: str) -> Non
 
 
 # One file mixing types inside each fused projection, as Q4_K_M files do (Q6_K attn_v and
-# ffn_down in some layers), with QuantizedWeight (Q8_0) and block parts side by side.
-MIXED = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_0", "gate_proj": "Q8_0",
+# ffn_down in some layers), with QuantizedWeight (Q4_1) and block parts side by side.
+MIXED = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_0", "gate_proj": "Q4_1",
          "up_proj": "Q4_K", "down_proj": "Q6_K", "embed_tokens": "Q6_K", "lm_head": "Q4_K"}  # fmt: skip
 
 

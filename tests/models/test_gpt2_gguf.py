@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.kernels import QuantizedWeight
 from pagedllm.kernels.gguf_blocks import GGUFBlocks
 from pagedllm.layers.linear import Linear
 from pagedllm.models.loader import load_model
@@ -134,8 +133,8 @@ def _check_against_hf(path: Path, model: Any) -> None:
     assert_greedy_match(ours, ref_tokens, gaps, path.name)
 
 
-# (matrix type, embedding / head type): F32 throughout, Q8_0 (kept as QuantizedWeight), Q4_K
-# and Q6_K (kept as the file's blocks).
+# (matrix type, embedding / head type): F32 throughout, Q8_0, Q4_K and Q6_K (kept as the
+# file's blocks).
 TYPES = [("F32", "F32"), ("Q8_0", "Q8_0"), ("Q4_K", "Q8_0"), ("Q6_K", "Q6_K")]
 
 
@@ -146,7 +145,7 @@ def test_gpt2_gguf_kept_matches_hf_on_the_same_file(tmp_path: Path, qtype: str, 
     loaded = load_model(str(path))
     assert loaded.model_config.architecture == "GPT2LMHeadModel"
     assert loaded.model.tie_word_embeddings == tied
-    kept = {"F32": torch.Tensor, "Q8_0": QuantizedWeight}.get(qtype, GGUFBlocks)
+    kept = {"F32": torch.Tensor}.get(qtype, GGUFBlocks)
     for name, module in loaded.model.named_modules():
         if isinstance(module, Linear):
             if kept is torch.Tensor:
@@ -202,7 +201,8 @@ def test_gpt2_written_by_llama_cpp_converter(tmp_path: Path, outtype: str) -> No
     convert_with_llama_cpp(src, path, outtype)
     loaded = load_model(str(path))
     if outtype == "q8_0":
-        assert all(isinstance(m.quant, QuantizedWeight) for m in loaded.model.modules() if isinstance(m, Linear))
+        assert all(isinstance(m.blocks, GGUFBlocks) and m.blocks.type_name == "Q8_0"
+                   for m in loaded.model.modules() if isinstance(m, Linear))
     _check_against_hf(path, loaded.model)
     if outtype == "f32":  # the file holds the source's weights exactly: HF's own GPT-2 agrees
         bind_kv_caches(loaded.model, num_blocks=8, block_size=16)

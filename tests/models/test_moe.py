@@ -277,11 +277,12 @@ def test_gguf_kept_quantized_matches_hf_on_the_same_file(
     from pagedllm.kernels.gguf_blocks import GGUFBlocks
 
     # Expert stacks stay the file's blocks in every type (Q4_0, Q4_1 too: the grouped call's
-    # form), stacked for it; the attention's Q4_0 / Q8_0 matrices are QuantizedWeight.
+    # form), stacked for it; the attention's Q4_0 matrices are QuantizedWeight (Q8_0 ones blocks).
     assert moes and all(isinstance(e.gate_up_proj.kept_weights()[0], GGUFBlocks) for m in moes for e in m.experts)
     assert all(isinstance(e.down_proj.kept_weights()[0], GGUFBlocks) for m in moes for e in m.experts)
     assert all(m.expert_stacks is not None and m.expert_stacks.gate_up_type == expert_qtype for m in moes)
-    assert any(isinstance(m.quant, QuantizedWeight) for m in loaded.model.modules() if hasattr(m, "quant"))
+    has_quantized = any(isinstance(m.quant, QuantizedWeight) for m in loaded.model.modules() if hasattr(m, "quant"))
+    assert has_quantized == (qtype in ("Q4_0", "Q4_1"))
     # transformers' GGUF reader leaves these at its defaults; pass the file's values.
     overrides = {"moe_intermediate_size": cfg.moe_intermediate_size, "mlp_only_layers": cfg.mlp_only_layers}
     if name == "qwen2-moe":
@@ -386,13 +387,10 @@ def test_mixtral_gguf_as_llama_with_experts(per_expert: bool, tmp_path: Path, mo
     loaded = load_model(str(gguf_path), quantization="gguf")
     assert loaded.model_config.architecture == "MixtralForCausalLM"
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
-    # Stacked: each expert a view of the file's 3-D Q8_0 blocks; per-expert tensors: Q8_0's
-    # QuantizedWeight, run by the loop.
-    if per_expert:
-        assert len(moes) == 2 and all(e.gate_up_proj.quant is not None for m in moes for e in m.experts)
-        assert all(m.expert_stacks is None for m in moes)
-    else:
-        assert len(moes) == 2 and all(m.expert_stacks is not None for m in moes)
+    # Each expert's blocks a view of one stack: of the file's 3-D Q8_0 blocks, or (per-expert
+    # tensors, kept as blocks) of the stack finish_loading builds from them.
+    assert len(moes) == 2 and all(m.expert_stacks is not None for m in moes)
+    assert all(e.gate_up_proj.quant is None and e.gate_up_proj.blocks is not None for m in moes for e in m.experts)
     reference = _quantized_round_trip(hf_model, "Q8_0")
     assert_greedy_matches_router_ties(loaded, reference, "mixtral gguf")
 
