@@ -63,7 +63,11 @@ def test_gguf_matches_hf_reading_the_same_file(
     ref_model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    torch.testing.assert_close(ours, hf_logprobs(ref_model, PROMPT), atol=1e-4, rtol=0)
+    # Q8_0 is kept as blocks: the prompt's rows take the small-M kernel's int16 activations
+    # (1/65534 of a group's largest |x|; measured 1.8e-4), the bound test_gguf_kept.py gives
+    # every block type.
+    bound = 1e-3 if qtype == "Q8_0" else 1e-4
+    torch.testing.assert_close(ours, hf_logprobs(ref_model, PROMPT), atol=bound, rtol=0)
 
 
 def test_gguf_tokenizer_and_chat_template(
