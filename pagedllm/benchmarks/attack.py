@@ -6,7 +6,7 @@ surfaces are open, then runs the same steady load twice:
 STREAMS well-behaved clients, each streaming ROUNDS greedy completions of MAX_TOKENS tokens.
 The first run is attack-free; during the second, attackers send:
 
-- 32 streaming clients that read one chunk and then stop reading (their connections stay open);
+- 32 (`--stalled-clients`) streaming clients that read one chunk and then stop reading (their connections stay open);
 - a 64 MiB request body;
 - a fake KV producer: a loopback ROUTER answering every pull with a junk header and an 8 MiB
   frame, named in client-sent `kv_transfer_params`;
@@ -134,7 +134,7 @@ class Server:
                "--api-key", API_KEY, *extra]
         cmd += (["--kv-transfer-config", json.dumps({"kv_role": "kv_consumer", "kv_remote_wait_timeout_s": 5})]
                 if kv_consumer else ["--enable-lora", "--max-lora-rank", "8"])
-        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+        env = dict(os.environ) if kv_consumer else dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
@@ -216,7 +216,8 @@ def _malformed_bodies(model: str, n: int) -> list[tuple[str, bytes]]:
 
 
 async def _attacks(url: str, model: str, adapter: Path, producer: FakeProducer, stop: asyncio.Event,
-                   report: dict, stalled_n: int, stalled_tokens: int) -> None:
+                   report: dict, stalled_clients: int, stalled_n: int, stalled_tokens: int,
+                   malformed: int) -> None:
     import httpx
 
     statuses: dict[str, list[int]] = {}
@@ -227,7 +228,7 @@ async def _attacks(url: str, model: str, adapter: Path, producer: FakeProducer, 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
         # 32 clients that read one chunk and then stop reading, connections held open.
         stalled: list = []
-        for i in range(32):
+        for i in range(stalled_clients):
             body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": stalled_tokens,
                     "n": stalled_n, "ignore_eos": True, "stream": True}
             cm = client.stream("POST", url + "/v1/completions", json=body, headers=HEADERS)
@@ -261,7 +262,7 @@ async def _attacks(url: str, model: str, adapter: Path, producer: FakeProducer, 
         models = (await client.get(url + "/v1/models", headers=HEADERS)).json()
         report["nan_adapter_listed"] = any(m["id"] == "nan-adapter" for m in models["data"])
         # Malformed bodies, no key, /metrics without the key.
-        for path, raw in _malformed_bodies(model, 300):
+        for path, raw in _malformed_bodies(model, malformed):
             r = await client.post(url + path, content=raw, headers={**HEADERS, "Content-Type": "application/json"})
             note("malformed bodies", r.status_code)
         for _ in range(20):
@@ -325,7 +326,8 @@ def run(args: argparse.Namespace) -> None:
             async def attacked() -> tuple[dict, list[float]]:
                 stop = asyncio.Event()
                 attack = asyncio.create_task(_attacks(url, args.model, adapter, producer, stop, report,
-                                                      args.stalled_n, args.stalled_max_tokens))
+                                                      args.stalled_clients, args.stalled_n,
+                                                      args.stalled_max_tokens, args.malformed))
                 await asyncio.sleep(args.lead_s)
                 try:
                     return await _load(url, args.model, args.streams, args.rounds, args.max_tokens)
@@ -397,6 +399,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-consumer", action="store_true",
                    help="serve as a KV consumer (the fake producer's pulls reach the connector) instead of "
                         "with runtime LoRA loading (the NaN adapter reaches the checks)")
+    p.add_argument("--stalled-clients", type=int, default=32, help="streaming clients that stop reading")
+    p.add_argument("--malformed", type=int, default=300, help="malformed bodies sent")
     p.add_argument("--stalled-n", type=int, default=1, help="n of each of the 32 stalled readers' requests")
     p.add_argument("--stalled-max-tokens", type=int, default=256, help="max_tokens of each stalled reader's request")
     p.add_argument("--lead-s", type=float, default=3.0, help="seconds the attacks run before the load starts")
