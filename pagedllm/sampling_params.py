@@ -262,8 +262,9 @@ class SamplingParams:
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """Turn ``bad_words`` into token sequences: each word as written and with a leading
-        space (the form it takes inside a sentence), as vLLM does."""
-        if not self.bad_words:
+        space (the form it takes inside a sentence), as vLLM does. Done once: the server runs
+        it on its tokenizer thread before queueing the request."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
             return
         sequences: list[list[int]] = []
         for word in self.bad_words:

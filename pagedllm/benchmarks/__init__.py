@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "structured-outputs": ("structured_outputs", "constrained against unconstrained throughput, compile times"),
     "tensor-parallel": ("tensor_parallel", "decode throughput of TP 1 against TP 2, time in collectives"),
     "kv-transfer": ("kv_transfer", "KV transfer throughput of the ZMQ connector over TCP loopback"),
+    "attack": ("attack", "well-behaved streams' outputs, latency and the server's memory while it is attacked"),
     "disagg-itl": ("disagg_itl", "stream inter-token latency during a burst of long prompts (any server)"),
     "random-llama-1b": ("random_llama_1b", "a Llama-3.2-1B-shaped random model against llama.cpp on its own GGUF files"),
     "kv-cache-dtype": ("kv_cache_dtype", "decode step time at long contexts, KV capacity and drift per --kv-cache-dtype"),

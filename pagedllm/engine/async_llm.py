@@ -79,6 +79,9 @@ class RequestRejectedError(RequestFaultError):
 
 
 EXPIRY_CHECK_INTERVAL_S = 0.2
+DRAIN_POLL_S = 0.05
+DRAIN_FREE_WAIT_S = 5.0
+"""A graceful stop asks the core this long at most for every block to be let go."""
 
 
 class KVTransferFailedError(EngineNotReadyError):
@@ -158,7 +161,8 @@ class AsyncLLM:
         self.metrics = EngineMetrics(model_name, metrics_names)
         self._request_stats = RequestStatsTracker()  # phase times of user requests in flight
         self.ready = False
-        self.shutting_down = False
+        self.shutting_down = False  # new requests are refused (503) and /health answers 503
+        self._core_closed = False  # shutdown(): nothing more is sent to the core
         self.dead_error: BaseException | None = None
         self.unhealthy: str | None = None  # why /health answers 503 though the engine runs
         self.model_config: ModelConfig | None = None
@@ -202,6 +206,7 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         """Fail what is in flight, stop the core process and the output handler."""
         self.shutting_down = True
+        self._core_closed = True
         self.ready = False
         for stream in list(self._streams.values()):
             stream.put(EngineNotReadyError("the server is shutting down"))
@@ -217,6 +222,43 @@ class AsyncLLM:
         if self._client is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._client.shutdown)
         self._tokenizer_thread.shutdown(wait=False)
+
+    async def drain(self, timeout_s: float, stop_now: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """A graceful stop (SIGTERM): new requests are refused with a 503 from now on; those in
+        flight get up to ``timeout_s`` seconds to finish (less if ``stop_now()`` turns true), then
+        the rest are aborted (their clients get a 503) and the core is asked until it holds no
+        request and no KV block. Returns the figures it logs."""
+        self.shutting_down = True
+        in_flight = len(self._streams)
+        deadline = time.monotonic() + timeout_s
+        while self._streams and self.dead_error is None and not stop_now() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = list(self._streams.values())
+        for stream in left:
+            stream.put(EngineNotReadyError(
+                f"the server stopped before the request finished (--shutdown-timeout {timeout_s:g} s)"))
+            self.abort(stream.request_id)
+        usage = None
+        if self._client is not None and self.ready and self.dead_error is None:
+            deadline = time.monotonic() + DRAIN_FREE_WAIT_S
+            while True:  # the aborts reach the core as messages: ask until it has let go
+                try:
+                    usage = await asyncio.wait_for(self._call_utility("kv_usage"), DRAIN_FREE_WAIT_S)
+                except (asyncio.TimeoutError, EngineNotReadyError, RequestFaultError):
+                    break
+                if usage["num_running"] + usage["num_waiting"] == 0 and usage["kv_blocks_used"] == 0:
+                    break
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(DRAIN_POLL_S)
+        figures = {"in_flight": in_flight, "finished": in_flight - len(left), "aborted": len(left),
+                   "core": usage}
+        logger.info("shutdown: %d request(s) in flight, %d finished within %g s, %d aborted; engine core: %s",
+                    in_flight, in_flight - len(left), timeout_s, len(left),
+                    "unknown" if usage is None else
+                    f"{usage['num_running']} running, {usage['num_waiting']} waiting, "
+                    f"{usage['kv_blocks_used']} KV block(s) in use")
+        return figures
 
     # ---- tokenization (off the event loop) ----------------------------------------------
 
@@ -409,7 +451,7 @@ class AsyncLLM:
         self._request_stats.drop(request_id)
         if self._beam_searches.pop(request_id, None) is not None:
             self.metrics.observe_aborted()
-            if self._client is not None and not self.shutting_down:
+            if self._client is not None and not self._core_closed:
                 self._client.abort_requests([request_id])
             return
         if self.output_processor is None:
@@ -419,7 +461,7 @@ class AsyncLLM:
             self._last_token_time.pop(core_id, None)
         if self.output_processor.abort_requests([request_id]):
             self.metrics.observe_aborted()
-            if self._client is not None and not self.shutting_down:
+            if self._client is not None and not self._core_closed:
                 self._client.abort_requests(core_ids)
 
     async def reset_prefix_cache(self) -> bool:

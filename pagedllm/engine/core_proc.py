@@ -119,7 +119,7 @@ class EngineCoreProc:
         # Utilities: name -> a call whose result goes back to the caller.
         self._utilities: dict[str, Callable[[], Any]] = {
             "reset_prefix_cache": self.kv.reset_prefix_cache, "kv_snapshot": self._kv_snapshot,
-            "add_lora": self._add_lora, "remove_lora": self._remove_lora,
+            "add_lora": self._add_lora, "remove_lora": self._remove_lora, "kv_usage": self._kv_usage,
         }
         self._warm_up()
         info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks,
@@ -294,6 +294,13 @@ class EngineCoreProc:
     def _remove_lora(self, lora_int_id: int) -> bool:
         """Unload a LoRA adapter: its slot is freed once no unfinished request uses it."""
         return self.core.runner.remove_lora(lora_int_id)
+
+    def _kv_usage(self) -> dict[str, Any]:
+        """Requests held and KV blocks in use (cached free blocks count as free): a graceful
+        stop asks this until everything it aborted is let go."""
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.num_total_blocks - self.kv.num_free_blocks,
+                "kv_cache_usage": self.kv.usage}
 
     def _kv_snapshot(self) -> Any:
         """Between steps: copy the block arrays and figures; with the mean full cost (taking,

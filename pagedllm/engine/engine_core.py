@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -23,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.05
 """With nothing else to run, how long a step waits for a grammar to finish compiling."""
+GRAMMAR_COMPILE_TIMEOUT_S = float(os.environ.get("PAGEDLLM_GRAMMAR_COMPILE_TIMEOUT_S", "20"))
+"""A request whose grammar has not compiled this long after it arrived fails (a 400): a spec
+within the size cap (entrypoints/openai/limits.py) can still be slow to compile."""
 
 
 class EngineCore:
@@ -39,6 +44,7 @@ class EngineCore:
         self.structured_output = structured_output
         # Constrained requests whose grammar is compiling, by id, in arrival order.
         self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
+        self._grammar_deadlines: dict[str, float] = {}  # by id: time.monotonic() to give up
         # Disaggregated prefill: the KV connector's worker side (KVConnectorWorkerBase) or None.
         self.kv_connector = kv_connector
         self.last_num_scheduled_tokens = 0
@@ -72,6 +78,7 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.scheduler.check_request(request)  # refuse now what the scheduler would refuse later
         self._awaiting_grammar[request.request_id] = (request, self.structured_output.compile(spec))
+        self._grammar_deadlines[request.request_id] = time.monotonic() + GRAMMAR_COMPILE_TIMEOUT_S
 
     def add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
         """A beam search over shared KV blocks; its one output (``beams`` set) ends it."""
@@ -89,6 +96,7 @@ class EngineCore:
             entry = self._awaiting_grammar.pop(request_id, None)
             if entry is not None:
                 entry[0].status = status
+                self._drop_grammar_wait(request_id, entry)
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -217,12 +225,19 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             wait([f for _, f in self._awaiting_grammar.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
         for request_id, (request, future) in list(self._awaiting_grammar.items()):
-            if not future.done():
+            if not future.done() and now < self._grammar_deadlines[request_id]:
                 continue
             del self._awaiting_grammar[request_id]
             sequences = [request, *request.pending_forks]
             try:
+                if not future.done():
+                    self._drop_grammar_wait(request_id, (request, future))
+                    raise ValueError(
+                        f"structured_outputs.{request.sampling_params.structured_outputs.key[0]}: the grammar "
+                        f"did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s; simplify the constraint")
+                self._grammar_deadlines.pop(request_id, None)
                 compiled = future.result()
                 self.scheduler.check_request(request)
             except ValueError as e:  # the request's own: its grammar, or too long for the pool
@@ -237,6 +252,14 @@ class EngineCore:
             )
             self.scheduler.add_request(request)
         return outputs
+
+    def _drop_grammar_wait(self, request_id: str, entry: tuple[Request, Future]) -> None:
+        """The request no longer waits for its grammar: if no other request does, the
+        compile is cancelled if not yet started (the manager's release)."""
+        self._grammar_deadlines.pop(request_id, None)
+        request, future = entry
+        if self.structured_output is not None and not any(f is future for _, f in self._awaiting_grammar.values()):
+            self.structured_output.release(request.sampling_params.structured_outputs, future)
 
     def _advance_matchers(self, outputs: list[EngineCoreOutput], failed: dict[str, str]) -> None:
         """Feed the appended tokens to the matchers. A terminated grammar finishes its

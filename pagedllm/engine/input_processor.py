@@ -25,6 +25,22 @@ def _template_call_params(tokenizer_type: type) -> frozenset[str]:
     return frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name != "self")
 
 
+class PromptTooLongError(ValueError):
+    """A prompt text longer than max_model_len tokens could ever spell: refused before the
+    tokenizer runs."""
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of this vocabulary decodes to, at most (byte-level BPE
+    vocabularies write one character per byte, so a token's vocabulary string is never
+    shorter than its text); 0 if the tokenizer lists no vocabulary."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 (a tokenizer without get_vocab: no bound)
+        return 0
+    return max((len(t) for t in vocab), default=0)
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, model_config: ModelConfig, speculative_config: object | None = None,
                  max_logprobs: int = MAX_LOGPROBS) -> None:
@@ -33,6 +49,17 @@ class InputProcessor:
         # The thinking budget is refused while speculative decoding is on (see validate).
         self.speculative_config = speculative_config
         self.max_logprobs = max_logprobs
+        per_token = longest_token_chars(tokenizer)
+        self.max_prompt_chars = model_config.max_model_len * per_token if per_token else None
+        """A prompt text longer than this cannot fit in max_model_len tokens (each token spells
+        at most the vocabulary's longest): PromptTooLongError before tokenizing it."""
+
+    def check_prompt_chars(self, text: str) -> None:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(
+                f"the prompt has {len(text)} characters, more than max_model_len="
+                f"{self.model_config.max_model_len} tokens of this tokenizer can spell "
+                f"({self.max_prompt_chars} characters); shorten the prompt")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids)."""
@@ -52,7 +79,9 @@ class InputProcessor:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """A prompt's ids; add_special_tokens=False: the text's own tokens, no BOS added."""
+        """A prompt's ids; add_special_tokens=False: the text's own tokens, no BOS added.
+        PromptTooLongError if the text could not fit in max_model_len tokens."""
+        self.check_prompt_chars(text)
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not add_special_tokens:
             return ids
@@ -75,6 +104,7 @@ class InputProcessor:
     def encode_rendered(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """A rendered chat prompt's ids: the template writes any BOS itself, so by default no
         special tokens are added again (add_special_tokens=True adds them, as vLLM's field)."""
+        self.check_prompt_chars(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

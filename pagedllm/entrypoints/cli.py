@@ -224,6 +224,7 @@ def _server_config(
         uvicorn_log_level=args.uvicorn_log_level,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
         metrics_names=args.metrics_names,
         enable_log_requests=args.enable_log_requests,
@@ -290,6 +291,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds after which an unfinished request is aborted (503 with Retry-After)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="on SIGTERM/SIGINT: seconds requests in flight get to finish (new ones get a "
+                            "503), then the rest are aborted and the server exits; 0: abort at once")
     serve.add_argument("--timeout-keep-alive", type=float, default=30.0,
                        help="seconds an idle HTTP keep-alive connection stays open (keep it above "
                             "your clients' pool expiry, 5 s for httpx/openai)")

@@ -85,6 +85,13 @@ class StructuredOutputManager:
             self._grammars.popitem(last=False)
         return future
 
+    def release(self, spec: StructuredOutputsParams, future: Future) -> None:
+        """No request waits for ``future`` any more (aborted, or past its compile deadline):
+        a compile not yet started is cancelled and forgotten, so it never takes a thread; one
+        running finishes on its thread (xgrammar cannot be interrupted) and stays cached."""
+        if future.cancel() and self._grammars.get(spec.key) is future:
+            del self._grammars[spec.key]
+
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         import xgrammar as xgr
 

@@ -5,6 +5,7 @@ It stops the shared keyed server of conftest.py: this file sorts after the other
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from tests.entrypoints.conftest import API_KEY as KEY
 from tests.entrypoints.conftest import SERVED_NAME as NAME
-from tests.entrypoints.utils import child_pids, pid_alive
+from tests.entrypoints.utils import SMALL_SERVER_ARGS, RemoteServer, child_pids, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +55,68 @@ def test_sigterm_shuts_down_cleanly(keyed_server):
     while any(pid_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(pid_alive(c) for c in children), "orphaned child processes"
+
+
+DRAIN_S = 8.0
+
+
+def _stream(url: str, max_tokens: int, out: dict, first: threading.Event) -> None:
+    """A streamed completion: the events it got, and whether [DONE] came."""
+    out["events"] = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time",
+                                "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif line.startswith("data: "):
+                    out["events"].append(json.loads(line[6:]))
+                    first.set()
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+    first.set()
+
+
+def test_sigterm_drains_then_aborts_within_the_bound():
+    """--shutdown-timeout: after SIGTERM a new request gets a 503, a stream that ends within
+    the window finishes, one longer than it is aborted with an error event, every KV block is
+    let go, and the process exits 0 within the window plus uvicorn's close."""
+    srv = RemoteServer([*SMALL_SERVER_ARGS, "--shutdown-timeout", str(DRAIN_S)])
+    try:
+        short, long_ = {}, {}
+        short_first, long_first = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=_stream, args=(srv.url, 12, short, short_first)),
+                   threading.Thread(target=_stream, args=(srv.url, 1900, long_, long_first))]
+        for t in threads:
+            t.start()
+        assert short_first.wait(60) and long_first.wait(60), srv.log()
+        sent = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        # Draining: the port still answers, but not with work.
+        r = httpx.post(srv.url + "/v1/completions", timeout=30,
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert "shutting down" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+        code = srv.proc.wait(DRAIN_S + 20)
+        took = time.monotonic() - sent
+        for t in threads:
+            t.join(30)
+        log = srv.log()
+        assert code == 0, log
+        assert took < DRAIN_S + 8, (took, log)
+        # The short stream finished in the window, in full.
+        assert short.get("done"), (short, log)
+        assert short["events"][-1]["choices"][0]["finish_reason"] == "length"
+        # The long one was aborted: its last event an error naming the flag (then [DONE], as
+        # vLLM ends a stream that failed), no finish_reason.
+        assert "error" in long_["events"][-1], long_["events"][-3:]
+        assert "--shutdown-timeout" in long_["events"][-1]["error"]["message"]
+        assert not any(c.get("finish_reason") for e in long_["events"] for c in e.get("choices", ()))
+        assert "1 finished within" in log and "1 aborted" in log, log
+        assert "0 running, 0 waiting, 0 KV block(s) in use" in log, log
+    finally:
+        srv.stop()

@@ -228,3 +228,44 @@ def test_request_waiting_for_its_grammar_does_not_block_others(default_llm):
     assert slow.finish_reason == "stop" and re.fullmatch(r"[0-9]{4}", slow.text), slow
     assert len(finished[fast_id].outputs[0].token_ids) == 3
     _assert_all_blocks_free(default_llm)
+
+
+def test_grammar_past_its_compile_deadline_fails_its_request_and_an_abort_cancels_a_queued_compile(
+        default_llm, monkeypatch):
+    """Issue 48: a request whose grammar has not compiled by GRAMMAR_COMPILE_TIMEOUT_S fails
+    with an error naming the limit (the server's 400), its blocks untouched; an aborted
+    request's compile that has not started is cancelled and forgotten (no thread taken)."""
+    import time
+    from concurrent.futures import Future
+
+    from pagedllm.engine import engine_core as core_module
+
+    engine = default_llm.llm_engine
+    core = engine.engine_core
+    manager = core.structured_output
+    monkeypatch.setattr(core_module, "GRAMMAR_COMPILE_TIMEOUT_S", 0.3, raising=False)
+    # A compile that never ends (the spec's cache entry is a future nobody completes).
+    never: Future = Future()
+    spec = SO(regex=r"[0-9]{5}")
+    manager._grammars[spec.key] = never
+    slow_id = engine.add_request("The code is", SamplingParams(max_tokens=8, structured_outputs=spec))
+    errors: dict = {}
+    t0 = time.monotonic()
+    while not errors and time.monotonic() - t0 < 10:
+        errors.update((o.request_id, o.error) for o in core.step() if o.error)
+        time.sleep(0.02)
+    engine.output_processor.abort_requests([slow_id])
+    assert any("did not compile within 0.3 s" in e for e in errors.values()), errors
+    assert not core.has_unfinished_requests()
+    # Aborted while its compile waits for a thread: the compile is cancelled and forgotten.
+    queued: Future = Future()
+    spec2 = SO(regex=r"[a-z]{5}")
+    manager._grammars[spec2.key] = queued
+    rid = engine.add_request("Hello", SamplingParams(max_tokens=8, structured_outputs=spec2))
+    core.step()
+    engine.abort_request([rid])
+    assert queued.cancelled()
+    assert spec2.key not in manager._grammars
+    never.cancel()
+    manager._grammars.pop(spec.key, None)
+    _assert_all_blocks_free(default_llm)

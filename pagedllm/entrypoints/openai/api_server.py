@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 _OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/dashboard"})
 # With --admin-api-key, these need an admin key (an API key is not enough).
 ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# After the drain (--shutdown-timeout) every stream has ended: uvicorn waits this long at most
+# for their connections to close before cancelling what is left.
+UVICORN_CLOSE_TIMEOUT_S = 5
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ class ServerConfig:
     """With ssl_keyfile: the certificate (chain) file."""
     root_path: str | None = None
     """The path prefix a proxy serves this server under (ASGI root_path, --root-path)."""
+    shutdown_timeout_s: float = 10.0
+    """--shutdown-timeout: on SIGTERM/SIGINT, new requests get a 503 and those in flight get
+    this many seconds to finish; then the rest are aborted and the server exits (0: abort at
+    once)."""
     dev_mode: bool = False
     """Serve the development routes (/reset_prefix_cache), as vLLM under VLLM_SERVER_DEV_MODE=1."""
 
@@ -264,15 +271,34 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the engine first when a signal asks it to stop."""
+    """uvicorn's server with a bounded drain: the first SIGTERM/SIGINT asks for a graceful stop
+    (run by ``drain_then_exit``) instead of closing the listener at once; a second one cuts
+    the drain short."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
         super().__init__(config)
         self.engine = engine
+        self.stop_requested = False  # a signal came: drain, then exit
+        self.stop_now = False  # a second signal came: abort what is left now
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.engine.shutting_down = True  # /health answers 503 from now on
+        # A signal handler: only flags here; drain_then_exit acts on them on the event loop.
+        self.engine.shutting_down = True  # new requests get a 503, /health too, from now on
+        if not self.stop_requested and self.engine.ready:
+            self._captured_signals.append(sig)
+            self.stop_requested = True
+            return
+        self.stop_now = True
         super().handle_exit(sig, frame)
+
+    async def drain_then_exit(self, timeout_s: float) -> None:
+        while not self.stop_requested and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if self.should_exit:
+            return
+        logger.info("stopping: draining requests in flight for at most %g s (--shutdown-timeout)", timeout_s)
+        await self.engine.drain(timeout_s, lambda: self.stop_now)
+        self.should_exit = True  # uvicorn closes the listener and the connections, then the engine
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -306,7 +332,7 @@ async def serve(
     app = build_app(engine, config, model_names)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-        timeout_graceful_shutdown=10, timeout_keep_alive=config.timeout_keep_alive_s,
+        timeout_graceful_shutdown=UVICORN_CLOSE_TIMEOUT_S, timeout_keep_alive=config.timeout_keep_alive_s,
         access_log=not config.disable_uvicorn_access_log, ssl_keyfile=config.ssl_keyfile,
         ssl_certfile=config.ssl_certfile, root_path=config.root_path or "",
     )
@@ -327,11 +353,15 @@ async def serve(
         logger.error("the engine core died: %s; stopping the server", await engine.wait_dead())
         server.should_exit = True
 
-    watcher = asyncio.create_task(exit_if_engine_fails())
+    if not config.shutdown_timeout_s >= 0:
+        raise ValueError(f"--shutdown-timeout {config.shutdown_timeout_s} must be >= 0")
+    watchers = [asyncio.create_task(exit_if_engine_fails()),
+                asyncio.create_task(server.drain_then_exit(config.shutdown_timeout_s))]
     try:
         await server.serve()
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
     if engine.dead_error is not None:
         raise SystemExit(1)
 

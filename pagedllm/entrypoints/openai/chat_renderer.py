@@ -162,7 +162,10 @@ class ChatRenderer:
             self._sandbox_thread, self._sandbox.render, messages, request_chat_template, add_generation_prompt,
             chat_template_kwargs, options)
         # The template writes any BOS itself: special tokens are added again only when asked.
-        return text, await self.engine.run_tokenizer(processor.encode_rendered, text, add_special_tokens)
+        try:
+            return text, await self.engine.run_tokenizer(processor.encode_rendered, text, add_special_tokens)
+        except ValueError as e:  # longer than max_model_len tokens could spell
+            raise ChatTemplateError(str(e)) from None
 
     def close(self) -> None:
         if self._sandbox is not None:

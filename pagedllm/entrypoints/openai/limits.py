@@ -131,3 +131,65 @@ class BodyCheckMiddleware:
             return await receive()  # later calls: the client's disconnect
 
         await self.app(scope, replay, send)
+
+
+# ---- caps on list fields and spec sizes (issue 48) --------------------------------------
+# vLLM has no flags for these; each is a constant here (docs/security.md lists them). A body
+# within --max-request-body-bytes can still hold millions of small items, each costing work
+# per request or per step (stop strings are matched every step, bad words masked every step).
+
+LIST_FIELD_CAPS: dict[str, int] = {
+    "prompt": 1024,  # prompts per completions request (each a sequence in the engine)
+    "messages": 4096,
+    "tools": 128,  # OpenAI's own limit
+    "documents": 256,
+    "stop": 64,
+    "stop_token_ids": 1024,
+    "bad_words": 256,
+    "allowed_token_ids": 262144,  # above any vocabulary this engine serves
+    "logit_bias": 1024,
+    "guided_choice": 1024,
+}
+"""The most items each list (or map) field of a request may hold: more is a 400 naming the
+field and the limit."""
+MAX_STOP_STRING_CHARS = 1024
+"""The longest stop string or bad word (each is matched against the output every step)."""
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+"""The largest JSON schema (serialized), regex, EBNF grammar or choice list a request may
+give; xgrammar's compile time and memory grow with it."""
+
+_SPEC_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
+
+
+def _too_many(field: str, n: int, cap: int) -> OpenAIError:
+    return bad_request(f"{field} has {n} items; this server accepts at most {cap}", field)
+
+
+def check_list_caps(req: Any) -> None:
+    """A 400 for the first list field of ``req`` (a request model) over its cap, a stop string
+    or bad word over MAX_STOP_STRING_CHARS, or a structured-outputs spec over
+    MAX_STRUCTURED_SPEC_CHARS. Fields the model lacks are skipped."""
+    for field, cap in LIST_FIELD_CAPS.items():
+        value = getattr(req, field, None)
+        if field == "prompt" and value and isinstance(value, list) and isinstance(value[0], int):
+            continue  # one prompt of token ids: its length is checked against max_model_len
+        if isinstance(value, (list, dict)) and len(value) > cap:
+            raise _too_many(field, len(value), cap)
+    for field in ("stop", "bad_words"):
+        value = getattr(req, field, None)
+        words = [value] if isinstance(value, str) else value or ()
+        for i, word in enumerate(words):
+            if isinstance(word, str) and len(word) > MAX_STOP_STRING_CHARS:
+                raise bad_request(
+                    f"{field}[{i}] has {len(word)} characters; this server accepts at most "
+                    f"{MAX_STOP_STRING_CHARS}", field)
+    for field in _SPEC_FIELDS:
+        value = getattr(req, field, None)
+        if value is None:
+            continue
+        size = len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))
+        if size > MAX_STRUCTURED_SPEC_CHARS:
+            raise bad_request(
+                f"{field} is {size} characters long (as JSON); this server accepts structured-output "
+                f"specs of at most {MAX_STRUCTURED_SPEC_CHARS}", field)

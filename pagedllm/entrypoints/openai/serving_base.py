@@ -175,6 +175,13 @@ async def check_structured_outputs(req: SamplingFields, params: SamplingParams |
         raise bad_request(str(e), _structured_source(req)) from None
 
 
+async def tokenize_bad_words(engine: AsyncLLM, params: SamplingParams | BeamSearchRequest) -> None:
+    """bad_words into token sequences on the tokenizer thread, not the event loop (the engine
+    skips words already tokenized)."""
+    if isinstance(params, SamplingParams) and params.bad_words:
+        await engine.run_tokenizer(params.update_from_tokenizer, engine.tokenizer)
+
+
 def check_stream_fields(req: SamplingFields) -> None:
     """Fields that only mean something in a stream, or not in one, as vLLM checks them."""
     options = req.stream_options

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError, RequestStream
 from pagedllm.entrypoints.openai.chat_reasoning import RequestReasoning, ServerReasoning
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer, ChatTemplateError
+from pagedllm.entrypoints.openai.limits import check_list_caps
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -39,6 +40,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     merge_streams,
     prompt_logprobs_of,
     sampling_params_from,
+    tokenize_bad_words,
     sse,
     truncate_prompt,
     usage_info,
@@ -137,10 +139,12 @@ class OpenAIServingChat:
     async def start(self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None) -> ChatRun:
         """Check, render and queue one chat request: what /v1/chat/completions and the other
         chat-shaped APIs (anthropic/serving_messages.py) share; each shapes the outputs its way."""
+        check_list_caps(req)
         num_logprobs = self._check(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_from(req, max_tokens, num_logprobs, self.engine.generation_defaults)
         await check_structured_outputs(req, params)
+        await tokenize_bad_words(self.engine, params)
         tools = tool_call_handler(req, self.tool_config)
         params = await constrain_tool_calls(tools, params)
         text, ids = await self.render(

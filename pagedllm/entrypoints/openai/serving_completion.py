@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.engine.input_processor import PromptTooLongError
+from pagedllm.entrypoints.openai.limits import check_list_caps
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -29,6 +31,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     prompt_logprobs_of,
     sampling_params_from,
     sse,
+    tokenize_bad_words,
     truncate_prompt,
     usage_info,
 )
@@ -57,9 +60,12 @@ class OpenAIServingCompletion:
         else:
             raw = list(p)
         prompts = []
-        for item in raw:
+        for i, item in enumerate(raw):
             if isinstance(item, str):
-                prompts.append((item, await self.engine.encode(item, req.add_special_tokens)))
+                try:
+                    prompts.append((item, await self.engine.encode(item, req.add_special_tokens)))
+                except PromptTooLongError as e:
+                    raise bad_request(str(e) if len(raw) == 1 else f"prompt {i}: {e}", "prompt") from None
             else:
                 prompts.append((None, list(item)))
         if req.truncate_prompt_tokens is not None:
@@ -81,12 +87,14 @@ class OpenAIServingCompletion:
     async def create(
         self, req: CompletionRequest, lora_request: LoRARequest | None = None
     ) -> CompletionResponse | AsyncIterator[str]:
+        check_list_caps(req)
         self._check(req)
         defaults = self.engine.generation_defaults
         # Left out: the checkpoint's default, else OpenAI's 16 (null: the default, else the room left).
         max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else defaults.get("max_tokens", 16)
         params = sampling_params_from(req, max_tokens, req.logprobs, defaults)
         await check_structured_outputs(req, params)
+        await tokenize_bad_words(self.engine, params)
         prompts = await self._prompts(req)
         assert self.engine.model_config is not None
         for _, ids in prompts:
