@@ -38,7 +38,7 @@ of 256 against the K-quants (INT8_DECODE_TYPES; csrc/gguf_dot_int8_avx512.h: the
 pipeline applies the sub-block scales, 1.4-2.5x the int16 kernel's speed per core; drift
 about 0.7% relative per matmul on Gaussian activations, bounded in tests/kernels). Set per
 layer by layers/linear.set_prefill_activations: "int8" in the bf16 and int8 modes."""
-INT8_DECODE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+INT8_DECODE_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
 INT8_SMALL_M_MAX_ROWS = 64
 """With int8 decode activations the small-M kernel takes these types up to this many rows
 (decode batches of up to 64 sequences, short prefill chunks): one thread, [2048, 2048], its

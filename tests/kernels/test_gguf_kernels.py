@@ -227,7 +227,8 @@ def test_int8_path_drift_and_batch_invariance(type_name: str) -> None:
     ref = ops.linear(x, w.data, idx, "float")
     rel = lambda y: float((y - ref).norm() / ref.norm())  # noqa: E731
     assert rel(ops.linear(x, w.data, idx, "int8")) < 1.2e-2
-    assert rel(ops.linear(x, w.data, idx, "int16")) < 1e-4
+    if dict(zip(ops.type_names(), ops.small_m_kernels()))[type_name].startswith("int16"):  # Q3_K has none
+        assert rel(ops.linear(x, w.data, idx, "int16")) < 1e-4
     alone = torch.cat([ops.linear(x[i : i + 1].contiguous(), w.data, idx, "int8") for i in range(x.shape[0])])
     for m in range(2, SMALL_M_MAX_ROWS + 1):
         assert torch.equal(ops.linear(x[:m].contiguous(), w.data, idx, "int8"), alone[:m]), m
@@ -237,7 +238,7 @@ def test_int8_path_drift_and_batch_invariance(type_name: str) -> None:
     m = INT8_SMALL_M_MAX_ROWS
     assert torch.equal(gguf_linear(x64[:m], w, None, 17, "int8"), ops.linear(x64[:m], w.data, idx, "int8"))
     assert torch.equal(gguf_linear(x64, w, None, 17, "int8"), gguf_linear(x64, w, None, 17, "int16"))  # panels
-    assert not torch.equal(gguf_linear(x64[:m], w, None, 17, "int16"), ops.linear(x64[:m], w.data, idx, "int16"))
+    assert not torch.equal(gguf_linear(x64[:m], w, None, 17, "int16"), ops.linear(x64[:m], w.data, idx, "int8"))
     # "fast" is int8 for these types, the build's choice for the others
     assert torch.equal(ops.linear(x, w.data, idx, "fast"), ops.linear(x, w.data, idx, "int8"))
     q8 = list(ops.type_names()).index("Q8_0")

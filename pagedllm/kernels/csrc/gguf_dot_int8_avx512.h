@@ -1,6 +1,6 @@
 #pragma once
 // Small-M GGUF matmul with int8 activations per 256-element block, for the K-quants that
-// dominate the files users download (Q4_K and Q6_K: Q4_K_M; Q5_K: Q5_K_M), on CPUs with
+// dominate the files users download (Q4_K and Q6_K: Q4_K_M; Q5_K: Q5_K_M; Q3_K: Q3_K_*), on CPUs with
 // AVX512-BW/VL and AVX512-VNNI. The idea is ggml's (K-quants dotted with "Q8_K"
 // activations); the instruction sequence is this file's own.
 //
@@ -18,6 +18,7 @@
 // block costs one int -> float conversion and one FMA per activation row:
 //   Q4_K / Q5_K: y += (d * xd) * sum(sc_j * dot_j) - (dmin * xd) * sum(m_j * qsum_j)
 //   Q6_K:        y += (d * xd) * sum(sc_j * (dot_j - 32 * qsum_j))   (codes 0..63, minus 32)
+//   Q3_K:        y += (d * xd) * sum(sc_j * (dot_j - 4 * qsum_j))    (codes 0..7, minus 4)
 // where dot_j and qsum_j are exact integers. The result differs from float activations only by
 // the int8 rounding of x (kernels/gguf_blocks.py states the drift the tests bound); each
 // output's arithmetic is the same whatever M, the tiling of the rows, or the thread count.
@@ -35,7 +36,7 @@ namespace pagedllm::gguf {
 
 template <Type T>
 constexpr bool has_int8_dot() {
-  return T == Type::Q4_K || T == Type::Q5_K || T == Type::Q6_K;
+  return T == Type::Q3_K || T == Type::Q4_K || T == Type::Q5_K || T == Type::Q6_K;
 }
 
 // x [M, K] (K a multiple of 256) rounded to int8 per block of 256: q [M, K] in the type's
@@ -73,6 +74,11 @@ struct Int8Activations {
     }
   }
 };
+
+// The types whose codes unpack in element order (16 sub-blocks of 16); the others (Q4_K,
+// Q5_K) in K4 group order (Int8Activations).
+template <Type T>
+constexpr bool kElementOrder = T == Type::Q6_K || T == Type::Q3_K;
 
 // Lanes i of an int32 vector (i < 16) take word-pair (scale, 0) with scale = s[idx[i]]:
 // `s16` holds the scales as int32 lanes 0..15 (high words zero).
@@ -139,26 +145,44 @@ struct K4Int8Block {
 template <> struct Int8Block<Type::Q4_K> : K4Int8Block<Type::Q4_K> {};
 template <> struct Int8Block<Type::Q5_K> : K4Int8Block<Type::Q5_K> {};
 
-// Q6_K: ql (128 bytes), qh (64), 16 int8 scales, d. Half h (128 elements): ql bytes 64 h ..
-// + 63 give elements 0..63 (low nibbles) and 64..127 (high nibbles) in order; qh bytes
-// 32 h + l hold the top 2 bits of elements l, l + 32, l + 64, l + 96 (bit pairs 0, 1, 2, 3).
-template <>
-struct Int8Block<Type::Q6_K> {
+// The element-order types with 16 sub-blocks of 16, signed scales and unsigned codes u
+// offset by `kOffset` (Q6_K: u in 0..63, minus 32; Q3_K: 0..7, minus 4). Lanes i of vector v
+// (elements 64 v .. + 63) take sub-block 4 v + i / 4's scale; the offset is folded into the
+// block's int32 accumulator as (sc * kOffset) times the negated per-16 sums.
+template <int kOffset>
+struct Signed16Int8Block {
   float d;
-  __m512i S[4];  // lane scales of elements 64 v .. + 63 (lane i: sub-block 4 v + i / 4)
-  __m512i W[4];  // the unsigned 6-bit codes of those elements
-  __m512i sc32;  // the 16 scales times 32 as int16 words 0..15 (the rest zero)
-  void load(const uint8_t* b) {
-    d = fp16_at(b + 208);
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  __m512i S[4];     // lane scales of elements 64 v .. + 63
+  __m512i W[4];     // the unsigned codes of those elements
+  __m512i sc_off;   // the 16 scales times kOffset as int16 words 0..15 (the rest zero)
+  void set_scales(__m128i sc) {  // 16 int8 scales
     const __m512i s16 = _mm512_and_si512(_mm512_cvtepi8_epi32(sc), _mm512_set1_epi32(0xFFFF));
     for (int v = 0; v < 4; ++v) {
       const int s = 4 * v;
       S[v] = lane_scales(s16, _mm512_set_epi32(s + 3, s + 3, s + 3, s + 3, s + 2, s + 2, s + 2, s + 2, s + 1, s + 1,
                                                s + 1, s + 1, s, s, s, s));
     }
-    sc32 = _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5));
-    sc32 = _mm512_zextsi256_si512(_mm512_castsi512_si256(sc32));
+    sc_off = _mm512_zextsi256_si512(_mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc), _mm256_set1_epi16(kOffset)));
+  }
+  void dot(const int8_t* xq, const int16_t* nsum16, float xd, __m512& facc, __m128&) const {
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), sc_off,
+                                      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nsum16))));
+    for (int v = 0; v < 4; ++v) {
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[v], _mm512_loadu_si512(xq + 64 * v));
+      acc = _mm512_dpwssd_epi32(acc, p, S[v]);
+    }
+    facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * xd), facc);
+  }
+};
+
+// Q6_K: ql (128 bytes), qh (64), 16 int8 scales, d. Half h (128 elements): ql bytes 64 h ..
+// + 63 give elements 0..63 (low nibbles) and 64..127 (high nibbles) in order; qh bytes
+// 32 h + l hold the top 2 bits of elements l, l + 32, l + 64, l + 96 (bit pairs 0, 1, 2, 3).
+template <>
+struct Int8Block<Type::Q6_K> : Signed16Int8Block<32> {
+  void load(const uint8_t* b) {
+    d = fp16_at(b + 208);
+    set_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     // Per 256-bit half: shift the qh bytes so that the wanted bit pair lands at bits 4-5.
     const __m512i shl_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
@@ -171,15 +195,40 @@ struct Int8Block<Type::Q6_K> {
                                      _mm512_and_si512(_mm512_srlv_epi16(qh, shr_hi), top));
     }
   }
-  void dot(const int8_t* xq, const int16_t* nsum16, float xd, __m512& facc, __m128&) const {
-    // -32 * sum(sc_j * qsum_j) first: sc32 (words 0..15) times the negated sums.
-    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), sc32,
-                                      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nsum16))));
-    for (int v = 0; v < 4; ++v) {
-      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[v], _mm512_loadu_si512(xq + 64 * v));
-      acc = _mm512_dpwssd_epi32(acc, p, S[v]);
+};
+
+// Q3_K: hmask (32 bytes), qs (64), 12 bytes of 6-bit scales (biased by 32), d. Half h: qs
+// bytes 32 h + l hold 2-bit codes of elements 128 h + 32 j + l at bits 2 j (j < 4), and
+// hmask byte l's bit 4 h + j their third bit: u = low 2 | third << 2, value u - 4.
+template <>
+struct Int8Block<Type::Q3_K> : Signed16Int8Block<4> {
+  void load(const uint8_t* b) {
+    d = fp16_at(b + 108);
+    // The 16 scales (q3k_scale) four bytes at a time: low 4 bits from bytes 0..7 (low nibbles
+    // for scales 0..7, high ones for 8..15), top 2 bits from bytes 8..11 at bit pairs i / 4.
+    const uint32_t a0 = load_u32(b + 96), a1 = load_u32(b + 100), t = load_u32(b + 104);
+    const uint32_t lo4 = 0x0F0F0F0Fu, hi2 = 0x03030303u;
+    alignas(16) uint32_t sc[4] = {(a0 & lo4) | ((t & hi2) << 4), (a1 & lo4) | (((t >> 2) & hi2) << 4),
+                                  ((a0 >> 4) & lo4) | (((t >> 4) & hi2) << 4),
+                                  ((a1 >> 4) & lo4) | (((t >> 6) & hi2) << 4)};
+    set_scales(_mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)), _mm_set1_epi8(32)));
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * h)));
+      for (int v = 0; v < 2; ++v) {  // j = 2 v (low 256 bits), 2 v + 1 (high)
+        const int j0 = 2 * v, j1 = 2 * v + 1, b0 = 4 * h + j0, b1 = 4 * h + j1;
+        const __m512i qs = _mm512_srlv_epi16(q, _mm512_inserti64x4(_mm512_set1_epi16(short(2 * j0)),
+                                                                    _mm256_set1_epi16(short(2 * j1)), 1));
+        // the third bit (bit b of hmask) to bit 2: right by b - 2, or left by 2 - b
+        const __m512i r = _mm512_inserti64x4(_mm512_set1_epi16(short(b0 > 2 ? b0 - 2 : 0)),
+                                             _mm256_set1_epi16(short(b1 > 2 ? b1 - 2 : 0)), 1);
+        const __m512i l = _mm512_inserti64x4(_mm512_set1_epi16(short(b0 < 2 ? 2 - b0 : 0)),
+                                             _mm256_set1_epi16(short(b1 < 2 ? 2 - b1 : 0)), 1);
+        const __m512i third = _mm512_and_si512(_mm512_srlv_epi16(_mm512_sllv_epi16(hm, l), r), four);
+        W[2 * h + v] = _mm512_or_si512(_mm512_and_si512(qs, three), third);
+      }
     }
-    facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * xd), facc);
   }
 };
 
@@ -202,7 +251,7 @@ inline void rows_int8(const uint8_t* row, int64_t row_bytes, const Int8Activatio
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
       const int64_t ab = xrow[m] * a.blocks + b;
-      const int16_t* sums16 = T == Type::Q6_K ? a.nsum16.data() + 16 * ab : a.sum32.data() + 8 * ab;
+      const int16_t* sums16 = kElementOrder<T> ? a.nsum16.data() + 16 * ab : a.sum32.data() + 8 * ab;
       blk.dot(a.q.data() + 256 * ab, sums16, a.d[ab], facc[m], macc[m]);
     }
   }
@@ -233,7 +282,7 @@ inline void gathered_dots_int8(const uint8_t* row, const Int8Activations& a, con
 // weight row read once for all M activation rows, up to 4 of them per pass.
 template <Type T>
 void matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* data, int64_t row_bytes, int64_t N, float* y) {
-  const Int8Activations a(x, M, K, T != Type::Q6_K);
+  const Int8Activations a(x, M, K, !kElementOrder<T>);
 #pragma omp parallel for schedule(guided, kMinChunkRows)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = data + n * row_bytes;

@@ -120,7 +120,7 @@ inline bool int8_path(Type t) {
 // that dot; else int16 where the type takes it; else none).
 inline void round_activations(Activations& a, const float* x, int64_t M, Type t, bool int8) {
   if (int8 && int8_path(t))
-    a.q8 = std::make_unique<Int8Activations>(x, M, a.K, t != Type::Q6_K);
+    a.q8 = std::make_unique<Int8Activations>(x, M, a.K, t == Type::Q4_K || t == Type::Q5_K);
   else if (int16_path(t))
     a.q = std::make_unique<Int16Activations>(x, M, a.K);
 }
