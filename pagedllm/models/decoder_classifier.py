@@ -1,0 +1,69 @@
+"""`*ForSequenceClassification` of the decoder families (Llama, Qwen2, Qwen3): the causal
+model with a `score` head [num_labels, hidden] (no bias) in place of the LM head, read at each
+prompt's last token (models/pooling.py's LAST)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.utils import default_dtype
+from pagedllm.models.family import ArchConfig, ModelFamily
+from pagedllm.models.llama import PACKED_MODULES, LlamaModel, _qwen2_arch_config, llama_arch_config
+from pagedllm.models.pooling import PoolerConfig
+from pagedllm.models.qwen3 import Qwen3Model
+from pagedllm.models.utils import load_named_weights
+
+
+class LlamaForSequenceClassification(nn.Module):
+    inner_model: type[LlamaModel] = LlamaModel
+    pooler_defaults = PoolerConfig("LAST", False)
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = arch.hf
+        self.arch = arch
+        with default_dtype(dtype):
+            self.model = self.inner_model(arch)
+            self.score = Linear(arch.hidden_size, arch.hf.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] int64 -> [T, hidden]
+        return self.model(input_ids, positions)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        # pooled: [R, hidden] (each prompt's last state) -> [R, num_labels] float32
+        return self.score(pooled).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def transform(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+            return None if name.endswith("rotary_emb.inv_freq") else (name, tensor)
+
+        return load_named_weights(self, weights, stacked=PACKED_MODULES, transform=transform)
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
+    inner_model = Qwen3Model
+
+
+def _qwen3_arch_config(hf: Any) -> ArchConfig:
+    return llama_arch_config(hf, qk_norm=True)
+
+
+FAMILIES = (
+    ModelFamily(
+        "Llama classifier", ("LlamaForSequenceClassification",), LlamaForSequenceClassification,
+        llama_arch_config, PACKED_MODULES, runner="pooling",
+    ),
+    ModelFamily(
+        "Qwen2 classifier", ("Qwen2ForSequenceClassification",), LlamaForSequenceClassification,
+        _qwen2_arch_config, PACKED_MODULES, runner="pooling",
+    ),
+    ModelFamily(
+        "Qwen3 classifier", ("Qwen3ForSequenceClassification",), Qwen3ForSequenceClassification,
+        _qwen3_arch_config, PACKED_MODULES, runner="pooling",
+    ),
+)
