@@ -86,6 +86,8 @@ class ModelConfig:
     """The resolved pooling (every field set), None where the model does not pool."""
     num_labels: int | None = None
     """A classifier's outputs (a *ForSequenceClassification checkpoint), else None."""
+    labels: tuple[str, ...] = ()
+    """A classifier's label names by output index (the checkpoint's id2label)."""
 
 
 Runner = Literal["generate", "pooling"]

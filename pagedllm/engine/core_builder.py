@@ -175,10 +175,12 @@ def _with_pooling(config: EngineConfig, loaded: Any) -> ModelConfig:
     if hasattr(loaded.model, "sep_token_id"):  # BERT's token types (models/bert.py)
         loaded.model.sep_token_id = getattr(loaded.tokenizer, "sep_token_id", None)
     num_labels = getattr(loaded.hf_config, "num_labels", None) if hasattr(loaded.model, "classify") else None
+    id2label = getattr(loaded.hf_config, "id2label", None) or {}
+    labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels or 0))
     if runner == "pooling":
         logger.info("pooling model: %s pooling, normalize=%s%s", pooler.pooling_type, pooler.normalize,
                     f", {num_labels} labels" if num_labels else "")
-    return dataclasses.replace(model_config, runner=runner, pooler=pooler, num_labels=num_labels)
+    return dataclasses.replace(model_config, runner=runner, pooler=pooler, num_labels=num_labels, labels=labels)
 
 
 def _profile_memory(config: EngineConfig, loaded: Any) -> MemoryProfile:

@@ -173,6 +173,11 @@ def check_pooling(model_config: ModelConfig, params: PoolingParams, num_tokens: 
             f"model {model_config.model!r} ({model_config.architecture}) has no classifier: task "
             f"{params.task!r} needs a *ForSequenceClassification checkpoint"
         )
+    if params.task == "score" and model_config.num_labels != 1:
+        raise ValueError(
+            f"model {model_config.model!r} has {model_config.num_labels} labels: task 'score' needs a "
+            "single-label cross-encoder"
+        )
     limit = model_config.max_model_len - 1
     if num_tokens > limit:
         raise ValueError(

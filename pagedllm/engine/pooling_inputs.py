@@ -7,6 +7,8 @@ BERT prompt keeps its [CLS] and ends with [SEP]); -1: the model's limit (max_mod
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -40,3 +42,23 @@ def pooling_token_ids(
     if pair is not None:
         return list(tokenizer(text, pair, **kwargs)["input_ids"])
     return list(tokenizer(text, **kwargs)["input_ids"])
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing for scores: one text against each of many, or the i-th with the i-th."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise ValueError("give at least one text on each side to score")
+    if len(first) == 1:
+        return [(first[0], b) for b in second]
+    if len(first) != len(second):
+        raise ValueError(f"got {len(first)} texts to score against {len(second)}; give one, or as many")
+    return list(zip(first, second))
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """Cosine similarity of two vectors (an embedding model's score of a pair)."""
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0

@@ -15,7 +15,7 @@ from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, Beam
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
-from pagedllm.engine.pooling_inputs import pooling_token_ids
+from pagedllm.engine.pooling_inputs import cosine, pooling_token_ids, score_pairs
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -196,15 +196,12 @@ class LLM:
             inputs = [(None, pooling_token_ids(tokenizer, a, max_len, truncate_prompt_tokens, pair=b)) for a, b in pairs]
             return self._run_pooling(inputs, PoolingParams(task="score"), use_tqdm)
         texts = sorted({t for pair in pairs for t in pair})
-        vectors = dict(zip(texts, self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens,
-                                             pooling_params=PoolingParams(normalize=True))))
-        outputs = []
-        for i, (a, b) in enumerate(pairs):
-            va, vb = vectors[a].outputs.data, vectors[b].outputs.data
-            cosine = sum(x * y for x, y in zip(va, vb))  # both unit length
-            outputs.append(PoolingRequestOutput(
-                str(i), None, vectors[a].prompt_token_ids + vectors[b].prompt_token_ids, PoolingOutput([cosine])))
-        return outputs
+        vectors = dict(zip(texts, self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens)))
+        return [
+            PoolingRequestOutput(str(i), None, vectors[a].prompt_token_ids + vectors[b].prompt_token_ids,
+                                 PoolingOutput([cosine(vectors[a].outputs.data, vectors[b].outputs.data)]))
+            for i, (a, b) in enumerate(pairs)
+        ]
 
     def _run_pooling(
         self, inputs: list[tuple[str | None, list[int]]], params: PoolingParams, use_tqdm: bool
@@ -280,17 +277,6 @@ class LLM:
 
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
-
-
-def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
-    """vLLM's pairing: one text against each of many, or the i-th with the i-th."""
-    first = [data_1] if isinstance(data_1, str) else list(data_1)
-    second = [data_2] if isinstance(data_2, str) else list(data_2)
-    if len(first) == 1:
-        return [(first[0], b) for b in second]
-    if len(first) != len(second):
-        raise ValueError(f"got {len(first)} texts to score against {len(second)}; give one, or as many")
-    return list(zip(first, second))
 
 
 def _per_prompt(value: Any, single: type, num_prompts: int, what: str) -> list[Any]:
