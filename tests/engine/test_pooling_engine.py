@@ -81,11 +81,13 @@ def test_bidirectional_prompts_run_whole(tmp_path: Path) -> None:
     budget is raised to max_model_len), no prefix is shared, and a batch larger than one step
     gives each text its vector alone."""
     save_encoder(tmp_path, "BertModel", "mean")
-    llm = _llm(tmp_path, max_num_batched_tokens=16, max_num_seqs=2)
+    llm = _llm(tmp_path, max_num_batched_tokens=16, max_num_seqs=8)
     sched = llm.llm_engine.config.scheduler_config
-    assert sched.whole_prompts and sched.max_num_batched_tokens >= sched.max_model_len
+    assert sched.whole_prompts and sched.max_num_batched_tokens == sched.max_model_len == 128
     assert not llm.llm_engine.config.cache_config.enable_prefix_caching
-    batch = llm.embed(TEXTS * 2)
-    for text, out in zip(TEXTS * 2, batch):
+    # 30-50 tokens each: a step's budget left after two or three is less than the next prompt.
+    texts = [f"{TEXTS[2]} {t}" for t in TEXTS]
+    batch = llm.embed(texts)
+    for text, out in zip(texts, batch):
         alone = llm.embed([text])[0].outputs.embedding
         assert out.outputs.embedding == pytest.approx(alone, abs=1e-4)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.entrypoints.utils import RemoteServer, metric_value
+
+pytestmark = pytest.mark.slow  # three server processes (one shared)
 from tests.models.pooling_utils import TEXTS, save_encoder
 
 ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "16MiB", "--max-num-seqs", "8"]
