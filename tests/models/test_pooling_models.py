@@ -71,6 +71,9 @@ def test_encoder_embeddings_equal_sentence_transformers(
     _assert_cosine(ours, ref)
     norms = ours.norm(dim=-1)
     assert torch.allclose(norms, torch.ones_like(norms), atol=1e-5) == normalize, norms
+    # An embedding model's score of a pair: the cosine of the two embeddings.
+    scores = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS[1:])]
+    assert scores == pytest.approx(F.cosine_similarity(ref[:1], ref[1:], dim=-1).tolist(), abs=1e-4)
     # The mixed-length batch above gave each text what it gets alone (no padding leaks).
     for i, text in enumerate(TEXTS):
         alone = _embeddings(llm, [text])[0]
