@@ -38,16 +38,15 @@ class StepPooler:
             if state.pooling_params is None:
                 continue
             start, count = query_start[i], num_scheduled[i]
-            first = state.num_computed_tokens
-            rows = hidden[start : start + count].float()  # [count, H]
+            n = state.num_computed_tokens + count  # prompt tokens pooled after this chunk
             previous = self._partial.pop(state.req_id, None)
             if kind == "LAST":
-                pooled, n = rows[-1], first + count
-            elif kind == "CLS":
-                pooled, n = (rows[0] if previous is None else previous[0]), first + count
+                pooled = hidden[start + count - 1].float()
+            elif kind == "CLS":  # the first chunk's first row (no prefix hit: reads_whole_prompt)
+                pooled = hidden[start].float() if previous is None else previous[0]
             else:  # MEAN: a running sum over the chunks, divided at the end
-                total = rows.sum(0) if previous is None else previous[0] + rows.sum(0)
-                pooled, n = total, first + count
+                total = hidden[start : start + count].float().sum(0)  # [H]
+                pooled = total if previous is None else previous[0] + total
             if n < state.num_prompt_tokens:
                 self._partial[state.req_id] = (pooled, n)
                 continue
