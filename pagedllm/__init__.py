@@ -8,7 +8,8 @@ from pagedllm.thread_wait import set_default_spin_count
 set_default_spin_count()
 
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
     "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+    "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput",
 ]
 __version__ = "0.1.0"
 

@@ -13,6 +13,7 @@ from pagedllm.kv_backends import KV_BACKEND_NAMES
 from pagedllm import faults
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
 from pagedllm.lora.config import LoRAConfig
+from pagedllm.pooling_params import PoolerConfig
 from pagedllm.sampling_params import MAX_LOGPROBS
 from pagedllm.speculative_config import SpecMethod, SpeculativeConfig  # noqa: F401  (re-exported)
 
@@ -78,6 +79,47 @@ class ModelConfig:
     bos_token_id: int | None = None
     sliding_window: int | None = None
     """Window of sliding-window layers, None when every layer attends fully."""
+    runner: Runner = "generate"
+    """generate: a causal LM (which also embeds, by its pooler); pooling: it only embeds or
+    classifies (set at build: PoolingConfig, the family's declaration)."""
+    pooler: PoolerConfig | None = None
+    """The resolved pooling (every field set), None where the model does not pool."""
+    num_labels: int | None = None
+    """A classifier's outputs (a *ForSequenceClassification checkpoint), else None."""
+    labels: tuple[str, ...] = ()
+    """A classifier's label names by output index (the checkpoint's id2label)."""
+
+
+Runner = Literal["generate", "pooling"]
+RUNNER_CHOICES = ("auto", "generate", "pooling")
+CONVERT_CHOICES = ("auto", "none", "embed", "classify")
+# vLLM's older --task values -> (runner, convert).
+TASK_CHOICES: dict[str, tuple[str, str]] = {
+    "auto": ("auto", "auto"), "generate": ("generate", "none"), "embed": ("pooling", "embed"),
+    "embedding": ("pooling", "embed"), "classify": ("pooling", "classify"), "score": ("pooling", "classify"),
+}
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """Pooling models (vLLM's --runner, --convert, --task, --pooler-config)."""
+
+    runner: str = "auto"
+    """auto: the checkpoint's (an encoder pools, a causal LM generates); pooling: embed or
+    classify only; generate: refuse a model that only pools."""
+    convert: str = "auto"
+    """embed: run a causal LM as an embedder (last-token pooling unless the checkpoint says
+    otherwise); classify: needs a *ForSequenceClassification checkpoint."""
+    pooler: PoolerConfig = PoolerConfig()
+    """Overrides of the checkpoint's pooling."""
+
+    def __post_init__(self) -> None:
+        if self.runner not in RUNNER_CHOICES:
+            raise ValueError(f"runner={self.runner!r} is not one of {', '.join(RUNNER_CHOICES)}")
+        if self.convert not in CONVERT_CHOICES:
+            raise ValueError(f"convert={self.convert!r} is not one of {', '.join(CONVERT_CHOICES)}")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            raise ValueError(f"runner='generate' with convert={self.convert!r}: converting makes a pooling model")
 
 
 @dataclass(frozen=True)
@@ -226,6 +268,9 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     """fcfs: arrival order; priority: lower `Request.priority` first, ties by arrival, and
     preemption takes the lowest priority (largest value), latest arrival, first."""
+    whole_prompts: bool = False
+    """Each prompt runs whole in one step, never in chunks (set at build for a model with
+    bidirectional attention; max_num_batched_tokens is then at least max_model_len)."""
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -398,6 +443,8 @@ class EngineConfig:
     """Disaggregated prefill, None when off."""
     sampling_config: SamplingConfig = SamplingConfig()
     """Sampling limits and defaults."""
+    pooling_config: PoolingConfig = PoolingConfig()
+    """Pooling models: runner, conversion, pooler overrides."""
     observability_config: ObservabilityConfig = ObservabilityConfig()
     """Logs, stats and test hooks."""
     seed: int = 0

@@ -110,6 +110,8 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
         self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.pooling_requests = counter(
+            "pooling_requests", "Finished pooling requests (embeddings, classifications, scores), by task.", ("task",))
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens.")
         self.time_to_first_token = histogram(
@@ -281,6 +283,11 @@ class EngineMetrics:
     def observe_aborted(self) -> None:
         """A request aborted in the front end (client gone, time limit): counted, not timed."""
         self.request_success.labels(**self._labels, finished_reason="abort").inc()
+
+    def observe_pooling(self, task: str, e2e: float) -> None:
+        """A finished pooling request (one prompt pooled; no tokens generated)."""
+        self.pooling_requests.labels(**self._labels, task=task).inc()
+        self.observe_finished("stop", e2e)
 
     def observe_finished(self, finish_reason: str, e2e: float, stats: FinishedRequestStats | None = None) -> None:
         """A finished request; ``stats`` (its phases and token counts) where they are known.

@@ -53,3 +53,38 @@ class RequestOutput:
     """Timings in seconds: arrival, first_token, finished (monotonic clock)."""
     kv_transfer_params: dict | None = None
     """Disaggregated prefill: where a decode instance pulls this prompt's KV from."""
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's output vector, under vLLM's names for each task."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data
+
+    @property
+    def score(self) -> float:
+        """A single-label classifier's (a cross-encoder's) score."""
+        if len(self.data) != 1:
+            raise ValueError(f"score is a single-label output; this one has {len(self.data)} labels")
+        return self.data[0]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request (LLM.embed/classify/score/encode) gets back."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

@@ -6,6 +6,7 @@ import enum
 import time
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -63,6 +64,8 @@ class Request:
         "spec_token_ids",
         "priority",
         "lora_request",
+        "pooling_params",
+        "reads_whole_prompt",
     )
 
     def __init__(
@@ -78,6 +81,8 @@ class Request:
         kv_transfer_params: dict | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
+        reads_whole_prompt: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -113,6 +118,12 @@ class Request:
         # The LoRA adapter the request runs with (None: the base model); part of its first
         # block's prefix-cache hash, so KV is shared only between requests of one adapter.
         self.lora_request = lora_request
+        # A pooling request (pooling_params.py): its prompt is computed, pooled, and it
+        # finishes with no output token. reads_whole_prompt: its pooling reads every prompt
+        # token's state (mean or first-token pooling, bidirectional attention), so it takes
+        # no prefix-cache hit.
+        self.pooling_params = pooling_params
+        self.reads_whole_prompt = reads_whole_prompt
 
     @property
     def num_tokens(self) -> int:

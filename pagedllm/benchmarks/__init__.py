@@ -11,6 +11,7 @@ from __future__ import annotations
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("throughput", "offline throughput on random-token prompts"),
     "latency": ("latency", "decode step time and tokens/s at fixed batch sizes"),
+    "embed": ("embed", "embedding texts/s and one short text's latency, optionally against sentence-transformers"),
     "prefix-caching": ("prefix_caching", "shared-prefix workload, prefix caching on vs off"),
     "serve": ("serve", "serving benchmark against an OpenAI-compatible server"),
     "startup": ("startup", "seconds from `pagedllm serve` to healthy and to the first token"),

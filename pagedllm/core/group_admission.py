@@ -63,7 +63,10 @@ class GroupAdmission:
         while i < len(members):
             request = members[i]
             assert request.num_computed_tokens == 0
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.reads_whole_prompt:  # its pooling needs every prompt token's state
+                computed_blocks, num_hit_tokens = None, 0
+            else:
+                computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             # Leave each later member at least one token of the budget.
             budget = token_budget - sum(seq.num_new_tokens for seq in admitted) - (len(members) - i - 1)
             num_new_tokens = min(num_tokens_to_compute(request, num_hit_tokens), budget)

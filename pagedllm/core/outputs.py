@@ -41,6 +41,8 @@ class EngineCoreOutput:
     scheduled_time: float | None = None
     """Set by the engine-core process on a request's first output: ``time.monotonic()`` at
     the start of the step that first scheduled it (the front end's clock too: one machine)."""
+    pooled: list[float] | None = None
+    """A pooling request's output vector (finish_reason "stop", no tokens)."""
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class NewRequestData:
     """Tokens whose KV is already in the cache (prefix-cache hit)."""
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request: the runner pools its prompt instead of sampling."""
 
 
 @dataclass(slots=True)
@@ -103,3 +106,5 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose own processing raised this step (request id -> message): the engine
     core fails them alone and drops whatever they sampled."""
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    """Pooling requests whose prompt ended this step: request id -> its output vector."""

@@ -326,6 +326,8 @@ class Scheduler:
             if parked is not None:
                 return parked
         members = waiting_group(self.waiting, head)
+        if self.scheduler_config.whole_prompts and head.num_tokens > step.token_budget:
+            return False  # bidirectional attention: the prompt runs in one step or waits
         num_from_waiting = len(members)
         num_seqs = num_from_waiting + len(head.pending_forks)
         if len(self.running) + num_seqs > self.max_num_seqs or step.token_budget < num_seqs:
@@ -437,6 +439,7 @@ class Scheduler:
             block_ids=block_ids if block_ids is not None else self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     def update_from_output(
@@ -453,6 +456,16 @@ class Scheduler:
             outputs.extend(self._update_from_kv_transfers(model_runner_output.kv_connector_output))
         if self.remote is not None and self.remote.waiting_for_remote:
             outputs.extend(self._expire_remote_waits())
+        for request_id, pooled in model_runner_output.pooler_output.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._free_finished(request)
+            finished.add(request_id)
+            outputs.append(EngineCoreOutput(
+                request_id, [], request.status.finish_reason, None, request.num_cached_tokens, pooled=pooled,
+            ))
         runner_logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
         proposals = model_runner_output.spec_token_ids or [None] * len(model_runner_output.req_ids)
         for request_id, token_ids, logprobs, spec_token_ids in zip(

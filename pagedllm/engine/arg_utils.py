@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import (
     ATTENTION_BACKENDS,
+    CONVERT_CHOICES,
     KV_CACHE_DTYPES,
     MATMUL_ACTIVATIONS,
     AttentionConfig,
@@ -26,11 +27,14 @@ from pagedllm.config import (
     LoadConfig,
     ObservabilityConfig,
     ParallelConfig,
+    PoolingConfig,
     QuantizationConfig,
     SamplingConfig,
     SchedulerConfig,
+    RUNNER_CHOICES,
     SpeculativeConfig,
     StructuredOutputConfig,
+    TASK_CHOICES,
     UsageContext,
     parse_bytes,
     normalize_matmul_activations,
@@ -39,6 +43,7 @@ from pagedllm.config import (
 from pagedllm.engine.arg_flags import add_dataclass_flags, flag, given_flags, json_dict
 from pagedllm.kv_backends import KV_BACKEND_NAMES, get_kv_backend
 from pagedllm.lora.config import LoRAConfig
+from pagedllm.pooling_params import PoolerConfig
 from pagedllm.platforms.registry import DEVICE_CHOICES, get_platform, resolve_device
 from pagedllm.platforms.isa import ISAS
 from pagedllm.reasoning import REASONING_PARSER_NAMES
@@ -147,6 +152,15 @@ class EngineArgs:
                                   "sampling defaults: auto (from the checkpoint), vllm (none), or a directory")
     override_generation_config: dict | None = flag(
         None, 'sampling defaults over generation-config\'s, e.g. \'{"temperature": 0.5}\'', type=json_dict)
+    runner: str = flag("auto", "pooling: serve the model for embeddings/classification/scores only; "
+                       "auto: the checkpoint decides (encoders pool)", choices=RUNNER_CHOICES)
+    convert: str = flag("auto", "embed: a causal LM as an embedder (last-token pooling); classify: a "
+                        "*ForSequenceClassification checkpoint", choices=CONVERT_CHOICES)
+    task: str | None = flag(None, "vLLM's older spelling of --runner/--convert: generate, embed, classify, "
+                            "score", choices=tuple(TASK_CHOICES))
+    pooler_config: dict | None = flag(
+        None, 'pooling over the checkpoint\'s, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'',
+        type=json_dict)
     disable_log_stats: bool = flag(ObservabilityConfig.disable_log_stats, "no periodic stats log line")
     enable_lora: bool = flag(False, "serve LoRA adapters (--lora-modules, or loaded at run time)")
     max_loras: int = flag(LoRAConfig.max_loras, "distinct LoRA adapters in one step", type=int)
@@ -217,11 +231,20 @@ class EngineArgs:
             structured_output_config=StructuredOutputConfig(self.reasoning_parser),
             kv_transfer_config=self._kv_transfer_config(),
             sampling_config=SamplingConfig(self.max_logprobs, self.generation_config, self.override_generation_config),
+            pooling_config=self._pooling_config(),
             observability_config=ObservabilityConfig(self.disable_log_stats,
                                                      self.inject_fault or environ.get(ENV_FAULTS) or None),
             seed=self.seed,
         )
         return check_engine_config(config)
+
+    def _pooling_config(self) -> PoolingConfig:
+        runner, convert = self.runner, self.convert
+        if self.task is not None:
+            task_runner, task_convert = TASK_CHOICES[self.task]
+            runner = task_runner if runner == "auto" else runner
+            convert = task_convert if convert == "auto" else convert
+        return PoolingConfig(runner, convert, PoolerConfig.from_json(self.pooler_config))
 
     def _prefix_caching(self) -> bool:
         if self.enable_prefix_caching is not None:

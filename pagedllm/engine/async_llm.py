@@ -33,13 +33,14 @@ from pagedllm.engine.core_client import CoreClient, EngineDeadError, StartedCore
 from pagedllm.engine.core_messages import CoreOutputs
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import KVSnapshot
-from pagedllm.engine.llm_engine import check_priority, make_requests
+from pagedllm.engine.llm_engine import check_generation, check_priority, make_pooling_request, make_requests
 from pagedllm.lora.request import LoRARequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_stats import RequestStatsTracker
 from pagedllm.kv_backends import get_kv_backend
 from pagedllm.metrics import EngineMetrics
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._beam_searches: dict[str, tuple[str | None, list[int], float]] = {}
         self._beam_widths: dict[str, int] = {}  # sequences of each beam search, for admission
+        self._pooling_tasks: dict[str, str] = {}  # pooling requests in flight: their task, for the metric
         """Beam searches in flight: (prompt text, prompt token ids, arrival time)."""
         self._last_token_time: dict[str, float] = {}
         self._client: CoreClient | None = None
@@ -319,6 +321,7 @@ class AsyncLLM:
         assert self.input_processor is not None and self.model_config is not None
         assert self.config is not None
         check_priority(priority, self.config.scheduler_config.scheduling_policy)
+        check_generation(self.model_config)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_admission(params.n)
@@ -343,6 +346,41 @@ class AsyncLLM:
         assert self._client is not None
         self._send(request_id, lambda client: client.add_request(request))
         return stream
+
+    def add_pooling_request(
+        self, request_id: str, text: str | None, prompt_token_ids: list[int], params: PoolingParams,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validate and queue a pooling request (its stream yields one PoolingRequestOutput).
+        Raises ValueError on bad input (a prompt past the model's length, a task the model lacks)."""
+        self._check_ready()
+        assert self.model_config is not None and self.output_processor is not None and self.config is not None
+        check_priority(priority, self.config.scheduler_config.scheduling_policy)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check_admission(1)
+        request = make_pooling_request(
+            request_id, text, prompt_token_ids, params, self.model_config, self.output_processor, priority)
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        stream = RequestStream(request_id, self, deadline)
+        self._streams[request_id] = stream
+        self._pooling_tasks[request_id] = params.task
+        self._send(request_id, lambda client: client.add_request(request))
+        return stream
+
+    async def pool(
+        self, request_id: str, text: str | None, prompt_token_ids: list[int], params: PoolingParams,
+        priority: int = 0,
+    ) -> PoolingRequestOutput:
+        """One pooling request's output; the request is aborted if the caller stops waiting."""
+        stream = self.add_pooling_request(request_id, text, prompt_token_ids, params, priority)
+        try:
+            async for output in stream:
+                if output.finished:
+                    return output  # type: ignore[return-value]
+            raise RuntimeError(f"pooling request {request_id!r} ended without an output")
+        finally:
+            stream.abort()
 
     def add_beam_search(
         self,
@@ -448,6 +486,7 @@ class AsyncLLM:
         self._streams.pop(request_id, None)
         self._last_token_time.pop(request_id, None)
         self._beam_widths.pop(request_id, None)
+        self._pooling_tasks.pop(request_id, None)
         self._request_stats.drop(request_id)
         if self._beam_searches.pop(request_id, None) is not None:
             self.metrics.observe_aborted()
@@ -656,7 +695,11 @@ class AsyncLLM:
         """Each RequestOutput to its stream; a finished one closes its records."""
         for out in request_outputs:
             stream = self._streams.get(out.request_id)
-            if out.finished:
+            if isinstance(out, PoolingRequestOutput):
+                self._streams.pop(out.request_id, None)
+                self.metrics.observe_pooling(self._pooling_tasks.pop(out.request_id, "embed"),
+                                             now - out.metrics["arrival_time"])
+            elif out.finished:
                 self._streams.pop(out.request_id, None)
                 self._last_token_time.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason or "abort"

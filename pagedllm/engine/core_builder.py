@@ -64,7 +64,7 @@ def build_engine_core(config: EngineConfig) -> BuiltEngine:
         engine_core=engine_core,
         scheduler=scheduler,
         tokenizer=loaded.tokenizer,
-        model_config=loaded.model_config,
+        model_config=config.model_config,
         config=config,
         model_dir=loaded.model_dir,
         generation_defaults=resolve_generation_defaults(
@@ -145,14 +145,42 @@ def _set_fused_decode(model: Any, enabled: bool) -> None:
 
 def _with_model(config: EngineConfig, loaded: Any, platform: Platform) -> EngineConfig:
     """``config`` with the loaded model's description and the platform's KV budget."""
-    model_config = loaded.model_config
-    config = dataclasses.replace(
-        config, model_config=model_config,
-        scheduler_config=dataclasses.replace(config.scheduler_config, max_model_len=model_config.max_model_len),
-    )
+    model_config = _with_pooling(config, loaded)
+    sched = dataclasses.replace(config.scheduler_config, max_model_len=model_config.max_model_len)
+    cache = config.cache_config
+    from pagedllm.models.pooling import is_bidirectional
+
+    if is_bidirectional(loaded.model):
+        # Each prompt runs whole in one step, and no prefix is shared (bidirectional states
+        # depend on the tokens after them).
+        sched = dataclasses.replace(sched, whole_prompts=True,
+                                    max_num_batched_tokens=max(sched.max_num_batched_tokens, model_config.max_model_len))
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    config = dataclasses.replace(config, model_config=model_config, scheduler_config=sched, cache_config=cache)
     budget = platform.kv_cache_budget(config, functools.partial(_profile_memory, config, loaded))
     return dataclasses.replace(
         config, cache_config=dataclasses.replace(config.cache_config, kv_cache_memory_bytes=budget))
+
+
+def _with_pooling(config: EngineConfig, loaded: Any) -> ModelConfig:
+    """The model's description with its runner and resolved pooling (models/pooling.py)."""
+    from pagedllm.models.pooling import resolve_pooling
+    from pagedllm.models.registry import family_of
+
+    pooling = config.pooling_config
+    model_config = loaded.model_config
+    family = family_of(model_config.architecture)
+    runner, pooler = resolve_pooling(
+        loaded.model, family.runner, loaded.model_dir, pooling.runner, pooling.convert, pooling.pooler)
+    if hasattr(loaded.model, "sep_token_id"):  # BERT's token types (models/bert.py)
+        loaded.model.sep_token_id = getattr(loaded.tokenizer, "sep_token_id", None)
+    num_labels = getattr(loaded.hf_config, "num_labels", None) if hasattr(loaded.model, "classify") else None
+    id2label = getattr(loaded.hf_config, "id2label", None) or {}
+    labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels or 0))
+    if runner == "pooling":
+        logger.info("pooling model: %s pooling, normalize=%s%s", pooler.pooling_type, pooler.normalize,
+                    f", {num_labels} labels" if num_labels else "")
+    return dataclasses.replace(model_config, runner=runner, pooler=pooler, num_labels=num_labels, labels=labels)
 
 
 def _profile_memory(config: EngineConfig, loaded: Any) -> MemoryProfile:
@@ -190,6 +218,7 @@ def _build_runner(config: EngineConfig, loaded: Any, kv: KVBuild) -> Any:
         attention_config=config.attention_config,
         decode_graph_sizes=config.device_config.cuda_graph_sizes,
         lora_config=config.lora_config,
+        pooler_config=config.model_config.pooler if config.model_config is not None else None,
     )
 
 

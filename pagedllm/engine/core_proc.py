@@ -31,6 +31,7 @@ from pagedllm.engine.core_messages import CoreOutputs, CoreStats, ReadyInfo, dum
 from pagedllm.engine.kv_snapshot import take_kv_snapshot
 from pagedllm.process_utils import die_with_parent
 from pagedllm.request import Request, RequestStatus
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class EngineCoreProc:
         self.in_sock = in_sock
         self.out_sock = out_sock
         self.parent_pid = parent_pid
+        self.model_config = built.model_config
         self._stop = False
         self._unscheduled: dict[str, Request] = {}  # added, not yet scheduled: for queue time
         self._queue_times: list[float] = []
@@ -131,7 +133,11 @@ class EngineCoreProc:
         set-up costs that would otherwise land on the first client."""
         t0 = time.monotonic()
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        self.core.add_request(Request("pagedllm-warmup", [1] * 32, params))
+        if self.model_config.runner == "pooling":  # a model that only pools: a pooling request
+            self.core.add_request(Request("pagedllm-warmup", [1] * 32, params, max_tokens=1,
+                                          pooling_params=PoolingParams()))
+        else:
+            self.core.add_request(Request("pagedllm-warmup", [1] * 32, params))
         while self._has_work():
             self.core.step()
         self.core.get_stats()  # drop the warm-up's prefix-cache lookups from the stats

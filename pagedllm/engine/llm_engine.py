@@ -13,6 +13,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,7 +47,7 @@ class LLMEngine:
     def add_request(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
@@ -59,6 +60,17 @@ class LLMEngine:
             text, prompt_token_ids = self.input_processor.tokenize(prompt)
         else:
             text = prompt if isinstance(prompt, str) else None
+        if isinstance(params, PoolingParams):
+            request_id = request_id if request_id is not None else str(next(self._ids))
+            core_request = make_pooling_request(
+                request_id, text, prompt_token_ids, params, self.model_config, self.output_processor, priority)
+            try:
+                self.engine_core.add_request(core_request)
+            except ValueError:
+                self.output_processor.abort_requests([request_id])
+                raise
+            return request_id
+        check_generation(self.model_config)
         max_tokens = self.input_processor.validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         core_request = make_requests(
@@ -137,6 +149,64 @@ def make_requests(
     ]
     output_processor.add_parent_request(ParentRequest(request_id, states))
     return leader
+
+
+POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
+"""A pooling request's sampling parameters: none apply (it finishes with its pooled vector)."""
+
+
+def check_generation(model_config: ModelConfig) -> None:
+    """ValueError for a generation request to a model that only pools."""
+    if model_config.runner == "pooling":
+        raise ValueError(
+            f"model {model_config.model!r} is a pooling model ({model_config.architecture}, runner='pooling'): it "
+            "embeds, classifies and scores (/v1/embeddings, /classify, /score, /rerank), it does not generate"
+        )
+
+
+def check_pooling(model_config: ModelConfig, params: PoolingParams, num_tokens: int) -> None:
+    """ValueError for a pooling request the model cannot serve, or a prompt past its length."""
+    if model_config.pooler is None:
+        raise ValueError(f"model {model_config.model!r} does not pool")
+    if params.task in ("classify", "score") and model_config.num_labels is None:
+        raise ValueError(
+            f"model {model_config.model!r} ({model_config.architecture}) has no classifier: task "
+            f"{params.task!r} needs a *ForSequenceClassification checkpoint"
+        )
+    if params.task == "score" and model_config.num_labels != 1:
+        raise ValueError(
+            f"model {model_config.model!r} has {model_config.num_labels} labels: task 'score' needs a "
+            "single-label cross-encoder"
+        )
+    limit = model_config.max_model_len - 1
+    if num_tokens > limit:
+        raise ValueError(
+            f"the input has {num_tokens} tokens, more than this model's maximum of {limit}; shorten it or set "
+            "truncate_prompt_tokens"
+        )
+    if num_tokens == 0:
+        raise ValueError("the input is empty: give at least one token")
+
+
+def make_pooling_request(
+    request_id: str, text: str | None, prompt_token_ids: list[int], params: PoolingParams,
+    model_config: ModelConfig, output_processor: OutputProcessor, priority: int = 0,
+) -> Request:
+    """Check a pooling request and register it with the output processor; return the core
+    request to submit (it reads every prompt state unless the model pools the last token)."""
+    check_pooling(model_config, params, len(prompt_token_ids))
+    vocab = model_config.vocab_size
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+    assert model_config.pooler is not None
+    request = Request(
+        request_id, prompt_token_ids, POOLING_SAMPLING, max_tokens=1, priority=priority, pooling_params=params,
+        reads_whole_prompt=model_config.pooler.pooling_type != "LAST",
+    )
+    output_processor.add_request(RequestState(
+        request_id, text, prompt_token_ids, POOLING_SAMPLING, None, request.arrival_time, pooling=True))
+    return request
 
 
 def check_priority(priority: int, scheduling_policy: str) -> None:

@@ -15,7 +15,14 @@ from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm import faults
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.core.sched_output import PositionLogprobsData
-from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestOutput,
+)
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,12 +31,13 @@ class RequestState:
         "request_id", "prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids",
         "text", "finish_reason", "stop_reason", "num_cached_tokens", "arrival_time",
         "first_token_time", "finished_time", "max_stop_len", "logprobs", "cumulative_logprob",
-        "prompt_logprobs", "index", "kv_transfer_params",
+        "prompt_logprobs", "index", "kv_transfer_params", "pooling", "pooled",
     )
 
     def __init__(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
         params: SamplingParams, tokenizer: Any, arrival_time: float, index: int = 0,
+        pooling: bool = False,
     ) -> None:
         self.request_id = request_id
         self.index = index  # position among the sequences of its parent request (n > 1)
@@ -55,6 +63,8 @@ class RequestState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.kv_transfer_params: dict | None = None
+        self.pooling = pooling  # a pooling request: its output is `pooled`, no tokens
+        self.pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,7 +76,13 @@ class RequestState:
             return self.text
         return self.text[: max(len(self.text) - (self.max_stop_len - 1), 0)]
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self) -> RequestOutput | PoolingRequestOutput:
+        if self.pooling:
+            return PoolingRequestOutput(
+                self.request_id, self.prompt, self.prompt_token_ids, PoolingOutput(self.pooled or []),
+                finished=self.finished, num_cached_tokens=self.num_cached_tokens,
+                metrics={"arrival_time": self.arrival_time, "finished_time": self.finished_time},
+            )
         completion = CompletionOutput(
             index=self.index,
             text=self.visible_text(),
@@ -210,6 +226,8 @@ class OutputProcessor:
             if eo.kv_transfer_params is not None:
                 state.kv_transfer_params = eo.kv_transfer_params
             state.output_token_ids.extend(eo.new_token_ids)
+            if eo.pooled is not None:
+                state.pooled = eo.pooled
             if eo.finish_reason is not None:
                 state.finish_reason, state.stop_reason = eo.finish_reason, eo.stop_reason
             try:

@@ -15,7 +15,9 @@ from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, Beam
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.pooling_inputs import cosine, pooling_token_ids, score_pairs
+from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -143,6 +145,86 @@ class LLM:
         ids = [engine.input_processor.tokenize(p)[1] for p in prompts]
         return BeamSearchDriver(engine, params).run(ids)
 
+    # ---- pooling models (embeddings, classification, scores) ----------------------------
+
+    def encode(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
+        """One output vector per prompt (a text or token ids): as ``pooling_params`` says
+        (default: task "encode", the model's pooled vector, or a classifier's probabilities)."""
+        params = pooling_params or PoolingParams(task="encode")
+        items = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        tokenizer, max_len = self.get_tokenizer(), self.llm_engine.model_config.max_model_len
+        inputs = [
+            (p if isinstance(p, str) else None, pooling_token_ids(tokenizer, p, max_len, truncate_prompt_tokens))
+            for p in items
+        ]
+        return self._run_pooling(inputs, params, use_tqdm)
+
+    def embed(
+        self, prompts: str | list[int] | Sequence[str | list[int]], *, truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
+        """An embedding per prompt (``outputs.embedding``), pooled and normalized as the model says."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
+        return self.encode(prompts, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+
+    def classify(
+        self, prompts: str | list[int] | Sequence[str | list[int]], *, truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
+        """A classifier's probabilities per prompt (``outputs.probs``)."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return self.encode(prompts, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+
+    def score(
+        self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+        truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
+        """The score (``outputs.score``) of each pair: one text against many, or pairwise. A
+        cross-encoder reads each pair as one prompt; an embedding model scores the cosine
+        similarity of the two embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        model_config = self.llm_engine.model_config
+        tokenizer, max_len = self.get_tokenizer(), model_config.max_model_len
+        if model_config.num_labels is not None:
+            inputs = [(None, pooling_token_ids(tokenizer, a, max_len, truncate_prompt_tokens, pair=b)) for a, b in pairs]
+            return self._run_pooling(inputs, PoolingParams(task="score"), use_tqdm)
+        texts = sorted({t for pair in pairs for t in pair})
+        vectors = dict(zip(texts, self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens)))
+        return [
+            PoolingRequestOutput(str(i), None, vectors[a].prompt_token_ids + vectors[b].prompt_token_ids,
+                                 PoolingOutput([cosine(vectors[a].outputs.data, vectors[b].outputs.data)]))
+            for i, (a, b) in enumerate(pairs)
+        ]
+
+    def _run_pooling(
+        self, inputs: list[tuple[str | None, list[int]]], params: PoolingParams, use_tqdm: bool
+    ) -> list[PoolingRequestOutput]:
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, (text, ids) in enumerate(inputs):
+                order[engine.add_request(text or "", params, prompt_token_ids=ids)] = i
+        except Exception:
+            engine.abort_request(list(order))
+            raise
+        results: list[PoolingRequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[order[out.request_id]] = out  # type: ignore[call-overload]
+                    bar.update(1)
+        bar.close()
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
     def _run(
         self,
         requests: list[tuple[PromptType, list[int] | None]],
@@ -191,6 +273,10 @@ class LLM:
         bar.close()
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
 
 
 def _per_prompt(value: Any, single: type, num_prompts: int, what: str) -> list[Any]:

@@ -112,8 +112,6 @@ MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--cpu-offload-gb",), "the weights already live in CPU memory",
                {"type": float}, harmless=lambda v: v == 0),
     _missing_switch("--enable-sleep-mode", reason="no sleep mode"),
-    CompatFlag(("--task", "--runner"), "generation models only (no pooling, embedding or scoring)",
-               {}, harmless=_one_of("auto", "generate")),
     _missing_switch("--disable-sliding-window", reason="sliding-window layers always attend over their window"),
     CompatFlag(("--long-prefill-token-threshold",), "no separate budget for long prefills",
                {"type": int}, harmless=lambda v: v == 0),

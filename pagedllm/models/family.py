@@ -9,7 +9,8 @@ adding a family is its model file (and its test) and no table elsewhere:
   shared code branches on `model_type`;
 - `packed_modules`: the checkpoint projections loaded into one fused parameter;
 - `gguf`: llama.cpp's architecture name, its tensor names and the converter's quirks;
-- `supports_tensor_parallel`.
+- `supports_tensor_parallel`;
+- `runner`: "pooling" for encoders that only embed or classify (BERT: models/bert.py).
 """
 
 from __future__ import annotations
@@ -145,3 +146,6 @@ class ModelFamily:
     """(fused parameter, checkpoint projection, shard id), e.g. ("qkv_proj", "q_proj", "q")."""
     gguf: GGUFSpec | None = None
     supports_tensor_parallel: bool = False
+    runner: Literal["generate", "pooling"] = "generate"
+    """pooling: an encoder that only embeds or classifies (models/pooling.py); its model has
+    `pooler_defaults` and, for a classifier, `classify(pooled)`."""

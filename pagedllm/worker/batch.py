@@ -25,7 +25,11 @@ def build_batch(
     """The step's Batch from its host arrays (R requests, T tokens; counts, num_drafts: [R])."""
     # A request samples when this step reaches the end of its known tokens (and drafts);
     # with k drafts it needs logits at its last k + 1 positions.
-    sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
+    # A pooling request never samples (worker/pooler.py pools its prompt).
+    sample_rows = [
+        i for i, s in enumerate(states)
+        if seq_lens[i] == len(s.token_ids) + num_drafts[i] and s.pooling_params is None
+    ]
     rows = np.asarray(sample_rows, dtype=np.int64)
     num_logits = num_drafts[rows] + 1
     ends = np.repeat(query_start[1:][rows], num_logits)

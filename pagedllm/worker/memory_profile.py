@@ -60,9 +60,10 @@ def profile_forward(
     input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
     with torch.inference_mode(), forward_context(md):
         hidden = model(input_ids, positions.to(device))
-        rows = min(max_num_seqs, max_num_batched_tokens)
-        logits = model.compute_logits(hidden[:rows])  # type: ignore[operator]
-        logits.sort(dim=-1, descending=True)
+        if hasattr(model, "compute_logits"):  # a pooling-only model has no LM head
+            rows = min(max_num_seqs, max_num_batched_tokens)
+            logits = model.compute_logits(hidden[:rows])  # type: ignore[operator]
+            logits.sort(dim=-1, descending=True)
     for layer in layers:
         layer.kv_cache = None
     return kv_bytes_per_block(model_config, block_size, num_layer_slots(layers)) * (sum(blocks) + 1)

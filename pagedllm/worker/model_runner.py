@@ -27,6 +27,7 @@ from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import lora_context
 from pagedllm.lora.request import LoRARequest
 from pagedllm.platforms.registry import platform_of
+from pagedllm.pooling_params import PoolerConfig
 from pagedllm.sample.logprobs import compute_logprobs
 from pagedllm.sample.rejection_sampler import RejectionSampler
 from pagedllm.sample.sampler import Sampler
@@ -38,6 +39,7 @@ from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 from pagedllm.worker.batch import Batch, build_batch, gather_input_ids
+from pagedllm.worker.pooler import StepPooler
 from pagedllm.worker.sampling_inputs import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class ModelRunner:
         attention_config: AttentionConfig | None = None,
         decode_graph_sizes: Sequence[int] = (),
         lora_config: LoRAConfig | None = None,
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
         """``make_kv_worker`` builds the KV backend's worker side over the model's Attention
         layers (default: the paged pool of ``num_blocks`` blocks of ``block_size`` tokens;
@@ -63,7 +66,8 @@ class ModelRunner:
         attention implementation of every layer. ``decode_graph_sizes``: decode steps run
         as graphs replayed at these batch sizes (worker/cuda_graphs.py; CUDA graphs on CUDA,
         a re-run of the captured function elsewhere). ``lora_config``: serve LoRA adapters
-        (lora/manager.py; None: the base model only)."""
+        (lora/manager.py; None: the base model only). ``pooler_config``: the model's resolved
+        pooling (worker/pooler.py), for pooling requests; None: it takes none."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -92,6 +96,7 @@ class ModelRunner:
         self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self)
         self.draft_policy: DraftPolicy | None = None if spec is None else DraftPolicy(spec)
         self.lora_manager = self._lora_manager(lora_config) if lora_config is not None else None
+        self.pooler = StepPooler(model, pooler_config) if pooler_config is not None else None
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
 
@@ -129,6 +134,8 @@ class ModelRunner:
                     self.lora_manager.pin(new.req_id, new.lora_request.lora_int_id)
         if self.draft_policy is not None:
             self.draft_policy.forget(so.finished_req_ids)
+        if self.pooler is not None:
+            self.pooler.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             wants_prompt_logprobs = (
@@ -143,6 +150,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 prompt_logprobs=[] if wants_prompt_logprobs else None,
                 lora_request=new.lora_request,
+                pooling_params=new.pooling_params,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -183,6 +191,13 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_step(so)
         hidden = self._forward(step)
+        out = self._generate(so, step, hidden)
+        if self.pooler is not None:
+            out.pooler_output = self.pooler.pool(hidden, step.states, step.batch.query_start, step.batch.num_scheduled)
+        return out
+
+    def _generate(self, so: SchedulerOutput, step: _Step, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """The sampling (or verification and proposal) of the step's generating requests."""
         self._prompt_logprobs(hidden, step.states, step.batch)
         prefills = self._draft_prefills(step)
         sample_rows = step.batch.sample_rows

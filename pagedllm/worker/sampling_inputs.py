@@ -13,6 +13,7 @@ import torch
 
 from pagedllm import faults
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.platforms.registry import platform_of
 from pagedllm.sample.penalties import PenaltyMetadata
 from pagedllm.sample.sampler import SamplingMetadata
@@ -33,6 +34,7 @@ class CachedRequestState:
     # not sampled yet (a resumed request recomputes its prompt but reported them already).
     prompt_logprobs: list | None = None
     lora_request: LoRARequest | None = None  # the adapter the request runs with (lora/)
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled (worker/pooler.py), never sampled
 
     @property
     def num_output_tokens(self) -> int:
