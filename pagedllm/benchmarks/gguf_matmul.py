@@ -3,7 +3,7 @@
 --shapes entry (K->N: a [N, K] weight) at each --m, against a torch copy of the same bytes.
 
     pagedllm bench gguf-matmul [--types Q4_K,Q6_K,Q8_0] [--shapes 2048x8192,8192x2048,2048x128256]
-        [--m 1] [--rounds 5] [--checkout DIR ...]
+        [--m 1] [--rounds 5] [--path int16,int8] [--checkout DIR ...]
 
 Per case: median ms of a call over --rounds rounds (every case once per round, so a load from
 other work spreads over all), the weight bytes it reads per second (GB/s), and that as a
@@ -54,6 +54,11 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     return [(t, k, n, m) for t in args.types.split(",") for (k, n) in shapes for m in ms]
 
 
+def _paths(args: argparse.Namespace) -> list[str]:
+    """The kernels to run each case with, alternated ("" alone: the build's choice)."""
+    return args.path.split(",") if args.path else [""]
+
+
 def _copy_seconds(src, dst, reps: int) -> float:  # type: ignore[no-untyped-def]
     times = []
     for _ in range(reps):
@@ -90,16 +95,19 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     src = torch.ones(copy_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    paths = _paths(args)
+    label = lambda t, k, n, m, p: f"{t} {k}x{n} m{m}" + (f" {p}" if p else "")  # noqa: E731
     for _ in range(args.rounds + 1):  # the first round warms up
         for t, k, n, m in cases:
-            ws, x = weights[(t, k, n)], xs[(k, m)]
-            reps = max(len(ws), int(args.min_bytes // ws[0].nbytes))
-            start = time.perf_counter()
-            for i in range(reps):
-                ops.linear(x, ws[i % len(ws)].data, index[t], args.path)
-            times.setdefault(f"{t} {k}x{n} m{m}", []).append((time.perf_counter() - start) / reps)
+            for path in paths:
+                ws, x = weights[(t, k, n)], xs[(k, m)]
+                reps = max(len(ws), int(args.min_bytes // ws[0].nbytes))
+                start = time.perf_counter()
+                for i in range(reps):
+                    ops.linear(x, ws[i % len(ws)].data, index[t], path)
+                times.setdefault(label(t, k, n, m, path), []).append((time.perf_counter() - start) / reps)
         times.setdefault("copy", []).append(_copy_seconds(src, dst, 3))
-    nbytes = {f"{t} {k}x{n} m{m}": weights[(t, k, n)][0].nbytes for (t, k, n, m) in cases}
+    nbytes = {label(t, k, n, m, p): weights[(t, k, n)][0].nbytes for (t, k, n, m) in cases for p in paths}
     return {
         "kernels": {t: kernels[t] for t in args.types.split(",")},
         "threads": torch.get_num_threads(),
@@ -114,7 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="2048x8192,8192x2048,2048x128256", help="K x N per case, comma-separated")
     parser.add_argument("--m", default="1", help="activation rows per call, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--path", default="", help="the kernel ops.linear runs ('' the build's choice)")
+    parser.add_argument("--path", default="",
+                        help="the kernel ops.linear runs ('' the build's choice; int8, int16, float, fast), or "
+                             "several comma-separated, alternated per case")
     parser.add_argument("--min-bytes", type=float, default=2e9, help="weight bytes read per timed sample at least")
     parser.add_argument("--cache-bytes", type=float, default=96e6,
                         help="distinct weight bytes per case at least (beyond the last-level cache)")

@@ -30,6 +30,13 @@ def test_measure_times_every_case_against_a_copy() -> None:
 
 
 @pytest.mark.skipif(gguf_linear_ops() is None, reason="the gguf_linear extension did not build")
+def test_paths_alternate_per_case() -> None:
+    # "fast" exists on every build (int8 where compiled, else the build's choice)
+    result = gguf_matmul.measure(_args("--m", "1", "--path", "fast,float"))
+    assert set(result["cases"]) == {"Q4_K 256x8 m1 fast", "Q4_K 256x8 m1 float"}
+
+
+@pytest.mark.skipif(gguf_linear_ops() is None, reason="the gguf_linear extension did not build")
 def test_checkouts_run_in_their_own_processes(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr("sys.argv", ["pagedllm", "bench", "gguf-matmul", "--types", "Q4_K", "--shapes", "256x8",
                                      "--m", "1", "--rounds", "1", "--min-bytes", "0", "--cache-bytes", "0",
