@@ -34,8 +34,9 @@ inline const char* int16_dot_variant() { return "avx512_vnni"; }
 
 template <Type T>
 constexpr bool has_int16_dot() {
-  return T == Type::Q4_0 || T == Type::Q4_1 || T == Type::Q8_0 || T == Type::Q4_K || T == Type::Q5_K ||
-         T == Type::Q6_K || T == Type::IQ4_NL || T == Type::IQ4_XS || T == Type::MXFP4;
+  return T == Type::Q4_0 || T == Type::Q4_1 || T == Type::Q5_0 || T == Type::Q5_1 || T == Type::Q8_0 ||
+         T == Type::Q4_K || T == Type::Q5_K || T == Type::Q6_K || T == Type::IQ4_NL || T == Type::IQ4_XS ||
+         T == Type::MXFP4;
 }
 
 // x [M, K] (K a multiple of 32) rounded to int16 per group of 32: q [M, K] in element order;
@@ -106,6 +107,31 @@ template <> struct Int16Block<Type::Q4_0> : NibbleBlock<Type::Q4_0> {};
 template <> struct Int16Block<Type::Q4_1> : NibbleBlock<Type::Q4_1> {};
 template <> struct Int16Block<Type::IQ4_NL> : NibbleBlock<Type::IQ4_NL> {};
 template <> struct Int16Block<Type::MXFP4> : NibbleBlock<Type::MXFP4> {};
+
+// Q5_0 / Q5_1: Q4_0's nibble order (qs 16 bytes) plus a 5th bit per element: bit i of the
+// 32-bit qh is element i's, so the 32 bits are the write mask adding 16 to the words.
+// Q5_0: (nibble + 16 bit) - 16, times d; Q5_1: nibble + 16 bit, times d, plus m.
+inline constexpr int8_t kQ5_0Low[16] = {-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1};
+template <Type T>
+struct Q5Block {
+  static constexpr int G = 1;
+  static constexpr bool kOffset = T == Type::Q5_1;
+  static constexpr int kQh = kOffset ? 4 : 2, kQs = kQh + 4;
+  const uint8_t* blk;
+  float ws[1], wo[1];
+  __m256i table = code_table(kOffset ? kQ4_1Values : kQ5_0Low);
+  void load(const uint8_t* b) {
+    blk = b;
+    ws[0] = fp16_at(b);
+    if constexpr (kOffset) wo[0] = fp16_at(b + 2);
+  }
+  __m512i codes(int) const {
+    const __m512i c = nibble_codes(blk + kQs, table);
+    return _mm512_mask_add_epi16(c, __mmask32(load_u32(blk + kQh)), c, _mm512_set1_epi16(16));
+  }
+};
+template <> struct Int16Block<Type::Q5_0> : Q5Block<Type::Q5_0> {};
+template <> struct Int16Block<Type::Q5_1> : Q5Block<Type::Q5_1> {};
 
 template <>
 struct Int16Block<Type::Q8_0> {
