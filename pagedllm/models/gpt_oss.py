@@ -171,6 +171,8 @@ FAMILIES = (
         architectures=("GptOssForCausalLM",),
         model_class=GptOssForCausalLM,
         arch_config=gpt_oss_arch_config,
-        packed_modules=PACKED_MODULES,
+        # q/k/v as in the checkpoint; its gate_up_proj is already one tensor (split per expert
+        # into gate_proj / up_proj by gpt_oss_tensors, then packed again by the loader).
+        packed_modules=tuple(p for p in PACKED_MODULES if p[0] == "qkv_proj"),
     ),
 )
