@@ -119,3 +119,23 @@ def test_sinks_change_the_output(checkpoint: tuple[Any, Path]) -> None:
             for layer, sinks in zip(hf_model.model.layers, saved):
                 layer.self_attn.sinks.copy_(sinks)
     assert_greedy_match(without, ref_without, gaps, "gpt-oss, sinks zeroed")
+
+
+@pytest.mark.parametrize("kv_cache_backend", ["paged", "vattention"])
+def test_engine_greedy_matches_hf_on_both_kv_backends(checkpoint: tuple[Any, Path], kv_cache_backend: str) -> None:
+    # Two prompts batched (decodes of both in one step), prefill chunks of 8 tokens (a
+    # continuation chunk reads the cache through the window), on each KV backend's layout.
+    from pagedllm import LLM, SamplingParams
+
+    hf_model, path = checkpoint
+    prompts = [PROMPT, PROMPT[5:] + PROMPT[:3]]
+    llm = LLM(
+        str(path), dtype="float32", kv_cache_memory_bytes="8MiB", kv_cache_backend=kv_cache_backend,
+        max_num_batched_tokens=8, max_num_seqs=2,
+    )
+    assert llm.llm_engine.engine_core.runner.model.model.layers[0].self_attn.attn.backend.name == "torch"
+    params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref, gaps = hf_greedy_router_ties(hf_model, prompt, NUM_STEPS)
+        assert_greedy_match(list(out.outputs[0].token_ids), ref, gaps, f"gpt-oss {kv_cache_backend}")
