@@ -16,6 +16,7 @@ _REGISTRY: dict[str, str] = {
     "hermes": "hermes:HermesToolParser",
     "llama3_json": "llama3_json:Llama3JsonToolParser",
     "mistral": "mistral:MistralToolParser",
+    "openai": "openai:OpenAIToolParser",
     "pythonic": "pythonic:PythonicToolParser",
 }
 
