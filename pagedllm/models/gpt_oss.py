@@ -18,6 +18,7 @@ experts and llama.cpp's `gpt-oss` files are not read yet (refused by name at loa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -78,7 +79,7 @@ class GptOssMoE(SparseMoE):
     experts; the grouped GGUF call never applies (the experts have biases)."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, act: ClampedSwiGLU) -> None:
-        super().__init__(hidden_size, moe)
+        super().__init__(hidden_size, replace(moe, num_experts=0))  # no SparseMoE experts built
         self.gate = RouterLinear(hidden_size, moe.num_experts, bias=True)
         self.experts = nn.ModuleList(
             GptOssExpert(hidden_size, moe.intermediate_size, act) for _ in range(moe.num_experts)

@@ -145,3 +145,13 @@ def test_engine_greedy_matches_hf_on_both_kv_backends(checkpoint: tuple[Any, Pat
     for prompt, out in zip(prompts, outs):
         ref, gaps = hf_greedy_router_ties(hf_model, prompt, NUM_STEPS)
         assert_greedy_match(list(out.outputs[0].token_ids), ref, gaps, f"gpt-oss {kv_cache_backend}")
+
+
+def test_mxfp4_experts_are_refused_by_name() -> None:
+    # The released checkpoints' MXFP4 expert tensors (not read yet): a clear error, not a
+    # missing-parameter one.
+    from pagedllm.models.gpt_oss import gpt_oss_tensors
+
+    blocks = torch.zeros(8, 64, 2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"mlp\.experts\.gate_up_proj_blocks: MXFP4 experts are not supported"):
+        list(gpt_oss_tensors([("model.layers.0.mlp.experts.gate_up_proj_blocks", blocks)]))
