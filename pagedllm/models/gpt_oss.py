@@ -12,8 +12,10 @@
 Checkpoints: transformers' layout, `mlp.router.{weight,bias}`, `mlp.experts.gate_up_proj`
 [E, H, 2I] with gate and up interleaved by column (gate at even, up at odd), its bias [E, 2I],
 `mlp.experts.down_proj` [E, I, H] and bias [E, H], `self_attn.sinks` [H]; loaded per expert into
-layers/moe.py's shapes ([out, in] linears). Float weights only: MXFP4 `*_blocks` / `*_scales`
-experts and llama.cpp's `gpt-oss` files are not read yet (refused by name at load).
+layers/moe.py's shapes ([out, in] linears). The released checkpoints' MXFP4 experts
+(`*_blocks` [E, rows, K / 32, 16] uint8, `*_scales` [E, rows, K / 32] e8m0) are kept as stored,
+repacked into ggml's MXFP4 blocks (`mxfp4_rows`: the same codes and exponents) and run by the
+GGUF kernels. llama.cpp's `gpt-oss` files are not read yet.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from pagedllm.kernels import GGUFBlocks
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.layers.moe import MoEConfig, RouterLinear, Routing, SparseMoE
@@ -119,33 +122,67 @@ class GptOssModel(LlamaModel):
     decoder_layer = GptOssDecoderLayer
 
 
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 rows -> ggml's MXFP4 blocks: blocks uint8 [..., G, 16] (byte j holds
+    elements 2j, 2j + 1 of a 32-element block, low nibble first), scales uint8 [..., G] (e8m0)
+    -> uint8 [..., G * 17], each block its exponent byte then 16 bytes holding elements j and
+    j + 16 (low, high nibble). The same e2m1 codes and exponents: nothing is rounded."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32]
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [..., G, 16]
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2).contiguous()
+
+
+def _expert_tensors(prefix: str, kind: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+    """One 3-D expert tensor of transformers' layout (module docstring) per expert; an MXFP4
+    pair (`kind` "gate_up_proj_mxfp4": (blocks, scales)) as GGUF blocks, kept."""
+    if kind.endswith("_mxfp4"):
+        blocks, scales = tensor
+        rows = mxfp4_rows(blocks, scales)  # [E, R, row bytes], rows as [out, in]: no transpose
+        k, num_experts = blocks.shape[-2] * 32, blocks.shape[0]
+    else:
+        num_experts = tensor.shape[0]
+    for e in range(num_experts):
+        expert = f"{prefix}.mlp.experts.{e}"
+        if kind == "gate_up_proj_mxfp4":  # rows interleaved: gate at even, up at odd
+            yield f"{expert}.gate_proj.weight", GGUFBlocks(rows[e, 0::2].contiguous(), "MXFP4", k)
+            yield f"{expert}.up_proj.weight", GGUFBlocks(rows[e, 1::2].contiguous(), "MXFP4", k)
+        elif kind == "down_proj_mxfp4":
+            yield f"{expert}.down_proj.weight", GGUFBlocks(rows[e], "MXFP4", k)
+        elif kind == "gate_up_proj":  # [H, 2I], gate and up interleaved by column
+            yield f"{expert}.gate_proj.weight", tensor[e, :, 0::2].t()
+            yield f"{expert}.up_proj.weight", tensor[e, :, 1::2].t()
+        elif kind == "gate_up_proj_bias":  # [2I]
+            yield f"{expert}.gate_proj.bias", tensor[e, 0::2]
+            yield f"{expert}.up_proj.bias", tensor[e, 1::2]
+        elif kind == "down_proj":  # [I, H]
+            yield f"{expert}.down_proj.weight", tensor[e].t()
+        elif kind == "down_proj_bias":  # [H]
+            yield f"{expert}.down_proj.bias", tensor[e]
+        else:
+            raise ValueError(f"unknown gpt-oss expert tensor {prefix}.mlp.experts.{kind}")
+
+
 def gpt_oss_tensors(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """transformers' gpt-oss tensors under this package's names (module docstring)."""
+    """transformers' gpt-oss tensors under this package's names (module docstring); an MXFP4
+    expert tensor once both its `_blocks` and `_scales` have come."""
+    pending: dict[str, dict[str, Any]] = {}  # "<prefix>|<kind>" -> {"blocks": ..., "scales": ...}
     for name, tensor in weights:
-        if name.endswith(("_blocks", "_scales")):
-            raise ValueError(
-                f"checkpoint tensor {name}: MXFP4 experts are not supported yet; "
-                "load a checkpoint with dequantized (float) experts"
-            )
         name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks", ".self_attn.attn.sinks")
         prefix, sep, kind = name.rpartition(".mlp.experts.")
         if not sep:
             yield name, tensor
             continue
-        for e in range(tensor.shape[0]):
-            expert = f"{prefix}.mlp.experts.{e}"
-            if kind == "gate_up_proj":  # [H, 2I], gate and up interleaved by column
-                yield f"{expert}.gate_proj.weight", tensor[e, :, 0::2].t()
-                yield f"{expert}.up_proj.weight", tensor[e, :, 1::2].t()
-            elif kind == "gate_up_proj_bias":  # [2I]
-                yield f"{expert}.gate_proj.bias", tensor[e, 0::2]
-                yield f"{expert}.up_proj.bias", tensor[e, 1::2]
-            elif kind == "down_proj":  # [I, H]
-                yield f"{expert}.down_proj.weight", tensor[e].t()
-            elif kind == "down_proj_bias":  # [H]
-                yield f"{expert}.down_proj.bias", tensor[e]
-            else:
-                raise ValueError(f"checkpoint tensor {name}: unknown gpt-oss expert tensor {kind!r}")
+        if kind.endswith(("_blocks", "_scales")):
+            stem, _, part = kind.rpartition("_")
+            pair = pending.setdefault(f"{prefix}|{stem}", {})
+            pair[part] = tensor
+            if len(pair) < 2:
+                continue
+            del pending[f"{prefix}|{stem}"]
+            kind, tensor = f"{stem}_mxfp4", (pair["blocks"], pair["scales"])
+        yield from _expert_tensors(prefix, kind, tensor)
+    if pending:
+        raise ValueError(f"MXFP4 expert tensors without their pair: {', '.join(sorted(pending))}")
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -23,6 +23,7 @@ from pagedllm.attention.torch_backend import CompiledBackend
 from pagedllm.kernels import paged_attention_ops
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.gpt_oss import GptOssMoE
 from pagedllm.models.loader import load_model
 from tests.models.test_moe import hf_greedy_router_ties
 from tests.models.utils import FamilyCase, bind_kv_caches, greedy_generate, save_random_model
@@ -147,11 +148,52 @@ def test_engine_greedy_matches_hf_on_both_kv_backends(checkpoint: tuple[Any, Pat
         assert_greedy_match(list(out.outputs[0].token_ids), ref, gaps, f"gpt-oss {kv_cache_backend}")
 
 
-def test_mxfp4_experts_are_refused_by_name() -> None:
-    # The released checkpoints' MXFP4 expert tensors (not read yet): a clear error, not a
-    # missing-parameter one.
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, R, K] float -> OpenAI's (blocks [E, R, K / 32, 16] uint8, scales [E, R, K / 32]
+    uint8): per 32 elements an exponent so the largest fits 6, each element the nearest e2m1."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)  # [E, R, G]
+    codes = (g / torch.exp2(exp).unsqueeze(-1)).unsqueeze(-1).sub(FP4).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_kept_and_greedy_equal_to_hf(tmp_path: Path) -> None:
+    # The released checkpoints' form: experts as MXFP4 `_blocks` / `_scales` (written here from
+    # the random float weights), kept as ggml MXFP4 blocks; the reference is HF's float model
+    # holding transformers' own dequantization of the same tensors.
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagedllm.kernels import GGUFBlocks
+
+    hf_model = _with_large_sinks(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _to_mxfp4(state.pop(name).transpose(1, 2))  # rows [out, in]
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        param = hf_model.get_parameter(name)
+        with torch.no_grad():
+            param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(str(tmp_path)).model
+    experts = [e for m in model.modules() if isinstance(m, GptOssMoE) for e in m.experts]
+    assert experts and all(isinstance(e.gate_up_proj.blocks, GGUFBlocks) for e in experts)
+    assert all(e.down_proj.blocks is not None and e.down_proj.blocks.type_name == "MXFP4" for e in experts)
+    bind_kv_caches(model, num_blocks=8, block_size=16)
+    with torch.inference_mode():
+        ours = greedy_generate(model, PROMPT, NUM_STEPS).token_ids[len(PROMPT) :]
+    ref, gaps = hf_greedy_router_ties(hf_model, PROMPT, NUM_STEPS)
+    assert_greedy_match(ours, ref, gaps, "gpt-oss MXFP4")
+
+
+def test_an_mxfp4_tensor_without_its_pair_is_refused() -> None:
     from pagedllm.models.gpt_oss import gpt_oss_tensors
 
     blocks = torch.zeros(8, 64, 2, 16, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"mlp\.experts\.gate_up_proj_blocks: MXFP4 experts are not supported"):
+    with pytest.raises(ValueError, match=r"without their pair: model\.layers\.0\|gate_up_proj"):
         list(gpt_oss_tensors([("model.layers.0.mlp.experts.gate_up_proj_blocks", blocks)]))
