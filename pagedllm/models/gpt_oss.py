@@ -1,7 +1,7 @@
 """gpt-oss (`GptOssForCausalLM`): Llama's layer shape with
 - attention sinks: a learned logit per head in every softmax's denominator (AttentionParams.
-  sinks; the attention backends run it, the compiled decode kernel and the fused decode do not,
-  so the registry binds the torch backend and decode steps go module by module);
+  sinks; the torch backend, the compiled decode kernel and the reference run it; the fused
+  decode does not, and these layers declare no decode layout: decodes go module by module);
 - biases on q/k/v/o, YaRN rope (layers/rotary.py), sliding-window (128) and full attention
   layers alternating by `layer_types`;
 - a sparse MLP in every layer: the router's logits with a bias, top-k of them, softmax over the
