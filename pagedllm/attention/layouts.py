@@ -65,9 +65,11 @@ class KVLayout(ABC):
 
     @abstractmethod
     def kernel_decode(
-        self, ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, params: AttentionParams
+        self, ops: Any, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, params: AttentionParams,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One query token per request through the compiled kernel: q [nd, H, D] -> [nd, H, D]."""
+        """One query token per request through the compiled kernel: q [nd, H, D] -> [nd, H, D]
+        (``sinks``: the layer's [H] logits where params.sinks)."""
 
     @abstractmethod
     def kernel_slots(self, md: AttentionMetadata, rows: int) -> torch.Tensor:
@@ -109,11 +111,11 @@ class BlockTableLayout(KVLayout):
     def compiled_decode_enabled(self, config):
         return True
 
-    def kernel_decode(self, ops, q, kv_cache, md, params):
+    def kernel_decode(self, ops, q, kv_cache, md, params, sinks=None):
         # Reads K/V through the block table in place (no dense copy).
         nd = q.shape[0]
         return ops.paged_decode_attention(
-            q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd], *kernel_args(params)
+            q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd], *kernel_args(params), sinks
         )
 
     def kernel_slots(self, md, rows):
@@ -157,10 +159,10 @@ class ContiguousSlotsLayout(KVLayout):
     def compiled_decode_enabled(self, config):
         return config.contiguous_decode == "kernel"
 
-    def kernel_decode(self, ops, q, kv_cache, md, params):
+    def kernel_decode(self, ops, q, kv_cache, md, params, sinks=None):
         nd = q.shape[0]
         return ops.contiguous_decode_attention(
-            q.contiguous(), kv_cache, self.kernel_slots(md, nd), md.seq_lens[:nd], *kernel_args(params)
+            q.contiguous(), kv_cache, self.kernel_slots(md, nd), md.seq_lens[:nd], *kernel_args(params), sinks
         )
 
     def kernel_slots(self, md, rows):

@@ -138,7 +138,7 @@ class CompiledBackend(TorchBackend):
     kernel (kernels/csrc/paged_attention.cpp), which reads K/V in place: the CPU default."""
 
     name = "torch (compiled kernels)"
-    runs = frozenset({"sliding_window", "logit_soft_cap"})
+    runs = frozenset({"sliding_window", "logit_soft_cap", "sinks"})
     rows_as_decodes = True
 
     def __init__(self, layout: KVLayout, ops: Any) -> None:
@@ -147,7 +147,7 @@ class CompiledBackend(TorchBackend):
 
     def decode(self, layer: AttentionLayerState, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         assert layer.kv_cache is not None
-        return self.layout.kernel_decode(self.ops, q, layer.kv_cache, md, layer.params)
+        return self.layout.kernel_decode(self.ops, q, layer.kv_cache, md, layer.params, layer.sinks)
 
 
 def _check_prompt_only(md: AttentionMetadata, backend: str) -> None:

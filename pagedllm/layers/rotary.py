@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.layers.longrope import LongRopeEmbedding
 from pagedllm.layers.rotary_apply import apply_rotary, rotary_dim_of
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -41,6 +41,8 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return llama3_inv_freq(inv_freq, params)
+    if rope_type == "yarn":
+        return yarn_inv_freq(inv_freq, rotary_dim, params)
     if rope_type in _ROTARY_MODULES:
         raise ValueError(f"rope_type {rope_type!r} has its own module: build it with rotary_embedding_for")
     raise ValueError(
@@ -63,6 +65,50 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(wavelen < original_len / high, inv_freq, out)
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    # YaRN (gpt-oss, DeepSeek): pairs that turn fewer than beta_slow times over the original
+    # context are interpolated (slowed by `factor`), those that turn more than beta_fast times
+    # kept, and a linear ramp over the pair index blends the two in between. HF's bounds:
+    # floored/ceiled unless truncate=False, clipped to [0, rotary_dim - 1].
+    base, factor = float(params["rope_theta"]), float(params["factor"])
+    original_len = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32.0)
+    beta_slow = float(params.get("beta_slow") or 1.0)
+
+    def pair_of(num_rotations: float) -> float:
+        # the (fractional) pair index whose wavelength fits num_rotations in original_len
+        return rotary_dim * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_of(beta_fast), pair_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no division by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the pair's own speed), 0: interpolate (slowed)
+    return (inv_freq / factor) * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(params: dict[str, Any]) -> float:
+    """The scale YaRN puts on cos and sin (so on every q.k by its square): the config's
+    `attention_factor`, else 0.1 ln(factor) + 1 (HF's default without mscale settings); 1.0
+    for the other rope types."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, float(mscale)) / get_mscale(factor, float(mscale_all_dim))
+    return get_mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to q and k of a flat batch (to the first `rotary_dim` dims of
     each head with a partial_rotary_factor)."""
@@ -75,7 +121,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(self.rotary_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # cos_sin_cache: [max_position, rotary_dim] = [cos | sin], each [max_position, rotary_dim // 2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(params)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(

@@ -101,8 +101,9 @@ _KERNEL_RUNS: dict[str, object] = {
     "partial_rotary_factor": 1.0,
 }
 # The attention features (AttentionParams.features) the kernel's attention runs: the
-# compiled decode kernel's.
-_KERNEL_ATTENTION = CompiledBackend.runs
+# compiled decode kernel's, less sinks (decode_layers.cpp passes the kernel none; gpt-oss, the
+# model with sinks, has a sparse MLP the fused decode does not run either).
+_KERNEL_ATTENTION = CompiledBackend.runs - {"sinks"}
 
 
 def kernel_refusal(layout: DecodeLayout) -> str | None:

@@ -59,7 +59,11 @@ _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.b
 # End-of-turn markers of common chat templates; added to the EOS ids when the tokenizer has them.
 _END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>",
+    "<|return|>", "<|call|>",
 )  # fmt: skip
+# In OpenAI's harmony format (gpt-oss; a vocabulary with <|channel|>) <|end|> closes one message
+# of a turn (the analysis before the final answer): the turn ends at <|return|> or <|call|>.
+_HARMONY_CHANNEL, _HARMONY_MESSAGE_END = "<|channel|>", "<|end|>"
 
 
 @dataclass(frozen=True)
@@ -427,10 +431,12 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> tuple[int, 
     sources += [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
     added = tokenizer.added_tokens_encoder  # special/added tokens only, not ordinary words
     # (the tokenizer may add ids past the model's vocabulary, which can never be sampled)
+    harmony = _HARMONY_CHANNEL in added
     sources += [
         added[token]
         for token in _END_OF_TURN_TOKENS
         if token in added and added[token] < hf_config.vocab_size
+        and not (harmony and token == _HARMONY_MESSAGE_END)
     ]
     ids: list[int] = []
     for source in sources:

@@ -34,6 +34,9 @@ class ReasoningParser:
 
     start_marker: ClassVar[str] = "<think>"
     end_marker: ClassVar[str] = "</think>"
+    needs_special_tokens: ClassVar[bool] = False
+    """The markers are special tokens: requests keep them in the output text
+    (``skip_special_tokens=False``) so the parser sees them (harmony's)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.end_token_ids = marker_token_ids(tokenizer, self.end_marker)

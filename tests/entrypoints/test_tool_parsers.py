@@ -70,6 +70,19 @@ CASES = {
         "pythonic", "[get_weather(city=\"Paris\", unit='celsius'), add(a=2, b=[1, 2], c={'k': 'v, w)]'})]",
         "", [("get_weather", PARIS), ("add", {"a": 2, "b": [1, 2], "c": {"k": "v, w)]"}})]),
     "pythonic plain text": ("pythonic", "Sure, here you go.", "Sure, here you go.", []),
+    # gpt-oss's harmony (as the openai_gptoss reasoning parser leaves the content, or raw):
+    # commentary messages to functions.NAME are calls, either header order; the final channel
+    # and preambles are content, analysis is not; a body that is not JSON is kept as written.
+    "openai preamble then a call": (
+        "openai", "Checking.<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                  f"<|message|>{PARIS_JSON}<|call|>", "Checking.", [("get_weather", PARIS)]),
+    "openai raw turn, two calls": (
+        "openai", "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant to=functions.add<|channel|>commentary json"
+                  '<|message|>{"a": 2, "b": 3}<|call|><|start|>assistant<|channel|>commentary to=functions.get_weather'
+                  f"<|message|>{TRICKY_JSON}", "", [("add", {"a": 2, "b": 3}), ("get_weather", TRICKY)]),
+    "openai final answer only": (
+        "openai", "<|channel|>final<|message|>It is 20 C in <|Paris|>.<|return|>", "It is 20 C in <|Paris|>.", []),
+    "openai plain text": ("openai", "No harmony here: a <| b.", "No harmony here: a <| b.", []),
     "pythonic malformed is content": ("pythonic", "[get_weather(city=Paris)]", "[get_weather(city=Paris)]", []),
     "qwen3_coder text then two calls, typed values": (
         "qwen3_coder", "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -273,8 +286,8 @@ def test_plain_text_choices():
 
 
 def test_registry_and_config():
-    assert tool_parser_names() == ["deepseek_v3", "granite", "hermes", "llama3_json", "mistral", "phi4_mini_json",
-                                   "pythonic", "qwen3_coder"]
+    assert tool_parser_names() == ["deepseek_v3", "granite", "hermes", "llama3_json", "mistral", "openai",
+                                   "phi4_mini_json", "pythonic", "qwen3_coder"]
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
     with pytest.raises(ValueError, match="--tool-call-parser"):

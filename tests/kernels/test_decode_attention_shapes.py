@@ -40,3 +40,49 @@ def test_decode_attention_group_and_head_dim(G: int, D: int, kv: str) -> None:
         got = ops.paged_decode_attention(q, cache, tables, seq_lens, 0.2, window, cap)
         want = _float64_decode(q, flat[0], flat[1], seq_lens, rows_of, 0.2, window, cap)
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("G", [1, 3, 8])
+@pytest.mark.parametrize("D", [16, 20, 64])  # 20: the scalar path (no 8-lane split)
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 q and cache: the scalar path
+def test_decode_attention_with_sinks(G: int, D: int, layout: str, dtype: torch.dtype) -> None:
+    # Attention sinks (gpt-oss): each head's logit joins its softmax with no value row. Sinks
+    # of +-3 against scores of ~1 take much of the weight (a kernel ignoring them is ~0.1 off),
+    # with a window and a soft-cap too; a context of one key.
+    g = torch.Generator().manual_seed(G * 100 + D)
+    B, Hkv, bs, max_blocks = 3, 2, 4, 12
+    Hq = G * Hkv
+    seq_lens = torch.tensor([1, 13, 45])
+    sinks = 3 * torch.randn(Hq, generator=g)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    if layout == "paged":
+        num_blocks = B * max_blocks + 1
+        cache = torch.randn(2, num_blocks, bs, Hkv, D, generator=g).to(dtype)
+        tables = (torch.randperm(num_blocks - 1, generator=g)[: B * max_blocks] + 1).view(B, max_blocks).long()
+
+        def rows_of(b: int, t: int) -> int:
+            return int(tables[b, t // bs]) * bs + t % bs
+
+        def run(window: int, cap: float, s: torch.Tensor | None) -> torch.Tensor:
+            return ops.paged_decode_attention(q, cache, tables, seq_lens, 0.2, window, cap, s)
+    else:
+        capacity = 48
+        cache = torch.randn(2, B + 1, capacity, Hkv, D, generator=g).to(dtype)
+        slots = torch.tensor([2, 0, 3])
+
+        def rows_of(b: int, t: int) -> int:
+            return int(slots[b]) * capacity + t
+
+        def run(window: int, cap: float, s: torch.Tensor | None) -> torch.Tensor:
+            return ops.contiguous_decode_attention(q, cache, slots, seq_lens, 0.2, window, cap, s)
+
+    flat = cache.view(2, -1, Hkv, D)
+    atol = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: the output rounded to 8 bits
+    for window, cap in ((0, 0.0), (11, 0.0), (0, 1.5)):
+        want = _float64_decode(q, flat[0], flat[1], seq_lens, rows_of, 0.2, window, cap, sinks)
+        got = run(window, cap, sinks)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=atol)
+        without = run(window, cap, None).double()
+        assert float((without - want).abs().max()) > 0.05  # the sinks matter here

@@ -52,8 +52,9 @@ def test_compiled_writer_stores_the_torch_writers_bytes(name):
     assert torch.equal(out.view(torch.uint8), quantize_rows(x, fmt).view(torch.uint8))
 
 
-def _float64_decode(q, k, v, seq_lens, rows_of, scale, window, cap):
-    """Per request and head: softmax(q.k scale) v in float64; k/v [num_rows, Hkv, D]."""
+def _float64_decode(q, k, v, seq_lens, rows_of, scale, window, cap, sinks=None):
+    """Per request and head: softmax(q.k scale) v in float64; k/v [num_rows, Hkv, D]; with
+    ``sinks`` [Hq], head h's sink logit joins its softmax with no value row."""
     B, Hq, _ = q.shape
     group = Hq // k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -65,7 +66,10 @@ def _float64_decode(q, k, v, seq_lens, rows_of, scale, window, cap):
             s = (k[rows, h // group].double() @ q[b, h].double()) * scale
             if cap:
                 s = cap * torch.tanh(s / cap)
-            out[b, h] = s.softmax(0) @ v[rows, h // group].double()
+            if sinks is not None:
+                s = torch.cat([s, sinks[h : h + 1].double()])
+            p = s.softmax(0)[: len(rows)]
+            out[b, h] = p @ v[rows, h // group].double()
     return out
 
 

@@ -177,9 +177,10 @@ def test_bfloat16_logits_within_tolerance_of_hf_bfloat16(
     ours, ref16, ref32 = ours[keep], ref16[keep], ref32[keep]
     # bf16 keeps 8 significant bits: one rounding of a value of magnitude L moves it by up to
     # L * 2**-9, and the two runs round differently in every matmul, norm and softmax over the
-    # layers. Allow 4 ulps (2**-6) of the largest log-prob. Measured: 0.06 (GPT-2, OPT) and
-    # 0.13 (Llama) against tolerances of ~0.2.
-    tol = 2**-6 * float(ref16.abs().max())
+    # layers. Allow 4 ulps (2**-6) of the largest log-prob by default. Measured: 0.06 (GPT-2, OPT) and
+    # 0.13 (Llama) against tolerances of ~0.2. A case may allow more (FamilyCase.bf16_ulps)
+    # where HF's own bf16 run is that far from float32.
+    tol = case.bf16_ulps * 2**-8 * float(ref16.abs().max())
     torch.testing.assert_close(ours, ref16, atol=tol, rtol=0)
     # And our bf16 is no further from the float32 truth than HF's own bf16 run is.
     ours_err = float((ours - ref32).abs().max())

@@ -219,3 +219,18 @@ def test_gguf_index_is_reused_and_dropped_when_the_file_changes(
     # A touched file (same bytes, new mtime) is not trusted either.
     os.utime(path, ns=(0, 12345))
     assert load_index(third.model_dir, str(path)) is None
+
+
+def test_harmony_end_closes_a_message_not_the_turn(tmp_path) -> None:
+    # <|end|> ends a Phi-3 turn (an EOS id); in harmony (gpt-oss: the vocabulary has
+    # <|channel|>) it closes one message, and the turn ends at <|return|> or <|call|>.
+    from types import SimpleNamespace
+
+    from pagedllm.models.loader import eos_token_ids
+
+    config = SimpleNamespace(vocab_size=16, eos_token_id=None)
+    phi3 = SimpleNamespace(added_tokens_encoder={"<|end|>": 5}, eos_token_id=None)
+    assert eos_token_ids(str(tmp_path), config, phi3) == (5,)
+    harmony = SimpleNamespace(
+        added_tokens_encoder={"<|end|>": 5, "<|return|>": 6, "<|call|>": 7, "<|channel|>": 8}, eos_token_id=None)
+    assert eos_token_ids(str(tmp_path), config, harmony) == (6, 7)

@@ -411,6 +411,9 @@ class FamilyCase:
     quantized: tuple[str, ...] = ()
     """Weight formats (int8, int4) whose greedy output is compared with HF's on the same
     quantized-then-dequantized weights."""
+    bf16_ulps: int = 4
+    """The bfloat16 test's tolerance against HF's bf16 logits, in bf16 ulps (2**-8 of a value)
+    of the largest log-prob."""
 
 
 def dequantized_like_ours(hf_model: Any, method: str) -> Any:

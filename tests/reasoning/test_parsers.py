@@ -14,6 +14,7 @@ from pagedllm.reasoning import REASONING_PARSER_NAMES, get_reasoning_parser
 THINKING_OFF_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's enable_thinking=False
 OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"  # R1 / Qwen3.5 templates
 PLAIN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+HARMONY_PROMPT = "<|start|>user<|message|>Hi<|end|><|start|>assistant"  # gpt-oss's generation prompt
 
 # (parser, prompt, chat_template_kwargs, output, expected reasoning, expected content)
 CASES = [
@@ -37,6 +38,22 @@ CASES = [
     ("deepseek_r1", THINKING_OFF_PROMPT, None, "An answer.", None, "An answer."),
     # The switch is Qwen3's: R1 ignores it.
     ("deepseek_r1", PLAIN_PROMPT, {"enable_thinking": False}, "R.</think>C", "R.", "C"),
+    # gpt-oss's harmony: the analysis channel is reasoning, the final channel content (its
+    # <|return|> when the detokenizer keeps it), a commentary preamble content; a tool call
+    # stays harmony text for the `openai` tool parser; a header is never content.
+    ("openai_gptoss", HARMONY_PROMPT, None,
+     "<|channel|>analysis<|message|>User says hi. 1 < 2.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
+     "User says hi. 1 < 2.", "Hello!"),
+    ("openai_gptoss", HARMONY_PROMPT, None, "<|channel|>final<|message|>Straight to it.", None, "Straight to it."),
+    ("openai_gptoss", HARMONY_PROMPT, None, "<|channel|>analysis<|message|>Cut short <|en", "Cut short <|en", None),
+    ("openai_gptoss", HARMONY_PROMPT, None, "<|channel|>analysis<|message|>A<|end|><|start|>assistant<|chan", "A", None),
+    ("openai_gptoss", HARMONY_PROMPT, None,
+     "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking."
+     "<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     '{"city": "Paris"}<|call|>',
+     "Need weather.",
+     'Checking.<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+     '{"city": "Paris"}<|call|>'),
 ]
 
 
@@ -61,7 +78,7 @@ def streamed(parser, in_reasoning: bool, deltas: list[str]) -> tuple[str, str, l
 
 
 def test_registry_names_both_parsers():
-    assert {"deepseek_r1", "qwen3"} <= set(REASONING_PARSER_NAMES)
+    assert {"deepseek_r1", "openai_gptoss", "qwen3"} <= set(REASONING_PARSER_NAMES)
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("nope")
     with pytest.raises(ValueError, match="qwen3"):

@@ -20,16 +20,18 @@ REASONING = "hello world"
 """What the model writes before each "</think>"."""
 
 
-def chain_token_ids(tokenizer: Any) -> list[int]:
+def chain_token_ids(tokenizer: Any, chain: list[str] = CHAIN) -> list[int]:
     ids = []
-    for text in CHAIN:
+    for text in chain:
         encoded = tokenizer.encode(text, add_special_tokens=False)
         assert len(encoded) == 1, (text, encoded)
         ids.append(encoded[0])
     return ids
 
 
-def save_think_model(path: Path, tokenizer: Any) -> None:
+def save_think_model(path: Path, tokenizer: Any, chain: list[str] = CHAIN) -> None:
+    """The model above over ``chain`` (each a token of ``tokenizer``; the successor of the last
+    is chain[1]), saved with the tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,7 +42,7 @@ def save_think_model(path: Path, tokenizer: Any) -> None:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    chain = chain_token_ids(tokenizer)
+    chain = chain_token_ids(tokenizer, chain)
     width = len(chain)
     with torch.no_grad():
         for layer in model.model.layers:

@@ -31,14 +31,13 @@ def test_the_registry_picks_the_compiled_decode_where_it_runs() -> None:
     per_request = AttentionConfig(contiguous_decode="torch")
     assert type(select_backend(per_request, CONTIGUOUS_SLOTS, "cpu", [PLAIN])) is TorchBackend
     assert type(select_backend(per_request, BLOCK_TABLES, "cpu", [PLAIN])) is CompiledBackend
-    # The model's needs: a layer with sinks takes torch ops (the kernel has no sinks).
-    assert type(select_backend(default, BLOCK_TABLES, "cpu", [PLAIN, SINKS])) is TorchBackend
+    # The model's needs: the kernel runs sinks (gpt-oss), not bidirectional layers.
+    assert type(select_backend(default, BLOCK_TABLES, "cpu", [PLAIN, SINKS])) is CompiledBackend
+    assert type(select_backend(default, BLOCK_TABLES, "cpu", [PLAIN, BIDIRECTIONAL])) is TorchBackend
 
 
 def test_backends_refuse_features_by_name() -> None:
     compiled = select_backend(AttentionConfig(), BLOCK_TABLES, "cpu", [PLAIN])
-    with pytest.raises(ValueError, match=r"'torch \(compiled kernels\)'.*sinks=True"):
-        compiled.check(SINKS)
     with pytest.raises(ValueError, match=r"'torch \(compiled kernels\)'.*causal=False"):
         compiled.check(BIDIRECTIONAL)
     with pytest.raises(ValueError, match="'triton'.*sinks=True"):
@@ -82,9 +81,12 @@ def test_sinks_match_reference(backend: str, path: str) -> None:
     torch.manual_seed(0)
     layer = Attention(HKV * GROUP, D, HKV, SCALE, sliding_window=5, sinks=True)
     layer.sinks.copy_(torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, 1.0]))  # [H]; 3.0 takes most weight
-    outs = _run(layer, backend, TORCH_AND_REFERENCE, *PATHS[path])
-    assert type(select_backend(AttentionConfig(), BLOCK_TABLES, "cpu", [layer.params])) is TorchBackend
+    # The default (decodes and short runs through the compiled kernel) and torch ops alone.
+    configs = {**TORCH_AND_REFERENCE, "torch ops": AttentionConfig(compiled_kernels=False)}
+    outs = _run(layer, backend, configs, *PATHS[path])
+    assert type(select_backend(AttentionConfig(), BLOCK_TABLES, "cpu", [layer.params])) is CompiledBackend
     torch.testing.assert_close(outs["torch"], outs["reference"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["torch ops"], outs["reference"], atol=1e-5, rtol=1e-5)
     # Negative control: the same step with the sinks at -inf (no weight) differs.
     layer.sinks.fill_(-float("inf"))
     torch.manual_seed(0)

@@ -38,6 +38,8 @@ class RequestReasoning:
         for the reasoning's end; an explicit ``reasoning_ended`` in the request stays."""
         if self.parser is None or not isinstance(params, SamplingParams):
             return
+        if self.parser.needs_special_tokens:  # the markers must reach the split
+            params.skip_special_tokens = False
         params.thinking_token_budget = self.thinking_token_budget
         spec = params.structured_outputs
         if spec is not None and spec.reasoning_ended is None:

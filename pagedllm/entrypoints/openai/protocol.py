@@ -176,6 +176,9 @@ class ChatCompletionRequest(SamplingFields):
     """Documents for retrieval-augmented chat templates, handed to the template."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """Handed to the chat template as ``reasoning_effort`` (gpt-oss's writes "Reasoning: high"
+    into its system message), under a ``chat_template_kwargs`` entry of the same name."""
     include_reasoning: bool = True
     """With a reasoning parser: return ``reasoning`` (False: drop it, as vLLM)."""
     thinking_token_budget: int | None = None
@@ -193,6 +196,12 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's legacy function calling, not supported (400 when set)
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
+
+    @model_validator(mode="after")
+    def _effort_to_template(self) -> ChatCompletionRequest:
+        if self.reasoning_effort is not None:
+            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        return self
 
 
 class PromptTokensDetails(BaseModel):

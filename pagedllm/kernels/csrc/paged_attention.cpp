@@ -38,9 +38,15 @@ bool check_cache(const torch::Tensor& q, const torch::Tensor& kv_cache) {
 // Runs decode_kernel<scalar_t, Rows, KV> with KV the cache's element type.
 template <typename Rows>
 torch::Tensor decode(torch::Tensor q, torch::Tensor kv_cache, Rows rows, torch::Tensor seq_lens, double scale,
-                     int64_t window, double softcap) {
+                     int64_t window, double softcap, const std::optional<torch::Tensor>& sinks) {
   const bool coded = check_cache(q, kv_cache);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
+  torch::Tensor sinks_f;  // [Hq] float32, or undefined: no sinks
+  if (sinks.has_value()) {
+    sinks_f = sinks->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(sinks_f.dim() == 1 && sinks_f.size(0) == Hq, "sinks must be [num_heads]");
+  }
+  const float* sinks_ptr = sinks_f.defined() ? sinks_f.data_ptr<float>() : nullptr;
   const int64_t plane = kv_cache.numel() / 2;  // elements of K (then V)
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "decode_attention", [&] {
@@ -50,7 +56,7 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor kv_cache, Rows rows, torch::
       decode_kernel<scalar_t, Rows, KV>(q.data_ptr<scalar_t>(), base, base + plane, rows,
                                         seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D,
                                         static_cast<float>(scale), window,
-                                        static_cast<float>(std::max(softcap, 0.0)));
+                                        static_cast<float>(std::max(softcap, 0.0)), sinks_ptr);
     };
     if (coded) {
       dispatch_codes(kv_cache.scalar_type(), run);
@@ -66,26 +72,29 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor kv_cache, Rows rows, torch::
 // q: [B, Hq, D]; kv_cache: [2, num_blocks, bs, Hkv, D] (or an 8-bit cache's [.., D + 4]:
 // codes then the row's scale); block_tables: [B, max_blocks] int64; seq_lens: [B] int64;
 // window <= 0 means full attention; softcap <= 0 means none (else each scaled score s becomes
-// softcap * tanh(s / softcap)). Returns [B, Hq, D].
+// softcap * tanh(s / softcap)); sinks: [Hq] logits joining each head's softmax denominator with no
+// value row (gpt-oss), or None. Returns [B, Hq, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                                     std::optional<torch::Tensor> sinks) {
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "block_tables and seq_lens must be int64");
   auto bt = block_tables.contiguous();
   auto sl = seq_lens.contiguous();
   return decode(q, kv_cache, PagedRows{bt.data_ptr<int64_t>(), bt.size(1), kv_cache.size(2)}, sl, scale, window,
-                softcap);
+                softcap, sinks);
 }
 
 // The contiguous-slot layout (one slot per request): kv_cache [2, num_slots, capacity, Hkv, D (+ 4)], request b's
 // tokens contiguous at slot slots[b]; no block table. Returns [B, Hq, D].
 torch::Tensor contiguous_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor slots,
-                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                                          std::optional<torch::Tensor> sinks) {
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "slots and seq_lens must be int64");
   auto sl_ = slots.contiguous();
   auto sl = seq_lens.contiguous();
-  return decode(q, kv_cache, SlotRows{sl_.data_ptr<int64_t>(), kv_cache.size(2)}, sl, scale, window, softcap);
+  return decode(q, kv_cache, SlotRows{sl_.data_ptr<int64_t>(), kv_cache.size(2)}, sl, scale, window, softcap, sinks);
 }
 
 // x: float32 [N, D] -> out [N, D + 4] of an 8-bit cache dtype (quantize_row per row: what the
@@ -103,8 +112,12 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor out) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window"),
+        py::arg("softcap"), py::arg("sinks") = py::none());
   m.def("contiguous_decode_attention", &contiguous_decode_attention,
-        "decode attention over per-request contiguous KV slots");
+        "decode attention over per-request contiguous KV slots", py::arg("q"), py::arg("kv_cache"),
+        py::arg("slots"), py::arg("seq_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
+        py::arg("sinks") = py::none());
   m.def("quantize_kv_rows", &quantize_kv_rows, "rows to 8-bit KV codes and their scales");
 }

@@ -249,8 +249,9 @@ inline void weighted_sum_simd(const float* p, const KV* const* vps, int64_t n, i
 }
 
 // s[0, n) = exp(s - max s), eight lanes at a time (vec_avx2.h's exp_avx2, ~2 ulp); returns
-// 1 / their sum (the weighted sums scale their result by it: no normalising pass).
-inline float exp_shifted_avx2(float* s, int64_t n) {
+// 1 / their sum (the weighted sums scale their result by it: no normalising pass). A finite
+// `sink` is one more logit with no value row (attention sinks): in the max and the sum only.
+inline float exp_shifted_avx2(float* s, int64_t n, float sink = -std::numeric_limits<float>::infinity()) {
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
@@ -258,6 +259,7 @@ inline float exp_shifted_avx2(float* s, int64_t n) {
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   for (; i < n; ++i) m = std::max(m, s[i]);
+  m = std::max(m, sink);
   const __m256 mb = _mm256_set1_ps(m);
   __m256 sv = _mm256_setzero_ps();
   for (i = 0; i + 8 <= n; i += 8) {
@@ -270,6 +272,7 @@ inline float exp_shifted_avx2(float* s, int64_t n) {
     s[i] = std::exp(s[i] - m);
     sum += s[i];
   }
+  if (sink > -std::numeric_limits<float>::infinity()) sum += std::exp(sink - m);
   return sum > 0.f ? 1.f / sum : 0.f;  // n = 0: no positions, a zero output
 }
 
@@ -279,7 +282,8 @@ inline float exp_shifted_avx2(float* s, int64_t n) {
 // lanes where AVX-512F is built in and D % 16 == 0, else eight.
 template <typename KV>
 inline bool attend_simd(const float* qf, const KV* const* kps, const KV* const* vps, int64_t n, int64_t G,
-                        int64_t D, int64_t row_bytes, float softcap, float* scores, float* inv, float* out) {
+                        int64_t D, int64_t row_bytes, float softcap, float* scores, float* inv, float* out,
+                        const float* sinks = nullptr) {
   if constexpr (!std::is_same_v<KV, float> && !kv_is_code<KV>) {
     return false;
   } else {
@@ -296,7 +300,8 @@ inline bool attend_simd(const float* qf, const KV* const* kps, const KV* const* 
     if (!wide) scores_simd<Vec256>(qf, kps, n, G, D, row_bytes, scores);
     if (softcap > 0.f)
       for (int64_t i = 0; i < G * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
-    for (int64_t g = 0; g < G; ++g) inv[g] = exp_shifted_avx2(scores + g * n, n);
+    for (int64_t g = 0; g < G; ++g)
+      inv[g] = sinks ? exp_shifted_avx2(scores + g * n, n, sinks[g]) : exp_shifted_avx2(scores + g * n, n);
     // Pass 2: out_g = inv_g * sum_i e[g, i] * v_i
 #ifdef PAGEDLLM_AVX512
     if (wide) weighted_sum_simd<Vec512>(scores, vps, n, G, D, row_bytes, inv, out);
@@ -307,11 +312,11 @@ inline bool attend_simd(const float* qf, const KV* const* kps, const KV* const* 
 }
 #endif
 
-// The same without vectors (any D, any cache element): scores, soft-cap, softmax, then the
-// weighted sum, into out[g * D + d].
+// The same without vectors (any D, any cache element): scores, soft-cap, softmax (with each
+// query head's sink logit where `sinks` [G]), then the weighted sum, into out[g * D + d].
 template <typename KV>
 inline void attend_scalar(const float* qf, const KV* const* kps, const KV* const* vps, int64_t n, int64_t G,
-                          int64_t D, float softcap, float* scores, float* out) {
+                          int64_t D, float softcap, float* scores, float* out, const float* sinks = nullptr) {
   for (int64_t i = 0; i < n; ++i) {
     const KV* kp = kps[i];
     const float ks = kv_row_scale(kp, D);
@@ -329,12 +334,13 @@ inline void attend_scalar(const float* qf, const KV* const* kps, const KV* const
     float* sg = scores + g * n;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-    float sum = 0.f;
+    if (sinks) m = std::max(m, sinks[g]);
+    float sum = sinks ? std::exp(sinks[g] - m) : 0.f;
     for (int64_t i = 0; i < n; ++i) {
       sg[i] = std::exp(sg[i] - m);
       sum += sg[i];
     }
-    const float inv = 1.f / sum;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
   }
   std::fill(out, out + G * D, 0.f);
@@ -360,7 +366,8 @@ void decode_kernel(const T* q,            // [B, Hq, D]
                    const int64_t* seq_lens,      // [B]
                    T* out,                // [B, Hq, D]
                    int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                   float scale, int64_t window, float softcap) {
+                   float scale, int64_t window, float softcap,
+                   const float* sinks = nullptr) {  // [Hq] float32 logits (attention sinks), or none
   const int64_t G = Hq / Hkv;
   const int64_t row = kv_row_width<KV>(D);
   const int64_t token_stride = Hkv * row;  // between consecutive slots
@@ -390,11 +397,13 @@ void decode_kernel(const T* q,            // [B, Hq, D]
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_float(q[(b * Hq + h * G + g) * D + d]) * scale;
       bool done = false;
+      const float* head_sinks = sinks ? sinks + h * G : nullptr;  // this kv head's G query heads
 #ifdef PAGEDLLM_AVX2
       done = attend_simd(qf.data(), kps.data(), vps.data(), n, G, D, row_bytes, softcap, scores.data(), inv.data(),
-                         acc.data());
+                         acc.data(), head_sinks);
 #endif
-      if (!done) attend_scalar(qf.data(), kps.data(), vps.data(), n, G, D, softcap, scores.data(), acc.data());
+      if (!done)
+        attend_scalar(qf.data(), kps.data(), vps.data(), n, G, D, softcap, scores.data(), acc.data(), head_sinks);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           out[(b * Hq + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);

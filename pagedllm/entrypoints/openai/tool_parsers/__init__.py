@@ -20,6 +20,7 @@ _REGISTRY: dict[str, str] = {
     "llama3_json": "llama3_json:Llama3JsonToolParser",
     "mistral": "mistral:MistralToolParser",
     "phi4_mini_json": "phi4_mini_json:Phi4MiniJsonToolParser",
+    "openai": "openai:OpenAIToolParser",
     "pythonic": "pythonic:PythonicToolParser",
     "qwen3_coder": "qwen3_coder:Qwen3CoderToolParser",
 }
