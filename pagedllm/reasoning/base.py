@@ -10,6 +10,13 @@ by several tokens, is found all the same):
   dropped, and everything after it is content. No end marker: all of it is reasoning (the
   output was cut short, e.g. by max_tokens).
 - An output that starts outside the reasoning is all content.
+
+A parser may declare several spellings of each marker (``start_markers``, ``end_markers``;
+Granite's "Here is my ..." and "Here's my ..."): any of them opens or closes the reasoning, the
+earliest in the text wins (the longest where several begin at the same place), and the first
+of each is the canonical one (``start_marker``/``end_marker``: what a thinking budget writes).
+A parser with ``start_required`` reads an output as reasoning only if it opens with a start
+marker; otherwise the whole output is content (Granite's rule).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pagedllm.reasoning.stream import ReasoningStream
+from pagedllm.reasoning.stream import ReasoningStream, find_marker, opening_marker
 
 
 @dataclass(frozen=True)
@@ -29,18 +36,33 @@ class ReasoningSplit:
 
 
 class ReasoningParser:
-    """The markers of one model family. Subclasses set ``start_marker``/``end_marker`` and may
-    override ``thinking_enabled``."""
+    """The markers of one model family. Subclasses set ``start_marker``/``end_marker`` (or
+    several spellings, ``start_markers``/``end_markers``, the first canonical) and may override
+    ``thinking_enabled``."""
 
     start_marker: ClassVar[str] = "<think>"
     end_marker: ClassVar[str] = "</think>"
+    start_markers: ClassVar[tuple[str, ...]] = (start_marker,)
+    end_markers: ClassVar[tuple[str, ...]] = (end_marker,)
+    start_required: ClassVar[bool] = False
+    """Inside the reasoning, an output that does not open with a start marker is all content."""
     needs_special_tokens: ClassVar[bool] = False
     """The markers are special tokens: requests keep them in the output text
     (``skip_special_tokens=False``) so the parser sees them (harmony's)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Keep the single and the several markers in step: a subclass that declares one form
+        gets the other."""
+        super().__init_subclass__(**kwargs)
+        for one, several in (("start_marker", "start_markers"), ("end_marker", "end_markers")):
+            if several in cls.__dict__:
+                setattr(cls, one, cls.__dict__[several][0])
+            elif one in cls.__dict__:
+                setattr(cls, several, (cls.__dict__[one],))
+
     def __init__(self, tokenizer: Any) -> None:
-        self.end_token_ids = marker_token_ids(tokenizer, self.end_marker)
-        """The token-id sequences that spell the end marker in this vocabulary (one id where the
+        self.end_token_ids = _union(marker_token_ids(tokenizer, m) for m in self.end_markers)
+        """The token-id sequences that spell an end marker in this vocabulary (one id where the
         marker is a token of its own, as in reasoning models' vocabularies)."""
         self.end_marker_ids = tuple(tokenizer.encode(self.end_marker, add_special_tokens=False))
         """The ids that spell the end marker alone: what a thinking budget writes (budget.py)."""
@@ -52,8 +74,8 @@ class ReasoningParser:
     def starts_in_reasoning(self, prompt_text: str | None, chat_template_kwargs: dict[str, Any] | None = None) -> bool:
         """Whether the output begins inside the reasoning (see the module's rules)."""
         if prompt_text:
-            last_end = prompt_text.rfind(self.end_marker)
-            last_start = prompt_text.rfind(self.start_marker)
+            last_end = max(prompt_text.rfind(m) for m in self.end_markers)
+            last_start = max(prompt_text.rfind(m) for m in self.start_markers)
             if last_end > last_start:
                 return False
             if last_start > last_end:
@@ -64,13 +86,24 @@ class ReasoningParser:
         """A finished output's (reasoning, content); ``in_reasoning`` from ``starts_in_reasoning``."""
         if not in_reasoning:
             return ReasoningSplit(None, text)
-        body = text.removeprefix(self.start_marker)
-        reasoning, found, content = body.partition(self.end_marker)
-        return ReasoningSplit(reasoning or None, (content or None) if found else None)
+        start = opening_marker(text, self.start_markers)
+        if start is None and self.start_required:
+            return ReasoningSplit(None, text)
+        body = text[len(start or ""):]
+        found = find_marker(body, self.end_markers)
+        if found is None:
+            return ReasoningSplit(body or None, None)
+        at, marker = found
+        return ReasoningSplit(body[:at] or None, body[at + len(marker):] or None)
 
     def stream(self, in_reasoning: bool) -> ReasoningStream:
         """A splitter for one streamed output (one per choice)."""
-        return ReasoningStream(self.start_marker, self.end_marker, in_reasoning)
+        return ReasoningStream(self.start_markers, self.end_markers, in_reasoning, self.start_required)
+
+
+def _union(groups: Any) -> tuple[tuple[int, ...], ...]:
+    """The sequences of several markers' ``marker_token_ids``, in order, each once."""
+    return tuple(dict.fromkeys(ids for group in groups for ids in group))
 
 
 def marker_token_ids(tokenizer: Any, marker: str) -> tuple[tuple[int, ...], ...]:

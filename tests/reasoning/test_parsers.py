@@ -10,11 +10,19 @@ import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.reasoning import REASONING_PARSER_NAMES, get_reasoning_parser
+from pagedllm.reasoning.base import ReasoningParser
 
 THINKING_OFF_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's enable_thinking=False
 OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"  # R1 / Qwen3.5 templates
 PLAIN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 HARMONY_PROMPT = "<|start|>user<|message|>Hi<|end|><|start|>assistant"  # gpt-oss's generation prompt
+# Granite 3.2's system message with thinking on: it quotes both phrases, which must not count.
+GRANITE_PROMPT = (
+    "<|start_of_role|>system<|end_of_role|>You are a helpful AI assistant. Write your thoughts after "
+    "'Here is my thought process:' and write your response after 'Here is my response:' for each user query."
+    "<|end_of_text|>\n<|start_of_role|>user<|end_of_role|>Hi<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>"
+)
+GRANITE_THINKING = {"thinking": True}
 
 # (parser, prompt, chat_template_kwargs, output, expected reasoning, expected content)
 CASES = [
@@ -54,6 +62,28 @@ CASES = [
      "Need weather.",
      'Checking.<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
      '{"city": "Paris"}<|call|>'),
+    # Granite: thinking on by its template switch; either spelling of each phrase, mixed.
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING,
+     "Here is my thought process:\nA < B.\n\nHere is my response:\n\nB is bigger.", "\nA < B.\n\n", "\n\nB is bigger."),
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING, "Here's my thought process: x Here's my response: y", " x ", " y"),
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING, "Here's my thought process:r Here is my response:c", "r ", "c"),
+    # Near misses stay reasoning; the earliest complete phrase ends it; a later one is content.
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING,
+     "Here is my thought process: Here is my answer: no. Here's my resp Here's my response:ok. Here is my response: z",
+     " Here is my answer: no. Here's my resp ", "ok. Here is my response: z"),
+    # Cut short inside the reasoning, even halfway through the response phrase.
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING, "Here is my thought process: still Here is my resp",
+     " still Here is my resp", None),
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING, "Here is my thought process:", None, None),
+    # Thinking on, but the output does not open with the phrase: all of it is content.
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING, "Sure! Here is my response: hi", None, "Sure! Here is my response: hi"),
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING, " Here is my thought process: a Here is my response: b",
+     None, " Here is my thought process: a Here is my response: b"),
+    ("granite", GRANITE_PROMPT, GRANITE_THINKING, "Here is my", None, "Here is my"),
+    # Thinking off (the default; the prompt's quoted phrases do not turn it on): all content.
+    ("granite", GRANITE_PROMPT, None, "Here is my thought process: a Here is my response: b",
+     None, "Here is my thought process: a Here is my response: b"),
+    ("granite", PLAIN_PROMPT, {"thinking": False}, "Hello.", None, "Hello."),
 ]
 
 
@@ -78,7 +108,7 @@ def streamed(parser, in_reasoning: bool, deltas: list[str]) -> tuple[str, str, l
 
 
 def test_registry_names_both_parsers():
-    assert {"deepseek_r1", "openai_gptoss", "qwen3"} <= set(REASONING_PARSER_NAMES)
+    assert {"deepseek_r1", "granite", "openai_gptoss", "qwen3"} <= set(REASONING_PARSER_NAMES)
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("nope")
     with pytest.raises(ValueError, match="qwen3"):
@@ -120,3 +150,36 @@ def test_end_token_ids(parsers, default_tokenizer):
     tokenizer.add_tokens(["<think>", "</think>"])
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     assert get_reasoning_parser("deepseek_r1")(tokenizer).end_token_ids == ((think_end,),)
+
+
+class _Prefixed(ReasoningParser):
+    """Markers where one spelling is a prefix of another: the longer wins where both begin."""
+
+    start_markers = ("<r>", "<r>>")
+    end_markers = ("END", "END!")
+
+
+@pytest.mark.parametrize("text,reasoning,content", [
+    ("<r>>xEND!y", "x", "y"),
+    ("<r>xENDy", "x", "y"),
+    ("<r>xEND", "x", None),
+    ("<r>xEN", "xEN", None),
+    ("<r", "<r", None),
+    ("xEND!END", "x", "END"),
+])
+def test_several_spellings_streamed_as_split(default_tokenizer, text, reasoning, content):
+    parser = _Prefixed(default_tokenizer)
+    assert (parser.start_marker, parser.end_marker) == ("<r>", "END")  # the first are canonical
+    split = parser.split(text, True)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    for deltas in (list(text), [text]):
+        assert streamed(parser, True, deltas)[:2] == (reasoning or "", content or ""), deltas
+
+
+def test_granite_end_token_ids(parsers, default_tokenizer):
+    """Both spellings of the response phrase, alone and after a space, end the reasoning for
+    the engine core (structured outputs start after it); a budget writes the first."""
+    parser = parsers["granite"]
+    spelled = sorted(default_tokenizer.decode(list(seq)) for seq in parser.end_token_ids)
+    assert spelled == [" Here is my response:", " Here's my response:", "Here is my response:", "Here's my response:"]
+    assert default_tokenizer.decode(list(parser.end_marker_ids)) == "Here is my response:"
