@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from tests.entrypoints.utils import RemoteServer
-from tests.reasoning.think_model import REASONING
+from tests.reasoning.think_model import GRANITE_CHAIN, REASONING, save_think_model
 
 SCHEMA = {
     "type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
@@ -191,3 +191,27 @@ def test_responses_reasoning_items_and_events(client, think_server):
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "hello"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "hello world"
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+@pytest.mark.slow
+def test_granite_phrases(tmp_path, default_tokenizer):
+    """--reasoning-parser granite on a model that writes "Here is my thought process: hi Here's
+    my response:** ok" (tests/reasoning/think_model.py's GRANITE_CHAIN): thinking on by
+    Granite's template switch, off by default; a budget writes "Here is my response:"."""
+    import openai
+
+    save_think_model(tmp_path, default_tokenizer, GRANITE_CHAIN)
+    srv = RemoteServer(["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "32MiB",
+                        "--reasoning-parser", "granite"], model=str(tmp_path))
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+        on = {"chat_template_kwargs": {"thinking": True}}
+        assert both(c, max_tokens=14, extra_body=on) == (" hi ", "** ok", "length")
+        assert both(c, max_tokens=10, extra_body=on) == (" hi Here's m", None, "length")
+        text = "Here is my thought process: hi Here's my response:** ok"
+        assert both(c, max_tokens=14) == (None, text, "length")
+        # Budget 7: after " hi" the canonical phrase is forced (5 tokens), and ":" leads to " hi".
+        budget = {"thinking_token_budget": 7, **on}
+        assert both(c, max_tokens=13, extra_body=budget) == (" hi", " hi", "length")
+    finally:
+        srv.stop()

@@ -18,6 +18,10 @@ CHAIN = ["\n", "hello", " world", "</", "think", ">"]
 """Each text is one token of the default tokenizer; the successor of the last is "hello"."""
 REASONING = "hello world"
 """What the model writes before each "</think>"."""
+GRANITE_CHAIN = ["\n", "Here", " is", " my", " thought", " process", ":", " hi", " Here", "'s", " m", "y", " response",
+                 ":**", " ok"]
+"""Granite's phrases as a chain of distinct tokens (" m", "y" spell the second " my"; ":**" the
+second ":"): "Here is my thought process: hi Here's my response:** ok", then again."""
 
 
 def chain_token_ids(tokenizer: Any, chain: list[str] = CHAIN) -> list[int]:
