@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -216,6 +218,28 @@ def test_flags_for_what_is_missing_stop_the_start(argv, message):
     with pytest.raises(SystemExit) as exc:
         _engine_config(parse(*argv), "serve")
     assert message in str(exc.value)
+
+
+def _documented_unrecognized_engine_flags() -> list[str]:
+    """The flags of docs/vllm_compatibility.md's engine-flag rows marked unrecognized."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm_compatibility.md").read_text()
+    flags = []
+    for line in doc.splitlines():
+        cells = line.split(" | ")
+        if len(cells) == 2 and cells[0].startswith(("| Engine flags", "| Flags older")) and cells[1].startswith(
+                "unrecognized"):
+            flags += [f for f in re.findall(r"`(-[^`\s]+)`", cells[0])]
+    return flags
+
+
+def test_documented_unrecognized_engine_flags_are_argparse_errors(capsys):
+    """Each vLLM engine flag the table calls unrecognized is argparse's error naming it."""
+    flags = _documented_unrecognized_engine_flags()
+    assert len(flags) > 50 and "--stream-interval" in flags
+    for flag in flags:
+        with pytest.raises(SystemExit):
+            parse(f"{flag}=1")
+        assert f"unrecognized arguments: {flag}=1" in capsys.readouterr().err, flag
 
 
 @pytest.mark.parametrize("value", ["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"])
