@@ -72,11 +72,8 @@ def write_bert_gguf(src: Path, path: Path, pooling_type: int | None) -> None:
     writer.add_token_type_count(config.type_vocab_size)
     special = set(tokenizer.all_special_tokens)
     tokens, types = [], []
-    for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))):
-        if token is None:  # an id the vocabulary leaves out (a repeated word): the converter's filler
-            tokens.append(f"\u2581[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif token in special:
+    for token in tokenizer.convert_ids_to_tokens(list(range(config.vocab_size))):
+        if token in special:
             tokens.append(token)
             types.append(gguf.TokenType.CONTROL)
         else:
