@@ -126,6 +126,26 @@ def test_bert_gguf_embeddings_equal_sentence_transformers(tmp_path: Path, poolin
     _check(path, src)
 
 
+def test_bert_gguf_without_a_pooling_type_pools_as_the_family(tmp_path: Path) -> None:
+    """No `bert.pooling_type` (the converter writes it only from sentence-transformers' files):
+    BERT's default, the CLS state unnormalized, as the same checkpoint loads from safetensors."""
+    from transformers import AutoTokenizer, BertModel
+
+    from tests.models.pooling_utils import hf_hidden
+
+    src = tmp_path / "src"
+    save_encoder(src, "BertModel", pooling=None)
+    path = tmp_path / "plain.gguf"
+    write_bert_gguf(src, path, None)
+    model = BertModel.from_pretrained(str(src)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(src))
+    ref = torch.stack([hf_hidden(model, tokenizer(t)["input_ids"])[0] for t in TEXTS])
+    llm = LLM(str(path), dtype="float32", matmul_activations="float32", kv_cache_memory_bytes="8MiB")
+    assert llm.llm_engine.model_config.pooler.pooling_type == "CLS" and not llm.llm_engine.model_config.pooler.normalize
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS)])
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
 def test_bert_gguf_pooling_types_refused(tmp_path: Path) -> None:
     """Per-token (0, none) and rank (4) pooling are not served: a one-line error naming the key."""
     src = tmp_path / "src"
