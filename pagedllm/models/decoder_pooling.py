@@ -89,10 +89,14 @@ def _score_from_lm_head(
     rows: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"{name} is kept quantized; convert its rows after dequantizing (quantization='none')")
             no, yes = token_ids
-            rows[name] = (tensor[yes].float() - tensor[no].float())[None]
+            if isinstance(tensor, torch.Tensor):
+                pair = tensor[[no, yes]].float()
+            elif hasattr(tensor, "rows"):  # kept quantized (GGUF blocks, int8/int4): the two rows dequantized
+                pair = tensor.rows(torch.tensor([no, yes])).dequantize().float()
+            else:
+                raise ValueError(f"{name} ({type(tensor).__name__}) cannot be converted into the score row")
+            rows[name] = (pair[1] - pair[0])[None]
         if name != "lm_head.weight":
             yield name, tensor
     row = rows.get("lm_head.weight", rows.get("model.embed_tokens.weight"))
