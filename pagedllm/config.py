@@ -347,8 +347,13 @@ class LoadConfig:
     """Longest prompt + output; None: the checkpoint's context length."""
     quantization: str | None = None
     """gguf, int8, int4, none; None: the loader's default for the file."""
+    hf_overrides: dict | None = None
+    """vLLM's --hf-overrides: only Qwen3-Reranker's recipe (models/hf_overrides.py)."""
 
     def __post_init__(self) -> None:
+        from pagedllm.models.hf_overrides import check_hf_overrides
+
+        check_hf_overrides(self.hf_overrides)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not one of 'auto', 'float32', 'bfloat16'")
         if self.quantization not in (None, "gguf", "int8", "int4", "none"):

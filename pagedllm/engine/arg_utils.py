@@ -161,6 +161,10 @@ class EngineArgs:
     pooler_config: dict | None = flag(
         None, 'pooling over the checkpoint\'s, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'',
         type=json_dict)
+    hf_overrides: dict | None = flag(
+        None, 'vLLM\'s config overrides; only Qwen3-Reranker\'s recipe: \'{"architectures": '
+        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\' (a causal LM scored by its yes/no logits)', type=json_dict)
     disable_log_stats: bool = flag(ObservabilityConfig.disable_log_stats, "no periodic stats log line")
     enable_lora: bool = flag(False, "serve LoRA adapters (--lora-modules, or loaded at run time)")
     max_loras: int = flag(LoRAConfig.max_loras, "distinct LoRA adapters in one step", type=int)
@@ -203,7 +207,8 @@ class EngineArgs:
         seqs, tokens = scheduler_defaults(self.usage_context, self.max_num_seqs, self.max_num_batched_tokens)
         config = EngineConfig(
             load_config=LoadConfig(self._model_with_hf_file(), self.revision, self.download_dir, self.tokenizer,
-                                   _load_dtype(self.dtype), self.max_model_len, self.quantization),
+                                   _load_dtype(self.dtype), self.max_model_len, self.quantization,
+                                   self.hf_overrides),
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=None if self.kv_cache_memory_bytes is None else parse_bytes(

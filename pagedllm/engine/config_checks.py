@@ -64,6 +64,7 @@ def check_parallel_support(config: EngineConfig) -> None:
     refusals = {
         "speculative_config": config.speculative_config is not None,
         "kv_transfer_config": config.kv_transfer_config is not None,
+        "hf_overrides": config.load_config.hf_overrides is not None,
     }
     for what, refused in refusals.items():
         if refused:

@@ -94,7 +94,7 @@ def _load_model(config: EngineConfig, platform: Platform, executor: Any) -> Any:
     loaded = executor.load_model() if executor is not None else load_model(
         load.model, dtype=resolve_dtype(load, platform), max_model_len=load.max_model_len,
         quantization=load.quantization, revision=load.revision, download_dir=load.download_dir,
-        device=config.device_config.device,
+        device=config.device_config.device, hf_overrides=load.hf_overrides,
     )
     quant = config.quantization_config
     activations = prefill_mode(quant.matmul_activations)

@@ -119,7 +119,6 @@ MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
                {"type": int}, harmless=lambda v: v == 1),
     _missing_switch("--enable-expert-parallel", reason="no expert parallelism (tensor parallelism shards each expert)"),
     CompatFlag(("--rope-scaling",), "no RoPE scaling override (the checkpoint's config applies)", {}),
-    CompatFlag(("--hf-overrides",), "no config overrides (the checkpoint's config applies)", {}),
 )
 
 

@@ -11,6 +11,8 @@ token type. Parameter names are HF's, except query/key/value, which load into `q
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Iterable
 
 import torch
@@ -22,7 +24,7 @@ from pagedllm.layers.embedding import LearnedPositionEmbedding, VocabEmbedding
 from pagedllm.layers.linear import Linear, QKVLinear
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.utils import default_dtype
-from pagedllm.models.family import ArchConfig, ModelFamily
+from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
 from pagedllm.models.pooling import PoolerConfig
 from pagedllm.models.utils import load_named_weights
 
@@ -250,8 +252,111 @@ def _bert_arch_config(hf: Any) -> ArchConfig:
     )
 
 
+# llama.cpp's `bert` files (convert_hf_to_gguf.py's BertModel): tensor names -> HF's.
+_BERT_GGUF_GLOBAL_NAMES = {
+    "token_embd": "embeddings.word_embeddings",
+    "position_embd": "embeddings.position_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+}
+_BERT_GGUF_BLOCK_NAMES = {
+    "attn_q": "attention.self.query",
+    "attn_k": "attention.self.key",
+    "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense",
+    "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense",
+    "layer_output_norm": "output.LayerNorm",
+}
+# llama.cpp's enum llama_pooling_type (the file's `bert.pooling_type`) -> sentence-transformers'
+# pooling modes; 0 (none: per-token outputs) and 4 (rank: a classifier head) are not served.
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}
+_GGUF_POOLING_NAMES = {0: "none", 4: "rank"}
+_CONTROL_TOKEN = 3  # gguf.TokenType.CONTROL
+
+
+def _bert_metadata_from_gguf(reader: Any, out_dir: str) -> tuple[Any, Any]:
+    """A `bert` GGUF's BertConfig and WordPiece tokenizer (transformers' GGUF reader has
+    neither), and its pooling as sentence-transformers' modules in `out_dir`."""
+    from transformers import BertConfig, BertTokenizerFast
+
+    def value(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    tokens = [str(t) for t in value("tokenizer.ggml.tokens", [])]
+    types = [int(t) for t in value("tokenizer.ggml.token_type", [_CONTROL_TOKEN] * len(tokens))]
+    if value("tokenizer.ggml.model") != "bert" or not tokens:
+        raise ValueError(f"tokenizer {value('tokenizer.ggml.model')!r} is not supported; supported: bert (WordPiece)")
+    # The converter wrote word starts as "\u2581word" and continuations bare; WordPiece spells
+    # them "word" and "##piece" (control tokens unchanged).
+    vocab = [t if kind == _CONTROL_TOKEN else t[1:] if t.startswith("\u2581") else "##" + t
+             for t, kind in zip(tokens, types)]
+    vocab_file = os.path.join(out_dir, "vocab.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        f.write("\n".join(vocab) + "\n")
+    # The converter's keys: CLS is the BOS, SEP the separator (and the EOS).
+    keys = {"unk": ("unknown",), "sep": ("seperator", "eos"), "pad": ("padding",), "cls": ("bos",), "mask": ("mask",)}
+    special = {}
+    for name, spellings in keys.items():
+        token_id = next((v for k in spellings if (v := value(f"tokenizer.ggml.{k}_token_id")) is not None), None)
+        if token_id is not None and 0 <= int(token_id) < len(vocab):
+            special[f"{name}_token"] = vocab[int(token_id)]
+    # llama.cpp's WordPiece lowercases and strips accents, as BERT's uncased tokenizer does.
+    tokenizer = BertTokenizerFast(vocab_file, do_lower_case=True, **special)
+    os.remove(vocab_file)  # saved again with the tokenizer
+    pad = value("tokenizer.ggml.padding_token_id")
+    config = BertConfig(
+        vocab_size=len(tokens),
+        hidden_size=int(value("bert.embedding_length")),
+        num_hidden_layers=int(value("bert.block_count")),
+        num_attention_heads=int(value("bert.attention.head_count")),
+        intermediate_size=int(value("bert.feed_forward_length")),
+        max_position_embeddings=int(value("bert.context_length")),
+        layer_norm_eps=float(value("bert.attention.layer_norm_epsilon", 1e-12)),
+        type_vocab_size=int(value("bert.token_type_count", value("tokenizer.ggml.token_type_count", 2))),
+        pad_token_id=int(pad) if pad is not None else 0,
+        hidden_act="gelu",
+        architectures=["BertModel"],
+    )
+    pooling_type = value("bert.pooling_type")
+    if pooling_type is not None:
+        mode = _GGUF_POOLING.get(int(pooling_type))
+        if mode is None:
+            name = _GGUF_POOLING_NAMES.get(int(pooling_type), str(pooling_type))
+            raise ValueError(f"bert.pooling_type {pooling_type} ({name}) is not supported; supported: 1 (mean), 2 (cls), 3 (last)")
+        _write_pooling_modules(out_dir, config.hidden_size, mode)
+    return config, tokenizer
+
+
+def _write_pooling_modules(out_dir: str, dimension: int, mode: str) -> None:
+    """sentence-transformers' modules.json, 1_Pooling/config.json and 2_Normalize: the file's
+    pooling, normalized as llama.cpp's server does by default (--embd-normalize 2)."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    with open(os.path.join(out_dir, "modules.json"), "w") as f:
+        json.dump(modules, f, indent=2)
+    os.makedirs(os.path.join(out_dir, "1_Pooling"))
+    os.makedirs(os.path.join(out_dir, "2_Normalize"))
+    with open(os.path.join(out_dir, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": dimension, "pooling_mode": mode}, f, indent=2)
+
+
 FAMILIES = (
-    ModelFamily("BERT", ("BertModel",), BertModel, _bert_arch_config, PACKED_MODULES, runner="pooling"),
+    ModelFamily(
+        "BERT", ("BertModel",), BertModel, _bert_arch_config, PACKED_MODULES, runner="pooling",
+        gguf=GGUFSpec(
+            "bert",
+            _BERT_GGUF_BLOCK_NAMES,
+            global_names=_BERT_GGUF_GLOBAL_NAMES,
+            block_prefix="encoder.layer",
+            metadata_from_gguf=_bert_metadata_from_gguf,
+        ),
+    ),
     ModelFamily(
         "BERT cross-encoder", ("BertForSequenceClassification",), BertForSequenceClassification,
         _bert_arch_config, PACKED_MODULES, runner="pooling",

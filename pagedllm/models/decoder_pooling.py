@@ -74,7 +74,35 @@ class LlamaForSequenceClassification(nn.Module):
         def transform(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
             return None if name.endswith("rotary_emb.inv_freq") else (name, tensor)
 
+        token_ids = getattr(self.config, "classifier_token_ids", None)
+        if token_ids is not None:  # a causal LM converted at load (models/hf_overrides.py)
+            weights = _score_from_lm_head(weights, token_ids, bool(getattr(self.config, "tie_word_embeddings", False)))
         return load_named_weights(self, weights, stacked=PACKED_MODULES, transform=transform)
+
+
+def _score_from_lm_head(
+    weights: Iterable[tuple[str, Any]], token_ids: list[int], tied: bool
+) -> Iterable[tuple[str, Any]]:
+    """A causal LM's weights with its LM head (the embedding when tied and the checkpoint has
+    no head) replaced by the one-label `score` row: head[second token] - head[first]
+    (Qwen3-Reranker's logit_yes - logit_no)."""
+    rows: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
+            no, yes = token_ids
+            if isinstance(tensor, torch.Tensor):
+                pair = tensor[[no, yes]].float()
+            elif hasattr(tensor, "rows"):  # kept quantized (GGUF blocks, int8/int4): the two rows dequantized
+                pair = tensor.rows(torch.tensor([no, yes])).dequantize().float()
+            else:
+                raise ValueError(f"{name} ({type(tensor).__name__}) cannot be converted into the score row")
+            rows[name] = (pair[1] - pair[0])[None]
+        if name != "lm_head.weight":
+            yield name, tensor
+    row = rows.get("lm_head.weight", rows.get("model.embed_tokens.weight"))
+    if row is None:
+        raise ValueError("the checkpoint has no lm_head.weight to convert into the classifier's score row")
+    yield "score.weight", row
 
 
 class Qwen3ForSequenceClassification(LlamaForSequenceClassification):

@@ -130,6 +130,10 @@ class GGUFSpec:
     file has llama.cpp's [out, in]: the reader hands them over in HF's layout (a kept one as
     gguf_quant.TransposedKept, whose .t() is the file's rows), so the family's own transpose
     of HF checkpoints applies unchanged."""
+    metadata_from_gguf: Callable[[Any, str], tuple[Any, Any]] | None = None
+    """(gguf-py's GGUFReader of the file, the metadata directory being written) -> (HF config,
+    tokenizer), for architectures transformers' GGUF reader does not know (llama.cpp's `bert`);
+    it may write further checkpoint files there (sentence-transformers' pooling modules)."""
 
 
 @dataclass(frozen=True)

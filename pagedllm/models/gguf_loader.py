@@ -121,6 +121,13 @@ def _config_and_tokenizer(index: GGUFIndex, spec: GGUFSpec, src_dir: str, basena
 
     from pagedllm.models.config_utils import architecture_of
 
+    if spec.metadata_from_gguf is not None:  # an architecture transformers' GGUF reader lacks
+        import gguf
+
+        hf_config, tokenizer = spec.metadata_from_gguf(gguf.GGUFReader(index.path), os.path.dirname(src_dir))
+        hf_config.tie_word_embeddings = False
+        check_config_matches(index, hf_config)
+        return hf_config, tokenizer
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
     hf_config.architectures = [architecture_of(hf_config)]
     # From the whole index: a split model's head may lie in a later split.

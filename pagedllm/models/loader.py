@@ -35,6 +35,7 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.moe import RouterLinear
 from pagedllm.kernels import GROUP_SIZE, QUANTIZATION_METHODS, QuantizedWeight
+from pagedllm.models.hf_overrides import apply_hf_overrides
 from pagedllm.models.gguf_loader import (
     cache_root,
     check_gguf_quant_types,
@@ -95,6 +96,7 @@ def load_model(
     revision: str | None = None,
     download_dir: str | None = None,
     device: str = "cpu",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a model for inference; ValueError with the accepted forms for anything unknown.
 
@@ -103,18 +105,23 @@ def load_model(
     revision, download_dir: a hub id's revision and cache directory (resolve_checkpoint).
     device: the weights load on the CPU and then move there; off the CPU the quantized
     kernels do not run, so a GGUF file is dequantized to ``dtype`` (quantization "none").
+    hf_overrides: vLLM's --hf-overrides, the recipes models/hf_overrides.py applies.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
     start = time.perf_counter()
     gguf_path, model_dir, quantization = _resolve_source(model, revision, download_dir, quantization, device)
     hf_config, snapshot_tokenizer = _load_config(model_dir, gguf_path is not None)
+    tokenizer = snapshot_tokenizer
+    if hf_overrides is not None:  # the recipe names tokens: the tokenizer first
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(model_dir, hf_config if gguf_path is not None else None)
+        hf_config = apply_hf_overrides(hf_config, tokenizer, hf_overrides)
     architecture = architecture_of(hf_config)
     family = family_of(architecture)
     arch = family.arch_config(hf_config)
     model_len = _max_model_len(hf_config, max_model_len)
     weight_files = safetensors_files(model_dir) if gguf_path is None else []
-    tokenizer = snapshot_tokenizer
     if tokenizer is None:
         tokenizer = _load_tokenizer(model_dir, hf_config if gguf_path is not None else None)
     if gguf_path is not None:  # refuse before any weight is read (never an OOM kill)

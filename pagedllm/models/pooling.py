@@ -111,7 +111,8 @@ def resolve_pooling(
     if convert == "classify" and not classifier:
         raise ValueError(
             f"convert='classify': {type(model).__name__} has no classifier; give a *ForSequenceClassification "
-            "checkpoint (a causal LM scored by its yes/no logits, Qwen3-Reranker's conversion, is not built yet)"
+            "checkpoint, or for a causal LM scored by two tokens' logits (Qwen3-Reranker) --hf-overrides' recipe "
+            "(docs/pooling.md)"
         )
     pooler = override.over(read_sentence_transformers_config(model_dir).over(defaults))
     return resolved_runner, pooler

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from tests.entrypoints.utils import RemoteServer, metric_value
 
-pytestmark = pytest.mark.slow  # three server processes (one shared)
-from tests.models.pooling_utils import TEXTS, save_encoder
+pytestmark = pytest.mark.slow  # four server processes (one shared)
+from tests.models.pooling_utils import TEXTS, save_decoder, save_encoder
 
 ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "16MiB", "--max-num-seqs", "8"]
 QUERY = "what is the capital of france?"
@@ -151,6 +151,36 @@ def test_score_and_rerank_equal_cross_encoder(reranker, reranker_dir: Path) -> N
     assert len(bare["results"]) == len(TEXTS) and "document" not in bare["results"][0]
     classify = httpx.post(reranker.url + "/classify", json={"model": "rr", "input": TEXTS[:2]}).json()
     assert classify["data"][0]["num_classes"] == 1 and classify["data"][0]["label"] == "LABEL_0"
+
+
+def test_qwen3_reranker_served_with_vllms_hf_overrides(tmp_path: Path) -> None:
+    """A Qwen3ForCausalLM started with vLLM's Qwen3-Reranker line (--hf-overrides; the tiny
+    tokenizer's single-token "n" / "y" for "no" / "yes"): /rerank's relevance is
+    sigmoid(logit_yes - logit_no) of transformers' causal LM on the (query, document) prompt."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    save_decoder(tmp_path, "Qwen3ForCausalLM")
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["n", "y"],
+                 "is_original_qwen3_reranker": True}
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    no, yes = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("n", "y"))
+    ref = []
+    for text in TEXTS:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([tokenizer(QUERY, text)["input_ids"]])).logits[0, -1]
+        ref.append(torch.sigmoid(logits[yes] - logits[no]).item())
+    srv = RemoteServer([*ARGS, "--served-model-name", "qr", "--runner", "pooling",
+                        "--hf-overrides", json.dumps(overrides)], model=str(tmp_path))
+    try:
+        body = httpx.post(srv.url + "/v2/rerank", json={"model": "qr", "query": QUERY, "documents": TEXTS}).json()
+    finally:
+        srv.stop()
+    best = sorted(range(len(TEXTS)), key=lambda i: -ref[i])
+    assert [r["index"] for r in body["results"]] == best
+    assert [r["relevance_score"] for r in body["results"]] == pytest.approx([ref[i] for i in best], abs=1e-4)
 
 
 def test_causal_model_serves_completions_and_embeddings(server) -> None:

@@ -213,7 +213,8 @@ def parse(*argv: str):
     (["--load-format", "dummy"], "--load-format dummy is not supported"),
     (["--gpu-memory-utilization", "0.9"], "--kv-cache-memory-bytes"),
     (["--generation-config", "/no/such/dir"], "generation_config='/no/such/dir'"),
-], ids=["lora", "sleep", "pp", "no-chunked-prefill", "load-format", "gpu-memory", "generation-config"])
+    (["--hf-overrides", '{"rope_theta": 5}'], "hf_overrides rope_theta cannot be applied; supported: Qwen3-Reranker"),
+], ids=["lora", "sleep", "pp", "no-chunked-prefill", "load-format", "gpu-memory", "generation-config", "hf-overrides"])
 def test_flags_for_what_is_missing_stop_the_start(argv, message):
     with pytest.raises(SystemExit) as exc:
         _engine_config(parse(*argv), "serve")
@@ -240,6 +241,13 @@ def test_documented_unrecognized_engine_flags_are_argparse_errors(capsys):
         with pytest.raises(SystemExit):
             parse(f"{flag}=1")
         assert f"unrecognized arguments: {flag}=1" in capsys.readouterr().err, flag
+
+
+def test_hf_overrides_takes_the_qwen3_reranker_recipe():
+    recipe = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+              "is_original_qwen3_reranker": True}
+    _, config = _engine_config(parse("--hf-overrides", json.dumps(recipe)), "serve")
+    assert config.load_config.hf_overrides == recipe
 
 
 @pytest.mark.parametrize("value", ["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"])

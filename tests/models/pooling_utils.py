@@ -14,7 +14,7 @@ import torch
 from tests.models.utils import TINY_BOS_ID, TINY_EOS_ID, save_tiny_tokenizer
 
 WORDS = [
-    "the", "cat", "dog", "sat", "on", "mat", "a", "is", "hello", "world", "paris", "capital", "of",
+    "the", "cat", "dog", "sat", "on", "mat", "is", "hello", "world", "paris", "capital", "of",
     "france", "what", "where", "sun", "hot", "cold", "##s", "##ing", "##ed",
 ]
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -28,7 +28,8 @@ TEXTS = [
 
 
 def save_wordpiece_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """BERT's WordPiece tokenizer over a small vocabulary (letters, a few words)."""
+    """BERT's WordPiece tokenizer over a small vocabulary (letters, a few words; no word twice,
+    so every id up to its size names a token, as llama.cpp's converter checks)."""
     from transformers import BertTokenizerFast
 
     vocab = SPECIAL + list("abcdefghijklmnopqrstuvwxyz?,.") + WORDS

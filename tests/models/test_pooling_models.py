@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pagedllm import LLM, PoolingParams
 from pagedllm.models import registry
 from tests.models.pooling_utils import TEXTS, hf_hidden, save_decoder, save_encoder
+from tests.models.utils import convert_with_llama_cpp, llama_cpp_dir
 
 COSINE = 0.9999
 SCORE_TOL = 1e-4
@@ -190,3 +191,88 @@ def test_errors_name_what_to_change(tmp_path: Path) -> None:
         llm.classify(["hello"])
     with pytest.raises(ValueError, match="pooling model"):
         llm.generate("hello")
+
+
+# vLLM's recipe for Qwen3-Reranker; the tiny tokenizer spells "no" and "yes" in several tokens,
+# so its single-token "n" and "y" stand in for them.
+RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["n", "y"],
+            "is_original_qwen3_reranker": True}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_reranker_from_its_causal_lm(tmp_path: Path, tied: bool) -> None:
+    """A Qwen3ForCausalLM served with --hf-overrides' reranker recipe: a one-label classifier
+    whose score is sigmoid(logit_yes - logit_no) of transformers' causal LM at the last token."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    save_decoder(tmp_path, "Qwen3ForCausalLM")
+    if tied:  # no head in the checkpoint, the embedding's: the score row comes from embed_tokens
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(tmp_path / "model.safetensors"))
+        del weights["lm_head.weight"]
+        save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    no, yes = (tokenizer.encode(t, add_special_tokens=False)[0] for t in RERANKER["classifier_from_token"])
+    llm = _llm(tmp_path, runner="pooling", hf_overrides=RERANKER)
+    assert llm.llm_engine.model_config.num_labels == 1
+    for text, out in zip(TEXTS, llm.classify(TEXTS)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([tokenizer(text)["input_ids"]])).logits[0, -1]
+        ref = torch.sigmoid(logits[yes] - logits[no])
+        assert out.outputs.probs == pytest.approx([ref.item()], abs=SCORE_TOL)
+    scores = [o.outputs.score for o in llm.score(PAIRS[0][0], [b for _, b in PAIRS])]
+    for (a, b), score in zip(PAIRS, scores):
+        ids = tokenizer(a, b)["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        assert score == pytest.approx(torch.sigmoid(logits[yes] - logits[no]).item(), abs=SCORE_TOL)
+
+
+def test_hf_overrides_refuses_what_it_cannot_apply(tmp_path: Path) -> None:
+    save_decoder(tmp_path, "Qwen3ForCausalLM")
+    with pytest.raises(ValueError, match="rope_theta cannot be applied; supported: Qwen3-Reranker"):
+        _llm(tmp_path, hf_overrides={"rope_theta": 5.0})
+    with pytest.raises(ValueError, match="classifier_from_token 'no' is 2 tokens, not one"):
+        _llm(tmp_path, hf_overrides={**RERANKER, "classifier_from_token": ["no", "yes"]})
+    with pytest.raises(ValueError, match="the checkpoint is a Qwen3ForCausalLM; the conversion takes LlamaForCausalLM"):
+        _llm(tmp_path, hf_overrides={**RERANKER, "architectures": ["LlamaForSequenceClassification"]})
+
+
+@pytest.mark.slow  # llama.cpp's converter's own start
+@pytest.mark.skipif(llama_cpp_dir() is None, reason="PAGEDLLM_LLAMA_CPP_DIR names no llama.cpp tree")
+def test_qwen3_reranker_from_a_gguf_file(tmp_path: Path) -> None:
+    """The recipe on a `qwen3` GGUF (Q8_0, as llama.cpp's converter writes it): the score row
+    comes from the kept head's two rows, dequantized; against transformers' causal LM reading
+    the same file (1e-3: the kept kernels' activation rounding, as test_gpt2_gguf). head_dim
+    128: transformers' GGUF reader leaves Qwen3's at its default."""
+    import transformers
+
+    from tests.models.pooling_utils import randomize
+    from tests.models.utils import TINY_BOS_ID, TINY_EOS_ID, save_tiny_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    tokenizer = save_tiny_tokenizer(src)
+    config = transformers.Qwen3Config(
+        vocab_size=262, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, max_position_embeddings=256, bos_token_id=TINY_BOS_ID,
+        eos_token_id=TINY_EOS_ID, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"],
+    )  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    randomize(model, std=0.05)
+    model.save_pretrained(str(src))
+    path = tmp_path / "reranker-q8_0.gguf"
+    convert_with_llama_cpp(src, path, "q8_0")
+    no, yes = (tokenizer.encode(t, add_special_tokens=False)[0] for t in RERANKER["classifier_from_token"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    llm = _llm(path, runner="pooling", hf_overrides=RERANKER)
+    for out in llm.classify(TEXTS):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0, -1]
+        assert out.outputs.probs == pytest.approx([torch.sigmoid(logits[yes] - logits[no]).item()], abs=1e-3)
