@@ -585,6 +585,7 @@ class Scheduler:
             kv_resident_bytes=self.kv_cache_manager.resident_bytes,
             kv_token_bytes=sum(r.num_computed_tokens for r in self.running) * self.kv_cache_manager.bytes_per_token,
             spec_decoding_stats=self._take_spec_stats(),
+            num_paused=len(self.paused),
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:

@@ -89,6 +89,7 @@ def _wait_paused(url: str) -> None:
     the core's latest stats: wait for it to count the request first, not a stale 0)."""
     _wait_metric(url, "pagedllm:num_requests_running", lambda v: v > 0)
     _wait_metric(url, "pagedllm:num_requests_running", lambda v: v == 0)
+    assert _metric(url, "pagedllm:num_requests_paused") == 8  # n=8: every sequence
     tokens = _metric(url, "pagedllm:generation_tokens_total")
     time.sleep(1.0)
     assert _metric(url, "pagedllm:generation_tokens_total") == tokens, "a paused request kept generating"
@@ -136,7 +137,7 @@ def test_reader_stalled_past_the_abort_limit_frees_every_block(tiny_server):
         t0 = time.monotonic()
         _wait_metric(url, "pagedllm:kv_cache_usage_perc", lambda v: v == 0, 30)
         assert time.monotonic() - t0 > 4  # held while paused, freed at the abort limit (10 s)
-        assert _metric(url, "pagedllm:num_requests_running") == 0
+        assert _metric(url, "pagedllm:num_requests_running") == _metric(url, "pagedllm:num_requests_paused") == 0
         reader.read_until(b"\r\n0\r\n\r\n", 30)  # the stream ends with an error event
     finally:
         reader.close()
