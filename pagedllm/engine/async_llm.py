@@ -664,10 +664,10 @@ class AsyncLLM:
         """Pause (or resume) a stream's sequences in the core."""
         if self.output_processor is None or self._client is None or self._core_closed:
             return
+        if stream.request_id in self._beam_searches or stream.request_id in self._pooling_tasks:
+            return  # one output, at the end: nothing to pause
         core_ids = self.output_processor.core_request_ids([stream.request_id])
         if pause:
-            if not core_ids:  # finished, a beam search or a pooling request: nothing to pause
-                return
             stream.paused_since = time.monotonic()
         else:
             stream.paused_since = None
