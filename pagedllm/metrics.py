@@ -92,6 +92,8 @@ class EngineMetrics:
         self.model_name = model_name
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_paused = gauge(
+            "num_requests_paused", "Sequences out of the batch because their clients stopped reading.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.")
         # vLLM's name before 0.10; KEDA/HPA rules and the example Grafana dashboard still use it.
         self.gpu_cache_usage_perc = gauge(
@@ -157,7 +159,8 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens at each draft position.", ("position",))
         # Create every labelled child now, so each series is exported from the start.
-        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.num_requests_paused,
+                       self.kv_cache_usage_perc,
                        self.gpu_cache_usage_perc,
                        self.kv_cache_free_blocks, self.kv_cache_total_blocks, self.prompt_tokens,
                        self.kv_cache_resident_bytes, self.kv_cache_token_bytes,
@@ -226,6 +229,7 @@ class EngineMetrics:
         self.last_stats = stats
         self._l(self.num_requests_running).set(s.num_running)
         self._l(self.num_requests_waiting).set(s.num_waiting)
+        self._l(self.num_requests_paused).set(s.num_paused)
         self._l(self.kv_cache_usage_perc).set(s.kv_cache_usage)
         if self.gpu_cache_usage_perc is not None:
             self._l(self.gpu_cache_usage_perc).set(s.kv_cache_usage)

@@ -114,6 +114,8 @@ class SchedulerStats:
     """Of it, bytes holding computed tokens of running requests (K and V, every layer)."""
     spec_decoding_stats: SpecDecodingStats | None = None
     """Drafts since the previous ``get_stats()`` call; None without speculative decoding."""
+    num_paused: int = 0
+    """Sequences paused by the front end (their clients stopped reading), out of the batch."""
 
     @property
     def kv_fragmentation(self) -> float:

@@ -80,6 +80,10 @@ class Scheduler:
         # Finished or preempted since the last schedule(): the runner must drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since start
+        # Paused by the front end (their clients stopped reading): out of the batch, their
+        # blocks kept unless memory runs short (then dropped, recomputed on resume).
+        self.paused: dict[str, Request] = {}
+        self._pause_wanted: set[str] = set()  # paused as soon as they run (waiting or unforked now)
         # Forked sequences not yet sent to the runner (they go as NewRequestData).
         self._unsent: set[str] = set()
         # Disaggregated prefill: the connector's scheduler side over the manager's KV
@@ -150,6 +154,50 @@ class Scheduler:
         if removed:
             self.running = [r for r in self.running if r.request_id not in removed]
             self.waiting.remove_ids(removed)
+            for request_id in removed:
+                self.paused.pop(request_id, None)
+                self._pause_wanted.discard(request_id)
+
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop scheduling these requests (a client that stopped reading) until resumed:
+        a running one leaves the batch now, keeping its blocks; one not running yet, when it
+        first runs. Unknown or finished ids are ignored."""
+        self._pause_wanted.update(r for r in request_ids if r in self.requests)
+        self._apply_pauses()
+
+    def resume_requests(self, request_ids: Iterable[str]) -> None:
+        """Schedule paused requests again: back at the end of ``running`` with their blocks,
+        or at the front of ``waiting`` if memory pressure took their blocks meanwhile."""
+        for request_id in request_ids:
+            self._pause_wanted.discard(request_id)
+            request = self.paused.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.append(request)
+            else:
+                self.waiting.add(request, front=True)
+
+    def _apply_pauses(self) -> None:
+        if not self._pause_wanted:
+            return
+        kept = []
+        for request in self.running:
+            if request.request_id in self._pause_wanted and not request.pending_forks:
+                self._pause_wanted.discard(request.request_id)
+                self.paused[request.request_id] = request
+            else:
+                kept.append(request)
+        self.running = kept
+
+    def _preempt_paused(self) -> bool:
+        """Memory is short: drop the blocks of a paused request (the newest first) rather than
+        preempt one whose client reads. False if no paused request holds blocks."""
+        for request in reversed(list(self.paused.values())):
+            if request.status == RequestStatus.RUNNING:
+                self._preempt(request, requeue=False)
+                return True
+        return False
 
     def add_forked_request(self, parent: Request, child: Request) -> None:
         """Run ``child`` (same tokens as ``parent`` but possibly its last, uncomputed one)
@@ -170,7 +218,7 @@ class Scheduler:
             pending, request.pending_forks = request.pending_forks, []
             for p in reversed([p for p in pending if p.request_id not in removed]):
                 self.waiting.add(p, front=True)
-        for leader in [*self.running, *self.waiting]:
+        for leader in [*self.running, *self.waiting, *self.paused.values()]:
             if request in leader.pending_forks:
                 leader.pending_forks.remove(request)
 
@@ -183,11 +231,11 @@ class Scheduler:
         return len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote) + len(self.paused)
 
     def has_unfinished_requests(self) -> bool:
         remote = self.remote is not None and bool(self.remote.waiting_for_remote or self.remote.aborted_loading)
-        return bool(self.waiting or self.running or remote)
+        return bool(self.waiting or self.running or remote)  # paused requests wait for the front end
 
     def has_pending_kv_transfers(self) -> bool:
         """Blocks held for a remote pull: the engine keeps polling the connector."""
@@ -206,6 +254,7 @@ class Scheduler:
         step succeeds; ``update_from_output`` then appends the sampled tokens.
         """
         step = _Step(self.max_num_batched_tokens)
+        self._apply_pauses()
         self._schedule_running(step)
         # Waiting requests, FCFS. Skipped after a preemption: memory is short. One whose
         # adapter finds no slot (max_loras in use) is held aside, so it blocks no one behind.
@@ -281,6 +330,8 @@ class Scheduler:
         while (allocation := self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, num_lookahead_tokens=lookahead
         )) is None:
+            if self._preempt_paused():
+                continue
             # Any members of the victim group scheduled earlier in this step are
             # unscheduled with it (the current request may be among them).
             victims = self._pop_victim_group()
@@ -534,6 +585,7 @@ class Scheduler:
             kv_resident_bytes=self.kv_cache_manager.resident_bytes,
             kv_token_bytes=sum(r.num_computed_tokens for r in self.running) * self.kv_cache_manager.bytes_per_token,
             spec_decoding_stats=self._take_spec_stats(),
+            num_paused=len(self.paused),
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:
@@ -544,8 +596,9 @@ class Scheduler:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop the KV, requeue at the front of ``waiting``."""
+    def _preempt(self, request: Request, requeue: bool = True) -> None:
+        """Preempt by recompute: drop the KV, requeue at the front of ``waiting`` (a paused
+        request stays paused: ``requeue=False``)."""
         num_computed = request.num_computed_tokens
         request.status = RequestStatus.PREEMPTED
         request.spec_token_ids = []
@@ -556,7 +609,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._unsent.discard(request.request_id)
-        self.waiting.add(request, front=True)
+        if requeue:
+            self.waiting.add(request, front=True)
         self.finished_req_ids.add(request.request_id)
         logger.debug(
             "preempted request %s (%d tokens computed, preempted %d times); %d blocks free",

@@ -83,6 +83,11 @@ EXPIRY_CHECK_INTERVAL_S = 0.2
 DRAIN_POLL_S = 0.05
 DRAIN_FREE_WAIT_S = 5.0
 """A graceful stop asks the core this long at most for every block to be let go."""
+STALLED_STREAM_TIMEOUT_S = 1.0
+"""A request whose output waited this long unread is paused (out of the batch) until read."""
+STALLED_STREAM_ABORT_TIMEOUT_S = 60.0
+"""A request paused this long is aborted and its KV blocks freed."""
+STALL_CHECK_INTERVAL_S = 0.2
 
 
 class KVTransferFailedError(EngineNotReadyError):
@@ -104,6 +109,8 @@ class RequestStream:
         self.deadline = deadline  # time.monotonic() after which the request is aborted
         self.finished = False
         self._pending: RequestOutput | None = None
+        self.pending_since: float | None = None  # time.monotonic() the unread output has waited since
+        self.paused_since: float | None = None  # paused in the core (its client stopped reading)
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._engine = engine
@@ -113,6 +120,8 @@ class RequestStream:
             if self._error is None:
                 self._error = item
         elif self._pending is None or not self._pending.finished:
+            if self._pending is None:
+                self.pending_since = time.monotonic()
             self._pending = item  # cumulative: the newer output holds everything the older did
         self._ready.set()
 
@@ -130,6 +139,9 @@ class RequestStream:
                 raise StopAsyncIteration
             if self._pending is not None:
                 item, self._pending = self._pending, None
+                self.pending_since = None
+                if self.paused_since is not None:  # the client reads again
+                    self._engine._pause(self, False)
                 if item.finished:
                     self.finished = True
                 return item
@@ -150,7 +162,18 @@ class AsyncLLM:
         self, args: EngineArgs, model_name: str, max_waiting_requests: int | None = None,
         request_timeout_s: float | None = None, started_core: StartedCore | None = None,
         metrics_names: str = "pagedllm",
+        stalled_stream_timeout_s: float | None = STALLED_STREAM_TIMEOUT_S,
+        stalled_stream_abort_timeout_s: float | None = STALLED_STREAM_ABORT_TIMEOUT_S,
     ) -> None:
+        """``stalled_stream_timeout_s``: a request whose stream holds an output unread this long
+        leaves the batch until its consumer reads again (None: never); one paused for
+        ``stalled_stream_abort_timeout_s`` is aborted (None: never)."""
+        for name, value in (("stalled_stream_timeout_s", stalled_stream_timeout_s),
+                            ("stalled_stream_abort_timeout_s", stalled_stream_abort_timeout_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value} must be > 0")
+        self.stalled_stream_timeout_s = stalled_stream_timeout_s
+        self.stalled_stream_abort_timeout_s = stalled_stream_abort_timeout_s
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
         if request_timeout_s is not None and not request_timeout_s > 0:
@@ -182,6 +205,7 @@ class AsyncLLM:
         self._started_core = started_core  # spawned before the front end's imports, if any
         self._task: asyncio.Task | None = None
         self._expiry_task: asyncio.Task | None = None
+        self._stall_task: asyncio.Task | None = None
         self._ready_event = asyncio.Event()
         self._dead_event = asyncio.Event()  # set once the engine core died or failed to start
         self._kv_snapshot: tuple[float, KVSnapshot] | None = None  # (time taken, snapshot)
@@ -199,6 +223,8 @@ class AsyncLLM:
         self._task = asyncio.get_running_loop().create_task(self._run_output_handler())
         if self.request_timeout_s is not None:
             self._expiry_task = asyncio.get_running_loop().create_task(self._expire_requests())
+        if self.stalled_stream_timeout_s is not None:
+            self._stall_task = asyncio.get_running_loop().create_task(self._pause_stalled())
 
     async def wait_ready(self) -> None:
         await self._ready_event.wait()
@@ -213,8 +239,9 @@ class AsyncLLM:
         for stream in list(self._streams.values()):
             stream.put(EngineNotReadyError("the server is shutting down"))
         self._streams.clear()
-        if self._expiry_task is not None:
-            self._expiry_task.cancel()
+        for task in (self._expiry_task, self._stall_task):
+            if task is not None:
+                task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -248,7 +275,7 @@ class AsyncLLM:
                     usage = await asyncio.wait_for(self._call_utility("kv_usage"), DRAIN_FREE_WAIT_S)
                 except (asyncio.TimeoutError, EngineNotReadyError, RequestFaultError):
                     break
-                if usage["num_running"] + usage["num_waiting"] == 0 and usage["kv_blocks_used"] == 0:
+                if usage["num_running"] + usage["num_waiting"] + usage["num_paused"] == 0 and usage["kv_blocks_used"] == 0:
                     break
                 if time.monotonic() > deadline:
                     break
@@ -608,6 +635,44 @@ class AsyncLLM:
                         f"{self.request_timeout_s:g} s (--request-timeout) and was aborted; "
                         f"lower max_tokens or retry later"))
                     self.abort(stream.request_id)
+
+    async def _pause_stalled(self) -> None:
+        """Backpressure: pause the requests whose stream output waited unread longer than
+        ``stalled_stream_timeout_s`` (the core stops scheduling them, so the batch holds only
+        requests whose clients read); abort those paused for ``stalled_stream_abort_timeout_s``."""
+        assert self.stalled_stream_timeout_s is not None
+        while True:
+            await asyncio.sleep(STALL_CHECK_INTERVAL_S)
+            now = time.monotonic()
+            abort_after = self.stalled_stream_abort_timeout_s
+            for stream in list(self._streams.values()):
+                if stream.finished:
+                    continue
+                if stream.paused_since is not None:
+                    if abort_after is not None and now - stream.paused_since > abort_after:
+                        logger.warning("request %s: its client read nothing for %.0f s; aborting it",
+                                       stream.request_id, now - stream.paused_since)
+                        stream.put(RequestTimeoutError(
+                            f"the stream was not read for {abort_after:g} s "
+                            f"(--stalled-stream-abort-timeout); the request was aborted"))
+                        self.abort(stream.request_id)
+                elif (stream.pending_since is not None
+                      and now - stream.pending_since > self.stalled_stream_timeout_s):
+                    self._pause(stream, True)
+
+    def _pause(self, stream: RequestStream, pause: bool) -> None:
+        """Pause (or resume) a stream's sequences in the core."""
+        if self.output_processor is None or self._client is None or self._core_closed:
+            return
+        if stream.request_id in self._beam_searches or stream.request_id in self._pooling_tasks:
+            return  # one output, at the end: nothing to pause
+        core_ids = self.output_processor.core_request_ids([stream.request_id])
+        if pause:
+            stream.paused_since = time.monotonic()
+        else:
+            stream.paused_since = None
+        logger.debug("request %s %s", stream.request_id, "paused: its client stopped reading" if pause else "resumed")
+        self._client.pause_requests(core_ids, pause)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         """End one user request with an error and abort it; the others go on."""

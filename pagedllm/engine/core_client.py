@@ -139,6 +139,15 @@ class CoreClient:
             except EngineDeadError:
                 pass
 
+    def pause_requests(self, request_ids: list[str], pause: bool = True) -> None:
+        """Stop (or, with ``pause=False``, resume) scheduling requests in the core; nothing to
+        do if the core is gone."""
+        if request_ids and not self._closed:
+            try:
+                self._send("pause" if pause else "resume", list(request_ids))
+            except EngineDeadError:
+                pass
+
     async def call_utility(self, name: str, payload: Any = None) -> Any:
         """Run a named utility in the core (e.g. reset_prefix_cache, or add_lora with its
         payload) and await its result; UtilityError if it raised there, EngineDeadError if

@@ -3,7 +3,8 @@
 ``(kind, payload)``.
 
 - front end -> core: ``add`` (a Request), ``add_beam_search`` ((request id, prompt token ids,
-  BeamSearchParams)), ``abort`` ((request ids, stopped)), ``reset_prefix_cache``,
+  BeamSearchParams)), ``abort`` ((request ids, stopped)),
+  ``pause`` / ``resume`` (request ids: a stalled client's requests leave the batch / rejoin it), ``reset_prefix_cache``,
   ``kv_snapshot`` (the dashboard's KVSnapshot, taken between steps), ``shutdown``;
 - core -> front end: ``ready`` (ReadyInfo) or ``failed`` (a message) once at start-up, then
   ``outputs`` (CoreOutputs: engine outputs and, periodically, stats), ``utility``

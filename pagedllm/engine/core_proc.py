@@ -116,6 +116,7 @@ class EngineCoreProc:
         self._utility_calls: dict[str, int] = {}
         self._handlers: dict[str, Callable[[Any], None]] = {
             "add": self._add, "add_beam_search": self._add_beam_search, "abort": self._abort,
+            "pause": self.scheduler.pause_requests, "resume": self.scheduler.resume_requests,
             "shutdown": self._shutdown,
         }
         # Utilities: name -> a call whose result goes back to the caller.
@@ -305,6 +306,7 @@ class EngineCoreProc:
         """Requests held and KV blocks in use (cached free blocks count as free): a graceful
         stop asks this until everything it aborted is let go."""
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_paused": len(self.scheduler.paused),
                 "kv_blocks_used": self.num_total_blocks - self.kv.num_free_blocks,
                 "kv_cache_usage": self.kv.usage}
 

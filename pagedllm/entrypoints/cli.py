@@ -210,6 +210,7 @@ def _server_config(
 ) -> ServerConfig:
     """The HTTP front end's settings (api_server.ServerConfig) from the serve flags."""
     from pagedllm.config import parse_bytes
+    from pagedllm.engine.async_llm import STALLED_STREAM_ABORT_TIMEOUT_S, STALLED_STREAM_TIMEOUT_S
     from pagedllm.entrypoints.openai.api_server import ServerConfig, load_chat_template
 
     return ServerConfig(
@@ -224,6 +225,9 @@ def _server_config(
         uvicorn_log_level=args.uvicorn_log_level,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
+        stalled_stream_timeout_s=_seconds_or_off(args.stalled_stream_timeout, STALLED_STREAM_TIMEOUT_S),
+        stalled_stream_abort_timeout_s=_seconds_or_off(args.stalled_stream_abort_timeout,
+                                                       STALLED_STREAM_ABORT_TIMEOUT_S),
         shutdown_timeout_s=args.shutdown_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
         metrics_names=args.metrics_names,
@@ -247,6 +251,15 @@ def _server_config(
         dev_mode=server_dev_mode_from_env(os.environ),
     )
 
+
+
+def _seconds_or_off(value: float | None, default: float) -> float | None:
+    """A seconds flag: unset is ``default``, 0 turns the behaviour off (None)."""
+    if value is None:
+        return default
+    if value < 0:
+        raise SystemExit(f"error: a timeout of {value:g} s: give seconds > 0, or 0 to turn it off")
+    return value or None
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from pagedllm.entrypoints.openai.tool_parsers import tool_parser_names
@@ -291,6 +304,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="sequences allowed to wait beyond --max-num-seqs; more get a 503 with Retry-After")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds after which an unfinished request is aborted (503 with Retry-After)")
+    serve.add_argument("--stalled-stream-timeout", type=float, default=None,
+                       help="seconds a stream's output may wait unread (its client stopped reading) "
+                            "before the request is paused: out of the batch, KV kept, resumed when "
+                            "read (default 1; 0: never paused)")
+    serve.add_argument("--stalled-stream-abort-timeout", type=float, default=None,
+                       help="seconds a request stays paused before it is aborted and its KV freed "
+                            "(default 60; 0: never)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="on SIGTERM/SIGINT: seconds requests in flight get to finish (new ones get a "
                             "503), then the rest are aborted and the server exits; 0: abort at once")

@@ -287,3 +287,69 @@ def test_running_requests_get_only_their_new_blocks() -> None:
     assert so.scheduled_new_reqs == []
     cached = so.scheduled_cached_reqs[0]
     assert (cached.req_id, cached.new_block_ids, cached.num_computed_tokens) == ("a", [[3, 4]], 8)
+
+
+def test_paused_request_leaves_the_batch_keeps_its_blocks_and_resumes() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_num_seqs=3)
+    runner = runner_for(scheduler)
+    a = make_request("a", [5] * 8, max_tokens=6)
+    b = make_request("b", [6] * 8, max_tokens=6)
+    for request in (a, b):
+        scheduler.add_request(request)
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, runner.execute(so))
+    scheduler.pause_requests(["a", "unknown"])
+    blocks = scheduler.kv_cache_manager.get_num_blocks("a")
+    for _ in range(3):  # b goes on alone; a holds its blocks, computes nothing
+        so = scheduler.schedule()
+        assert set(so.num_scheduled_tokens) == {"b"} and so.finished_req_ids == set()
+        scheduler.update_from_output(so, runner.execute(so))
+    assert scheduler.running == [b] and list(scheduler.paused) == ["a"]
+    assert scheduler.get_stats().num_running == 1 and scheduler.get_stats().num_paused == 1
+    assert scheduler.kv_cache_manager.get_num_blocks("a") == blocks and a.num_output_tokens == 1
+    scheduler.resume_requests(["a"])
+    outputs = run_until_done(scheduler, runner)
+    assert len(output_token_ids(outputs["a"])) == 5 and a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_all_released(scheduler)
+
+
+def test_memory_pressure_takes_a_paused_requests_blocks_first() -> None:
+    # 8 usable blocks, at most 3 running (as the preemption test above).
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_num_seqs=3, num_blocks=9)
+    runner = runner_for(scheduler)
+    a = make_request("a", [5] * 12, max_tokens=20)
+    b = make_request("b", [6] * 12, max_tokens=20)
+    c = make_request("c", [7] * 4, max_tokens=20)
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    so = scheduler.schedule()  # a: 3 blocks, b: 3, c: 1; 1 free
+    scheduler.update_from_output(so, runner.execute(so))
+    scheduler.pause_requests(["a"])
+    # b and c each need a block, 1 is free: the paused a loses its blocks, not c its place.
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"b": 1, "c": 1} and so.finished_req_ids == {"a"}
+    assert a.status == RequestStatus.PREEMPTED and "a" in scheduler.paused and a not in scheduler.waiting
+    assert scheduler.kv_cache_manager.get_num_blocks("a") == 0 and c.num_preemptions == 0
+    scheduler.update_from_output(so, runner.execute(so))
+    scheduler.resume_requests(["a"])  # recomputed from the front of waiting
+    assert list(scheduler.waiting)[0] is a
+    scheduler.finish_requests(["b", "c"], RequestStatus.FINISHED_ABORTED)
+    outputs = run_until_done(scheduler, runner)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(output_token_ids(outputs["a"])) == 19
+    assert_all_released(scheduler)
+
+
+def test_aborting_a_paused_request_frees_its_blocks() -> None:
+    scheduler = make_scheduler()
+    runner = runner_for(scheduler)
+    a = make_request("a", [5] * 8, max_tokens=6)
+    scheduler.add_request(a)
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, runner.execute(so))
+    scheduler.pause_requests(["a"])
+    assert not scheduler.has_unfinished_requests()  # nothing to step: the core idles
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.paused == {}
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, runner.execute(so))
+    assert_all_released(scheduler)

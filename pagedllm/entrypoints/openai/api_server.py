@@ -25,7 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestFaultError
+from pagedllm.engine.async_llm import (
+    STALLED_STREAM_ABORT_TIMEOUT_S,
+    STALLED_STREAM_TIMEOUT_S,
+    AsyncLLM,
+    EngineNotReadyError,
+    RequestFaultError,
+)
 from pagedllm.engine.core_client import StartedCore
 from pagedllm.entrypoints.anthropic import router as anthropic_router
 from pagedllm.entrypoints.openai.chat_renderer import ChatRenderer
@@ -87,6 +93,10 @@ class ServerConfig:
     """Sequences allowed to wait beyond max_num_seqs; more get a 503 with Retry-After (None: no bound)."""
     request_timeout_s: float | None = None
     """A request unfinished this long after arrival is aborted with a 503 (None: no limit)."""
+    stalled_stream_timeout_s: float | None = STALLED_STREAM_TIMEOUT_S
+    """A stream's output unread this long pauses its request (None: never)."""
+    stalled_stream_abort_timeout_s: float | None = STALLED_STREAM_ABORT_TIMEOUT_S
+    """A request paused this long is aborted (None: never)."""
     metrics_names: str = "pagedllm"
     """Prometheus names on /metrics: "pagedllm" (``pagedllm:`` prefix, label model_name) or
     "vllm" (``vllm:`` names with vLLM's labels, for vLLM's dashboards and autoscalers)."""
@@ -327,7 +337,8 @@ async def serve(
     model_name = model_names[0]
     engine = AsyncLLM(
         engine_args, model_name, config.max_waiting_requests, config.request_timeout_s, started_core,
-        metrics_names=config.metrics_names,
+        metrics_names=config.metrics_names, stalled_stream_timeout_s=config.stalled_stream_timeout_s,
+        stalled_stream_abort_timeout_s=config.stalled_stream_abort_timeout_s,
     )
     app = build_app(engine, config, model_names)
     uv_config = uvicorn.Config(
