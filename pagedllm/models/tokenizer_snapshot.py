@@ -84,6 +84,10 @@ class SnapshotTokenizer:
     def __len__(self) -> int:
         return self._meta["len"]
 
+    def get_vocab(self) -> dict[str, int]:
+        # as transformers' fast tokenizer answers it (its backend's, added tokens included)
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def get_added_vocab(self) -> dict[str, int]:
         return dict(self._meta["added_vocab"])
 

@@ -432,6 +432,14 @@ def check_chat_template_kwargs(ctx: Ctx) -> None:
                 "tokenize")
 
 
+def check_reasoning_effort(ctx: Ctx) -> None:
+    # Handed to the chat template (gpt-oss's reads it: test_harmony_server.py); the default
+    # model's template has no such variable, so its prompt is unchanged; other values are a 400.
+    out = ctx.chat(reasoning_effort="high", max_tokens=1)
+    assert out.usage.prompt_tokens == ctx.greedy_chat().usage.prompt_tokens
+    ctx.refused(CHAT, {"messages": YES, "reasoning_effort": "extreme"}, "reasoning_effort")
+
+
 def check_include_reasoning(ctx: Ctx) -> None:
     # Without --reasoning-parser nothing is reasoning: the field changes nothing here (what it
     # does with a parser: test_reasoning_server.py).
@@ -583,7 +591,7 @@ FIELD_CHECKS: dict[str, Callable[[Ctx], None]] = {
     "messages": check_messages, "chat.logprobs": check_chat_logprobs, "top_logprobs": check_top_logprobs,
     "add_generation_prompt": check_add_generation_prompt, "chat_template": check_chat_template,
     "chat_template_kwargs": check_chat_template_kwargs,
-    "include_reasoning": check_include_reasoning,
+    "include_reasoning": check_include_reasoning, "reasoning_effort": check_reasoning_effort,
     "thinking_token_budget": check_thinking_token_budget,
     "tools": check_tools, "tool_choice": check_tool_choice,
     "functions": _unsupported("functions", [TOOL["function"]]),

@@ -176,7 +176,7 @@ def test_gguf_kept_quantized_matches_dequantized_and_hf(
     for method in ("gguf", "none"):
         loaded = load_model(str(tiny_gemma2_gguf), quantization=method)
         assert loaded.quantization == method
-        assert (loaded.model.model.layers[0].self_attn.qkv_proj.quant is not None) == (method == "gguf")
+        assert bool(loaded.model.model.layers[0].self_attn.qkv_proj.kept_weights()) == (method == "gguf")
         bind_kv_caches(loaded.model, num_blocks=16, block_size=4)
         logprobs[method] = prompt_logprobs(loaded.model, prompt, block_size=4)
     torch.testing.assert_close(logprobs["gguf"], logprobs["none"], atol=1e-4, rtol=0)

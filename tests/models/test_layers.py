@@ -148,6 +148,7 @@ def test_rotary_matches_hf(rope: dict[str, Any]) -> None:
 def test_unsupported_rope_type() -> None:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    # yarn is supported since gpt-oss (test_gpt_oss.py); dynamic (NTK scaling) is not
+    config = LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ValueError, match="supported: default, linear, llama3"):
         get_rope(64, 128, config)

