@@ -64,12 +64,7 @@ class LLMEngine:
             request_id = request_id if request_id is not None else str(next(self._ids))
             core_request = make_pooling_request(
                 request_id, text, prompt_token_ids, params, self.model_config, self.output_processor, priority)
-            try:
-                self.engine_core.add_request(core_request)
-            except ValueError:
-                self.output_processor.abort_requests([request_id])
-                raise
-            return request_id
+            return self._submit(request_id, core_request)
         check_generation(self.model_config)
         max_tokens = self.input_processor.validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -77,6 +72,11 @@ class LLMEngine:
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
             self.tokenizer, self.output_processor, cache_salt, priority=priority, lora_request=lora_request,
         )
+        return self._submit(request_id, core_request)
+
+    def _submit(self, request_id: str, core_request: Any) -> str:
+        """Hand the request's core request(s) to the core; a refusal there (ValueError) drops
+        the front end's state for it and raises."""
         try:
             self.engine_core.add_request(core_request)
         except ValueError:

@@ -46,6 +46,12 @@ time against the bf16 panels' (decode to bf16 + torch's GEMM) at M = 32 / 64 / 1
 0.67x / 0.95x / 1.25x, Q6_K 0.47x / 0.80x / 1.09x (2026-12-03, Zen 4)."""
 
 
+def small_m_path(decode_activations: str) -> str:
+    """The small-M kernel's path (csrc/gguf_matmul.h matmul_small) for a layer's
+    decode_activations: "fast" (int8 where the type has that kernel) or "" (the build's choice)."""
+    return "fast" if decode_activations == "int8" else ""
+
+
 def small_m_max_rows(type_name: str, decode_activations: str) -> int:
     """The most activation rows the small-M kernel takes for a weight of this type."""
     if decode_activations == "int8" and type_name in INT8_DECODE_TYPES:
@@ -208,8 +214,8 @@ def gguf_linear(
     ops = gguf_linear_ops() if weight.type_name in KEPT_GGUF_TYPES else None
     m = x2.shape[0]
     if ops is not None and m <= small_m_max_rows(weight.type_name, decode_activations):
-        path = "fast" if decode_activations == "int8" else ""
-        y = ops.linear(x2, weight.data.contiguous(), type_index(ops, weight.type_name), path)
+        index = type_index(ops, weight.type_name)
+        y = ops.linear(x2, weight.data.contiguous(), index, small_m_path(decode_activations))
     elif ops is not None and bf16_min_rows is not None and m >= bf16_min_rows:
         # bf16 panels, decoded as csrc/decode_gguf_linear.h's bf16_panels decodes them (so the
         # fused decode gives the same floats)

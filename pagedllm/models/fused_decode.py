@@ -53,7 +53,7 @@ from pagedllm.attention.params import AttentionParams
 from pagedllm.attention.torch_backend import MAX_SHORT_RUN, CompiledBackend
 from pagedllm.kernels import decode_layers_ops
 from pagedllm.kernels.gemm import CHUNK_ROWS
-from pagedllm.kernels.gguf_blocks import SMALL_M_MAX_ROWS, GGUFBlocks, small_m_max_rows
+from pagedllm.kernels.gguf_blocks import GGUFBlocks, small_m_max_rows, small_m_path
 from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import KeptWeight, Linear
 from pagedllm.lora.layers import active_mapping
@@ -159,10 +159,9 @@ def _kept_form(
     activations as `decode_activations` says (kernels/gguf_blocks.py DECODE_ACTIVATIONS)."""
     if isinstance(weight, GGUFBlocks):
         type_index = ops.gguf_type_names().index(weight.type_name)
-        small_path = "fast" if decode_activations == "int8" else ""
         small_rows = small_m_max_rows(weight.type_name, decode_activations)
         return ops.DecodeLinear.gguf(weight.data.contiguous(), type_index, weight.k, small_rows, CHUNK_ROWS,
-                                     panel_min_rows, bias, bf16, bf16_min_rows, small_path)
+                                     panel_min_rows, bias, bf16, bf16_min_rows, small_m_path(decode_activations))
     zeros = _EMPTY if weight.zeros is None else weight.zeros
     return ops.DecodeLinear(weight.bits, weight.qweight, weight.scales, zeros, bias, bf16, bf16_min_rows)
 

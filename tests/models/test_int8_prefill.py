@@ -59,12 +59,19 @@ def prompt_drift(llm: Any, model: Any, mode: str) -> tuple[np.ndarray, int, int,
     ref, ref_top = _prompt_logprobs(llm, "float-activations")
     assert set_prefill_activations(model, mode) > 0
     got, got_top = _prompt_logprobs(llm, f"{mode}-activations")
+    return drift_stats(ref, ref_top, got, got_top, f"{mode} prefill")
+
+
+def drift_stats(ref: np.ndarray, ref_top: list[dict], got: np.ndarray, got_top: list[dict],
+                label: str) -> tuple[np.ndarray, int, int, float]:
+    """Two runs' prompt logprobs of the same tokens (and their top-k per position) compared:
+    (|diff| per position, positions whose argmax agrees, positions, perplexity ratio), printed."""
     diff = np.abs(got - ref)
     argmax_same = sum(
         max(a, key=lambda t: a[t].logprob) == max(b, key=lambda t: b[t].logprob) for a, b in zip(ref_top, got_top)
     )
     ppl_ratio = float(np.exp(-got.mean()) / np.exp(-ref.mean()))
-    print(f"{mode} prefill: logprob |diff| max {diff.max():.3f} mean {diff.mean():.4f}; ppl ratio {ppl_ratio:.4f}; "
+    print(f"{label}: logprob |diff| max {diff.max():.3f} mean {diff.mean():.4f}; ppl ratio {ppl_ratio:.4f}; "
           f"argmax same {argmax_same}/{len(ref_top)}")  # fmt: skip
     return diff, argmax_same, len(ref_top), ppl_ratio
 
