@@ -22,6 +22,7 @@ from tests.entrypoints.utils import RemoteServer
 pytestmark = pytest.mark.slow
 
 schemathesis = pytest.importorskip("schemathesis")
+from schemathesis.core.transport import STREAM_CUT_SHORT_ATTRIBUTE  # noqa: E402
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 NUM_EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "12"))
@@ -47,12 +48,43 @@ def check_error_shape(err: object, status: int, text: str) -> None:
     assert err["code"] == status and err["message"], text
 
 
-def check_stream_body(text: str, label: str) -> None:
-    """A 200 event stream: JSON events, then `[DONE]` last. An error event inside it fails the
-    case unless it says the request was invalid (a 4xx code found after the stream began)."""
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def check_stream_body(text: str, label: str, complete: bool = True) -> None:
+    """A 200 event stream in its API's dialect, complete unless `complete` is False (a stream the
+    client stopped reading). Chat and completions: JSON events, then `[DONE]` last; an error event
+    fails the case unless it says the request was invalid (a 4xx found after the stream began).
+    Responses: typed events ending in response.completed / incomplete, or response.failed for an
+    invalid request only. Anthropic Messages: events ending in message_stop, or an error event of
+    an invalid request."""
     events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", f"{label}: the stream does not end with [DONE]: {text[-2000:]}"
-    for event in events[:-1]:
+    assert events, f"{label}: an empty event stream: {text[-2000:]}"
+    first = json.loads(events[0])
+    kind = first.get("type", "") if isinstance(first, dict) else ""
+    if kind.startswith("response."):
+        objs = [json.loads(e) for e in events]
+        assert all(isinstance(o, dict) and o.get("type", "").startswith("response.") for o in objs), label
+        if complete:
+            assert objs[-1]["type"] in RESPONSE_ENDS, f"{label}: the stream does not end: {text[-2000:]}"
+        for o in objs:
+            if o["type"] == "response.failed":
+                assert o["response"]["error"]["code"] != "server_error", f"{label}: {json.dumps(o)[:2000]}"
+        return
+    if kind in ("message_start", "error") and "choices" not in first:
+        objs = [json.loads(e) for e in events]
+        if complete:
+            assert objs[-1]["type"] in ("message_stop", "error"), f"{label}: the stream does not end: {text[-2000:]}"
+        for o in objs:
+            if o["type"] == "error":
+                assert o["error"]["type"] in ("invalid_request_error", "not_found_error", "request_too_large"), \
+                    f"{label}: error event in a 200 stream: {json.dumps(o)[:2000]}"
+        return
+    if complete:
+        assert events[-1] == "[DONE]", f"{label}: the stream does not end with [DONE]: {text[-2000:]}"
+    for event in events:
+        if event == "[DONE]":
+            continue
         obj = json.loads(event)
         if "error" in obj:
             err = obj["error"]
@@ -67,7 +99,7 @@ def _content_type(r: httpx.Response | object) -> str:
     return (value[0] if value else "") if isinstance(value, list) else value
 
 
-def check_response(r: httpx.Response | object, label: str) -> None:
+def check_response(r: httpx.Response | object, label: str, complete: bool = True) -> None:
     status = r.status_code
     assert status < 500, f"{label}: {status} {r.text[:2000]}"
     if status >= 400:
@@ -78,7 +110,7 @@ def check_response(r: httpx.Response | object, label: str) -> None:
         check_error_shape(body["error"], status, r.text)
     elif _content_type(r).startswith("text/event-stream"):
         COUNTS["streams"] += 1
-        check_stream_body(r.text, label)
+        check_stream_body(r.text, label, complete)
 
 
 def _sse(*events: object) -> httpx.Response:
@@ -95,7 +127,13 @@ CHUNK = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "
     [CHUNK],  # cut short: no [DONE]
     [CHUNK, {"error": "not OpenAI's shape"}, "[DONE]"],
     ["not json", "[DONE]"],
-], ids=["500-event", "503-event", "no-done", "bad-error-shape", "not-json"])
+    ['{"type": "response.created", "response": {}}', '{"type": "response.output_text.delta", "delta": "a"}'],
+    ['{"type": "response.created", "response": {}}',
+     '{"type": "response.failed", "response": {"error": {"code": "server_error", "message": "boom"}}}'],
+    ['{"type": "message_start", "message": {}}', '{"type": "content_block_delta"}'],
+    ['{"type": "message_start", "message": {}}', '{"type": "error", "error": {"type": "api_error", "message": "x"}}'],
+], ids=["500-event", "503-event", "no-done", "bad-error-shape", "not-json", "responses-no-end", "responses-failed",
+        "messages-no-stop", "messages-api-error"])
 def test_stream_bodies_are_checked(events):
     """The check reads a 200 stream's body: a server error inside it fails the case."""
     with pytest.raises((AssertionError, ValueError)):
@@ -106,6 +144,12 @@ def test_valid_streams_pass_the_check():
     check_response(_sse(CHUNK, CHUNK, "[DONE]"), "case")
     invalid = {"error": {"message": "bad stop", "type": "BadRequestError", "param": "stop", "code": 400}}
     check_response(_sse(CHUNK, invalid, "[DONE]"), "case")  # an invalid request found mid-stream
+    check_response(_sse('{"type": "response.created", "response": {}}', '{"type": "response.completed", "response": {}}'),
+                   "case")
+    check_response(_sse('{"type": "message_start", "message": {}}', '{"type": "message_stop"}'), "case")
+    # A stream the client stopped reading is checked without its end.
+    check_response(_sse(CHUNK, CHUNK), "case", complete=False)
+    check_response(_sse('{"type": "response.created", "response": {}}'), "case", complete=False)
 
 
 def assert_still_serving(server) -> None:
@@ -129,7 +173,15 @@ def test_fuzz_from_openapi_schema(fuzz_server, mode):
             COUNTS["cases"] += 1
             response = case.call(base_url=fuzz_server.url, timeout=120)
             label = f"{op.method.upper()} {op.path} body={str(case.body)[:500]}"
-            check_response(response, label)
+            # schemathesis stops reading an event stream after 20 events: what it read is checked,
+            # then the same request is sent again and its whole stream checked.
+            cut_short = bool(getattr(response, STREAM_CUT_SHORT_ATTRIBUTE, False))
+            check_response(response, label, complete=not cut_short)
+            if cut_short:
+                COUNTS["cases"] += 1
+                again = httpx.post(fuzz_server.url + op.path, content=json.dumps(case.body),
+                                   headers={"content-type": "application/json"}, timeout=120)
+                check_response(again, f"{label} (read to the end)")
             if response.status_code == 200 and op.path in STREAMING_PATHS and not case.body.get("stream"):
                 # The same valid request streamed: its events are checked too.
                 COUNTS["cases"] += 1
@@ -226,3 +278,24 @@ def test_huge_and_odd_values(fuzz_server, body):
         if r.status_code == 200 and stream:
             assert '"error"' not in r.text, r.text[:2000]
     assert_still_serving(fuzz_server)
+
+
+# Streams longer than the 20 events schemathesis reads, in each API's dialect, read to the end.
+LONG_STREAMS = [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 40, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}], "stream": True}),
+    ("/v1/responses", {"input": "", "background": False, "stream": True}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30, "stream": True}),
+]
+
+
+@pytest.mark.parametrize("path,body", LONG_STREAMS, ids=[p for p, _ in LONG_STREAMS])
+def test_long_streams_end_in_their_dialect(fuzz_server, path, body):
+    COUNTS["cases"] += 1
+    if path == "/v1/messages":  # Anthropic's API names the model in every request
+        body = {**body, "model": httpx.get(fuzz_server.url + "/v1/models").json()["data"][0]["id"]}
+    r = httpx.post(fuzz_server.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 200, r.text[:2000]
+    assert r.text.count("data: ") > 20, r.text[:2000]
+    check_response(r, f"{path} {body}")

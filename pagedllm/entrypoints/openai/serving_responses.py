@@ -220,8 +220,11 @@ class OpenAIServingResponses:
             entry.body["status"], entry.body["output"] = "cancelled", events.output
             return
         if error is not None:
+            # An invalid request found after the stream began (a 4xx) is the prompt's fault, not the server's.
+            status = error.get("code")
+            code = "invalid_prompt" if isinstance(status, int) and 400 <= status < 500 else "server_error"
             entry.body.update(status="failed", output=events.output,
-                              error={"code": "server_error", "message": error.get("message", "")})
+                              error={"code": code, "message": error.get("message", "")})
             yield events.emit("response.failed", response=dict(entry.body))
             return
         self._finish(entry, events.output, finish_reason, usage)
