@@ -20,7 +20,14 @@ from pagedllm.kernels.build import (
     set_compiled_kernels,
     use_layer_ops,
 )
-from pagedllm.kernels.elementwise import add_rms_norm, argmax_rows, rms_norm, rotary_embedding, silu_and_mul
+from pagedllm.kernels.elementwise import (
+    add_rms_norm,
+    argmax_rows,
+    gelu_tanh_and_mul,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
 from pagedllm.kernels.gemm import chunked_gemm
 from pagedllm.kernels.gguf_blocks import (
     GGUF_BLOCK_GEOMETRY,
@@ -85,6 +92,7 @@ __all__ = [
     "detect_cpu_isa",
     "embedding_lookup",
     "extension",
+    "gelu_tanh_and_mul",
     "gguf_embedding_lookup",
     "gguf_linear",
     "gguf_linear_ops",

@@ -101,6 +101,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up; x: [num_tokens, 2 * intermediate] -> [num_tokens,
+    intermediate]. On the host as silu_and_mul (the float32 AVX2 build's exp: within a few ulp
+    of torch's gelu; the compiled decode forward runs the same function); torch elsewhere."""
+    if is_host_tensor(x):
+        vector_exp = x.dtype == torch.float32 and isa_at_least(cpu_isa(), "avx2")
+        if (vector_exp or x.shape[0] <= _SCALAR_SILU_MAX_ROWS) and use_layer_ops(x):
+            return layer_ops().gelu_tanh_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """[rows, V] -> int64 [rows], as x.argmax(dim=-1) (the first of equal maxima, NaN the
     largest): compiled for CPU float32 rows (a batch-1 decode step's 49,152 logits in ~10 us

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import silu_and_mul
+from pagedllm.kernels import gelu_tanh_and_mul, silu_and_mul
 
 
 class SiluAndMul(nn.Module):
@@ -26,6 +26,8 @@ class GeluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+        if self.approximate == "tanh":
+            return gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 

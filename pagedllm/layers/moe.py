@@ -44,7 +44,9 @@ from pagedllm.kernels import (
     GGUFBlocks,
     grouped_experts,
     grouped_experts_available,
+    layer_ops,
     stack_expert_blocks,
+    use_layer_ops,
 )
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.linear import Linear, MergedLinear, RowParallelLinear
@@ -116,11 +118,17 @@ def route(
     logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype
 ) -> Routing:
     """logits: [T, E] -> the top-k experts and weights per token (HF's order: softmax over all
-    experts in float32, top-k, optional renormalisation, cast to the activations' dtype)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    experts in float32, top-k, optional renormalisation, cast to the activations' dtype). On the
+    host the compiled `moe_route` (csrc/layer_ops.h route_row), which the fused decode runs too:
+    both paths route alike to the last bit."""
+    logits = logits.float()
+    if logits.shape[0] and use_layer_ops(logits):
+        expert_ids, weights = layer_ops().moe_route(logits, top_k, norm_topk_prob)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     counts = torch.bincount(expert_ids.flatten(), minlength=logits.shape[-1]).tolist()
     return Routing(expert_ids, weights.to(dtype), counts)
 

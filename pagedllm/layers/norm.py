@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import add_rms_norm, rms_norm
+from pagedllm.kernels import add_rms_norm, layer_ops, rms_norm, use_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -81,6 +81,11 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden] -> [..., hidden]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # float32: the compiled kernel's rms_norm by weight + 1, as the fused decode's.
+            rows = x.reshape(-1, x.shape[-1])  # a copy where x's rows are not evenly strided (q/k heads)
+            if rows.shape[0] and use_layer_ops(rows):
+                return layer_ops().rms_norm(rows, self.weight, self.eps, 1.0).view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -6,7 +6,8 @@ a step is all decodes and speculative verifications (each request a run of at mo
 `KERNEL_MAX_QUERY_RUN` consecutive query rows) with at most `FUSED_MAX_ROWS` rows in all,
 `FusedDecoderLayers` runs the layers in C++ (`kernels/csrc/decode_layers.cpp`) with the
 kernels of the per-module path (norms, rotary, attention, the quantized projections), a
-vectorised silu (its exp within ~2 ulp) and, for float32 weights, an AVX2 matrix-vector
+vectorised silu or GELU-tanh (its exp within ~2 ulp; the module path's GeluAndMul and
+GemmaRMSNorm call the same compiled ops on float32) and, for float32 weights, an AVX2 matrix-vector
 kernel at one row and register tiles (csrc/gemm_tiles.h) at more, in place of torch's GEMM:
 the results agree with the module path to float32 rounding, exactly for quantized weights
 (tests/models/test_fused_decode.py). A projection is passed in its kept form
@@ -30,10 +31,13 @@ kernel does not run (`kernel_refusal`), or an attention layer with a feature its
 does not run (`attention_refusal`: sinks, bidirectional), is not run. Either way the model goes
 module by module.
 
+The layouts it runs: Llama's (pre-norms, silu; q/k norms, biases, windows, soft-caps) and
+Gemma 2/3's (sandwich norms by 1 + weight, GELU's tanh form, a rotary table per layer kind);
+a hybrid model's KV cache groups each give their layers' slot mapping and block tables.
+
 Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16,
 GGUF blocks of a type the compiled build does not hold (`_gguf_refusal`, by name), tensor
-parallelism, an attention backend that does not `runs_fused_decode` (reference, Triton),
-several KV cache groups, or `AttentionConfig.fused_decode=False` (`--no-fused-decode`, e.g. to
+parallelism, an attention backend that does not `runs_fused_decode` (reference, Triton), or `AttentionConfig.fused_decode=False` (`--no-fused-decode`, e.g. to
 see the per-module breakdown in `bench latency --profile`).
 """
 
@@ -56,6 +60,7 @@ from pagedllm.kernels.gemm import CHUNK_ROWS
 from pagedllm.kernels.gguf_blocks import GGUFBlocks, small_m_max_rows, small_m_path
 from pagedllm.layers.kv_quant import quant_format
 from pagedllm.layers.linear import KeptWeight, Linear
+from pagedllm.layers.moe import SparseMoE
 from pagedllm.lora.layers import active_mapping
 from pagedllm.models.family import ArchConfig
 from pagedllm.platforms.host import is_host_tensor
@@ -92,14 +97,17 @@ class DecodeLayout:
 
 
 # The architecture fields the kernel runs only with these values (biases and q/k norm: any).
-_KERNEL_RUNS: dict[str, object] = {
-    "norm": "rms",
-    "norm_offset": 0.0,
-    "norm_placement": "pre",
-    "activation": "silu",
-    "gated_mlp": True,
-    "partial_rotary_factor": 1.0,
+# Gemma's (1 + weight) norms run with the kernel's norm_offset 1, its sandwich
+# norms as the layer's attn_out_norm / mlp_out_norm, gelu's tanh form as "gelu_tanh".
+_KERNEL_RUNS: dict[str, tuple[object, ...]] = {
+    "norm": ("rms",),
+    "norm_offset": (0.0, 1.0),
+    "norm_placement": ("pre", "sandwich"),
+    "activation": ("silu", "gelu_new", "gelu_pytorch_tanh"),
+    "gated_mlp": (True,),
+    "partial_rotary_factor": (1.0,),
 }
+_KERNEL_ACTIVATION = {"silu": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # The attention features (AttentionParams.features) the kernel's attention runs: the
 # compiled decode kernel's, less sinks (decode_layers.cpp passes the kernel none; gpt-oss, the
 # model with sinks, has a sparse MLP the fused decode does not run either).
@@ -108,9 +116,10 @@ _KERNEL_ATTENTION = CompiledBackend.runs - {"sinks"}
 
 def kernel_refusal(layout: DecodeLayout) -> str | None:
     """Why decode_layers.cpp cannot run this layout, None when it can."""
-    for name, value in _KERNEL_RUNS.items():
-        if getattr(layout.arch, name) != value:
-            return f"the layout's {name}={getattr(layout.arch, name)!r} (the kernel runs {value!r})"
+    for name, values in _KERNEL_RUNS.items():
+        if getattr(layout.arch, name) not in values:
+            runs = " or ".join(repr(v) for v in values)
+            return f"the layout's {name}={getattr(layout.arch, name)!r} (the kernel runs {runs})"
     if layout.arch.rope is None:
         return "the layout's learned positions (the kernel runs a rotary embedding)"
     if layout.row_deltas:
@@ -145,9 +154,46 @@ def declared_layout(layer: nn.Module) -> DecodeLayout | None:
     return None if declare is None else declare(layer)
 
 
-def _projections(layer: nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
-    """A decoder layer's projections in the compiled forward's order: qkv, o, gate_up, down."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+def _projections(layer: nn.Module) -> tuple[Linear, ...]:
+    """A decoder layer's projections in the compiled forward's order: qkv, o, then a dense MLP's
+    gate_up, down, or a sparse MLP's router (its experts are the grouped call's stacks)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SparseMoE):
+        return (attn.qkv_proj, attn.o_proj, mlp.gate)
+    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+
+def _sparse_mlp_refusal(layer: nn.Module) -> str | None:
+    """Why the compiled forward cannot run this layer's sparse MLP, None when it can: its experts
+    are GGUF stacks of one type per projection (the grouped call's), no shared expert, no LoRA
+    on the layer."""
+    mlp = layer.mlp
+    if layer.self_attn.qkv_proj.lora_slots is not None:
+        return "LoRA adapters on a sparse MoE model's layers"
+    if mlp.expert_stacks is None:
+        return "a sparse MLP whose experts are not GGUF blocks of one type per projection (no grouped stacks)"
+    if mlp.shared_expert is not None:
+        return "a sparse MLP with a shared expert"
+    if mlp.experts[0].gate_up_proj.lora_slots is not None:
+        return "LoRA adapters on a sparse MLP's experts"
+    return None
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """A norm's weight (the kernel adds the layout's norm_offset: Gemma's 1 + weight)."""
+    return norm.weight.detach()
+
+
+def _layer_norms(layer: nn.Module, arch: ArchConfig) -> tuple[torch.Tensor, ...]:
+    """(before attention, before the MLP, after attention, after the MLP): Llama's names
+    (input_layernorm, post_attention_layernorm: the norm before its MLP; no sandwich norms), or
+    Gemma's sandwich (input_layernorm, pre_feedforward_layernorm; post_attention_layernorm and
+    post_feedforward_layernorm on the attention's and the MLP's outputs)."""
+    if arch.norm_placement == "sandwich":
+        names = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                 "post_feedforward_layernorm")
+        return tuple(_norm_weight(getattr(layer, n)) for n in names)
+    return (_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm), _EMPTY, _EMPTY)
 
 
 def _kept_form(
@@ -212,6 +258,8 @@ class FusedDecoderLayers(nn.Module):
         self._bound_decode_activations = "int16"  # and its small-M kernel's activations
         self._unsupported: str | None = None  # why this model cannot run fused, once found
         self._layout: KVLayout = BLOCK_TABLES  # the bound attention backend's KV layout
+        self._num_groups = 1  # KV cache groups the layers read
+        self._sparse: SparseMoE | None = None  # a sparse MLP of the model (its grouped call's bounds)
 
     def applies(self, layers: nn.ModuleList, hidden_states: torch.Tensor) -> bool:
         """Whether this step (its rows in hidden_states) can run fused; called every step."""
@@ -233,6 +281,8 @@ class FusedDecoderLayers(nn.Module):
                 or first.qkv_proj.bf16_panel_rows() != self._bound_panel_rows  # set_prefill_activations
                 or first.qkv_proj.decode_activations != self._bound_decode_activations):
             self._build(layers)
+        if self._sparse is not None and not self._sparse._grouped(hidden_states):
+            return False  # the module path's experts run their loop (more rows, bf16 copies): so do these
         return self._decoder is not None
 
     def _build(self, layers: nn.ModuleList) -> None:
@@ -257,33 +307,54 @@ class FusedDecoderLayers(nn.Module):
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
-            first.mlp.down_proj.in_features,
+            layout.arch.intermediate_size,  # the dense MLPs' (a sparse one's experts are stacks)
             float(first.input_layernorm.eps),
             float(attn.scale),
             first.self_attn.rotary_emb.cos_sin_cache,
             float(first.self_attn.q_norm.eps) if layout.arch.qk_norm else 0.0,
             INT16_MAX_ROWS,
             TILE_MAX_ROWS,
+            _KERNEL_ACTIVATION[layout.arch.activation],
+            float(layout.arch.norm_offset),
         )
+        shared_rotary = first.self_attn.rotary_emb
         for layer in layers:
             a = layer.self_attn
             modules = _projections(layer)
             # --prefill-activations bf16: the copies are used from the layers' (one) min_rows up.
             bf16_min_rows = max(m.bf16_min_rows for m in modules)
             linears = [_decode_linear(ops, m, bf16_min_rows) for m in modules]
-            q_norm = a.q_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
-            k_norm = a.k_norm.weight.detach() if layout.arch.qk_norm else _EMPTY
+            router = linears.pop() if isinstance(layer.mlp, SparseMoE) else None
+            q_norm = _norm_weight(a.q_norm) if layout.arch.qk_norm else _EMPTY
+            k_norm = _norm_weight(a.k_norm) if layout.arch.qk_norm else _EMPTY
+            before_attn, before_mlp, after_attn, after_mlp = _layer_norms(layer, layout.arch)
+            # A layer's own rotary table where it differs from the first layer's (Gemma 3's kinds).
+            cos_sin = _EMPTY if a.rotary_emb is shared_rotary else a.rotary_emb.cos_sin_cache
             attn_args = kernel_args(a.attn.params)
             decoder.add_layer(
-                layer.input_layernorm.weight.detach(),
-                layer.post_attention_layernorm.weight.detach(),
+                before_attn,
+                before_mlp,
                 q_norm,
                 k_norm,
+                after_attn,
+                after_mlp,
+                cos_sin,
                 a.attn.kv_cache,
+                a.attn.kv_cache_group,
                 attn_args.sliding_window, attn_args.soft_cap,
                 linears,
             )
+            if router is not None:
+                mlp = layer.mlp
+                stacks = mlp.expert_stacks
+                int8 = mlp.experts[0].gate_up_proj.decode_activations == "int8"  # as SparseMoE.forward
+                decoder.set_moe(
+                    decoder.num_layers() - 1, router, stacks.gate_up, ops.gguf_type_names().index(stacks.gate_up_type),
+                    stacks.down, ops.gguf_type_names().index(stacks.down_type), mlp.top_k, mlp.norm_topk_prob, int8,
+                )
+        self._sparse = next((layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)), None)
         self._bind_lora(decoder, layers)
+        self._num_groups = 1 + max(layer.self_attn.attn.kv_cache_group for layer in layers)
         self._decoder = decoder
         self._bound_cache = first.self_attn.attn.kv_cache
         self._bound_bf16 = first.self_attn.qkv_proj.bf16_weight
@@ -295,6 +366,8 @@ class FusedDecoderLayers(nn.Module):
         """Hand the layers' LoRA slots (lora/layers.py) to the compiled forward, which adds each
         row's delta after every projection (kernels/csrc/lora_delta.h)."""
         for index, layer in enumerate(layers):
+            if isinstance(layer.mlp, SparseMoE):
+                continue  # no LoRA on a sparse MoE model's layers (_sparse_mlp_refusal)
             linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
             slots = [m.lora_slots for m in linears]
             if any(s is None for s in slots):
@@ -322,12 +395,14 @@ class FusedDecoderLayers(nn.Module):
                 return refusal
             if attn.kv_cache is None or not (attn.kv_cache.dtype == torch.float32 or quant_format(attn.kv_cache)):
                 return "the KV cache is neither float32 nor 8-bit codes"
-            if attn.kv_cache_group != 0:
-                return "the layers keep their KV in several cache groups"
             if a.o_proj.tp.size != 1:
                 return "tensor parallelism"
+            if isinstance(layer.mlp, SparseMoE) and (refusal := _sparse_mlp_refusal(layer)) is not None:
+                return refusal
             if layer.input_layernorm.weight.dtype != torch.float32:
                 return "the model is not float32"
+            if a.rotary_emb.cos_sin_cache.dtype != torch.float32:
+                return "the rotary table is not float32"
             for m in _projections(layer):
                 if not m.kept_weights() and m.weight.dtype != torch.float32:
                     return "the weights are neither float32 nor quantized"
@@ -338,12 +413,16 @@ class FusedDecoderLayers(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden_states: [M, hidden] embeddings -> (h, residual) after the last layer
         # Each row a decode of its own context (a verification run's rows: causal attention).
-        md = get_attention_metadata(0).row_decodes
+        # Per KV cache group (a hybrid model's windowed and full layers) its slot mapping and
+        # block tables; the groups' steps are otherwise the same.
+        mds = [get_attention_metadata(g).row_decodes for g in range(self._num_groups)]
+        md = mds[0]
         rows = hidden_states.shape[0]
         slots = self._layout.kernel_slots(md, rows)  # empty: the block tables address the cache
         lora = active_mapping()
         self._decoder.set_lora_rows(_EMPTY_ROWS if lora is None else lora.row_slots[:rows])
         h, residual = self._decoder.forward(
-            hidden_states, _EMPTY, positions, md.slot_mapping, md.block_tables, md.seq_lens[:rows], slots,
+            hidden_states, _EMPTY, positions, [m.slot_mapping for m in mds], [m.block_tables for m in mds],
+            md.seq_lens[:rows], slots,
         )
         return h, residual

@@ -31,6 +31,7 @@ from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.layers.utils import default_dtype
 from pagedllm.models.config_utils import decoder_sizes, sliding_windows_of
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.fused_decode import DecodeLayout, FusedDecoderLayers
 from pagedllm.models.utils import load_named_weights
 
 PACKED_MODULES = (
@@ -93,6 +94,7 @@ class Gemma2DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden, eps = arch.hidden_size, arch.norm_eps
+        self.arch = arch
         self.self_attn = self.attention_class(arch, layer_idx, rotary_emb)
         self.mlp = Gemma2MLP(arch)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
@@ -107,6 +109,13 @@ class Gemma2DecoderLayer(nn.Module):
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden_states))
         return hidden_states + self.post_feedforward_layernorm(mlp_out)
 
+    def decode_layout(self) -> DecodeLayout | None:
+        """What this class's forward computes (models/fused_decode.py): sandwich norms by
+        (1 + weight), gelu's tanh form, no q/k norm; None when its submodules are others."""
+        if type(self.self_attn) is not Gemma2Attention or type(self.mlp) is not Gemma2MLP or self.arch.qk_norm:
+            return None
+        return DecodeLayout(self.arch)
+
 
 class Gemma2Model(nn.Module):
     decoder_layer: type[Gemma2DecoderLayer] = Gemma2DecoderLayer
@@ -120,6 +129,8 @@ class Gemma2Model(nn.Module):
         rotary = self.rotary_embeddings(arch)
         self.layers = nn.ModuleList(self.decoder_layer(arch, i, rotary[i]) for i in range(arch.num_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.norm_eps)
+        # Decode steps of a few rows: every layer in one compiled call (models/fused_decode.py).
+        self.fused_layers = FusedDecoderLayers()
 
     @staticmethod
     def rotary_embeddings(arch: ArchConfig) -> list[RotaryEmbedding]:
@@ -131,6 +142,10 @@ class Gemma2Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] int64 -> [T, hidden]
         hidden_states = self.embed_tokens(input_ids) * self.normalizer
+        if self.fused_layers.applies(self.layers, hidden_states):
+            # (the last layer's normed MLP output, the residual stream before it)
+            hidden_states, residual = self.fused_layers(positions, hidden_states)
+            return self.norm(residual + hidden_states)
         for layer in self.layers:
             hidden_states = layer(positions, hidden_states)
         return self.norm(hidden_states)

@@ -20,11 +20,13 @@ import torch
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.fused_decode import DecodeLayout
 from pagedllm.models.gemma2 import (
     GEMMA_GGUF_BLOCK_NAMES,
     PACKED_MODULES,
     Gemma2Attention,
     Gemma2DecoderLayer,
+    Gemma2MLP,
     Gemma2ForCausalLM,
     Gemma2Model,
     gemma_arch_config,
@@ -68,6 +70,13 @@ class Gemma3Attention(Gemma2Attention):
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
     attention_class = Gemma3Attention
+
+    def decode_layout(self) -> DecodeLayout | None:
+        """Gemma 2's layout with the q/k norms (models/fused_decode.py); each layer's rotary
+        table is its kind's."""
+        if type(self.self_attn) is not Gemma3Attention or type(self.mlp) is not Gemma2MLP or not self.arch.qk_norm:
+            return None
+        return DecodeLayout(self.arch)
 
 
 class Gemma3Model(Gemma2Model):

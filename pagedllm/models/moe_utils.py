@@ -18,7 +18,8 @@ from torch import nn
 
 from pagedllm.layers.moe import MoEConfig, SparseMoE
 from pagedllm.models.family import LLAMA_GGUF_BLOCK_NAMES, ArchConfig
-from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from pagedllm.models.fused_decode import DecodeLayout
+from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # llama.cpp's MoE block tensors -> ours; `{expert}` marks a 3-D tensor [E, rows, cols] that the
 # GGUF reader splits into one 2-D tensor per expert (models/gguf_loader.py).
@@ -109,6 +110,15 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
     def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
         return build_mlp(arch, layer_idx)
+
+    def decode_layout(self) -> DecodeLayout | None:
+        """Llama's layout with a sparse or dense MLP (models/fused_decode.py: a sparse one of GGUF
+        expert stacks, without a shared expert)."""
+        if type(self.self_attn) is not LlamaAttention or type(self.mlp) not in (LlamaMLP, SparseMoE):
+            return None
+        if self.arch.qk_norm:
+            return None
+        return DecodeLayout(self.arch)
 
 
 class MoEModel(LlamaModel):

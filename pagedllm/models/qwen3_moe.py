@@ -3,7 +3,8 @@
 renormalised when `norm_topk_prob` (True in the released checkpoints; HF's config default is
 False, its GGUF reader's True, as llama.cpp computes), no shared expert; `decoder_sparse_step`
 / `mlp_only_layers` make some layers dense (models/moe_utils.py). GGUF: llama.cpp's
-`qwen3moe`. Decodes module by module (no fused decode layout for a sparse MLP).
+`qwen3moe`. Decode steps run the fused decode where the experts are a GGUF file's kept
+blocks (the grouped call's stacks), else module by module.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 from torch import nn
 
 from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
-from pagedllm.models.llama import PACKED_MODULES, LlamaModel, llama_arch_config
+from pagedllm.layers.moe import SparseMoE
+from pagedllm.models.fused_decode import DecodeLayout
+from pagedllm.models.llama import PACKED_MODULES, LlamaMLP, LlamaModel, llama_arch_config
 from pagedllm.models.moe_utils import (
     DENSE_MLP_GGUF_NAMES,
     MOE_GGUF_BLOCK_NAMES,
@@ -23,13 +26,19 @@ from pagedllm.models.moe_utils import (
     moe_config,
     moe_config_from_gguf,
 )
-from pagedllm.models.qwen3 import Qwen3DecoderLayer
+from pagedllm.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
-    # No decode_layout in this body: the fused decode does not run a sparse MLP.
     def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
         return build_mlp(arch, layer_idx)
+
+    def decode_layout(self) -> DecodeLayout | None:
+        """Qwen3's layout with a sparse or dense MLP (models/fused_decode.py runs a sparse one
+        whose experts are GGUF stacks through the grouped call)."""
+        if type(self.self_attn) is not Qwen3Attention or type(self.mlp) not in (LlamaMLP, SparseMoE):
+            return None
+        return DecodeLayout(self.arch)
 
 
 class Qwen3MoeModel(LlamaModel):

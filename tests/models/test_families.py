@@ -204,3 +204,5 @@ def test_dtype_auto_picks_float32_for_quantized_weights() -> None:
     assert resolve_dtype(LoadConfig(dtype="auto", quantization="int8"), cpu) == "float32"
     assert resolve_dtype(LoadConfig(dtype="auto"), cpu) == "float32"
     assert resolve_dtype(LoadConfig(dtype="bfloat16"), cpu) == "bfloat16"
+    # An assembled package's GGUF (Gemma 3 270M's Q4_K_M), built or not yet: kept quantized.
+    assert resolve_dtype(LoadConfig(model="gemma-3-270m", dtype="auto"), cpu) == "float32"

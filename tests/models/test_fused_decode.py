@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.attention.metadata import forward_context
+from pagedllm.attention.metadata import AttentionMetadata, forward_context
 from pagedllm.attention.params import AttentionParams
 from pagedllm.models.family import ArchConfig
 from pagedllm.models.fused_decode import (
@@ -46,6 +46,17 @@ def _fused(loaded: LoadedModel) -> Any:
     return loaded.model.model.fused_layers
 
 
+def _group_metadata(md: AttentionMetadata, groups: int, stride: int) -> AttentionMetadata | list[AttentionMetadata]:
+    """A step's metadata for each of `groups` KV cache groups: group g's blocks are the step's
+    block ids + g * stride (a hybrid model's groups share the layer caches, in disjoint blocks)."""
+    if groups == 1:
+        return md
+    shift = [stride * g for g in range(groups)]
+    return [replace(md, slot_mapping=md.slot_mapping + s * md.block_size,
+                    block_tables=torch.where(md.block_tables > 0, md.block_tables + s, md.block_tables))
+            for s in shift]
+
+
 def _fused_against_modules(model, fused, md, input_ids, positions, atol: float) -> torch.Tensor:
     """One step module by module, then through the compiled forward: equal within atol; the
     fused hidden states."""
@@ -59,10 +70,10 @@ def _fused_against_modules(model, fused, md, input_ids, positions, atol: float) 
 
 
 @torch.inference_mode()
-def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float) -> int:
+def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: float, groups: int = 1) -> int:
     """Prefill num_reqs prompts, then decode `steps` steps of all of them; at each step run
     the fused forward and the module path on the same inputs and compare. Returns the number
-    of fused calls."""
+    of fused calls. `groups` KV cache groups: each group's blocks 8 * num_reqs further on."""
     model, fused = loaded.model, _fused(loaded)
     calls = []
     handle = fused.register_forward_hook(lambda *_: calls.append(1))
@@ -73,7 +84,7 @@ def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: f
         reqs.append(RequestState(list(prompt), blocks))
     try:
         md, input_ids, positions = make_metadata([(r, len(r.token_ids)) for r in reqs], BLOCK_SIZE)
-        with forward_context(md):
+        with forward_context(_group_metadata(md, groups, 8 * num_reqs)):
             hidden = model(input_ids, positions)
         last = torch.tensor(md.query_start_loc[1:]) - 1
         next_ids = model.compute_logits(hidden[last]).argmax(-1).tolist()
@@ -83,6 +94,7 @@ def compare_decode_steps(loaded: LoadedModel, num_reqs: int, steps: int, atol: f
             for r, t in zip(reqs, next_ids):
                 r.token_ids.append(int(t))
             md, input_ids, positions = make_metadata([(r, 1) for r in reqs], BLOCK_SIZE)
+            md = _group_metadata(md, groups, 8 * num_reqs)
             got = _fused_against_modules(model, fused, md, input_ids, positions, atol)
             next_ids = model.compute_logits(got).argmax(-1).tolist()
             for r in reqs:
@@ -287,10 +299,13 @@ def test_the_kernel_refuses_layouts_it_does_not_run() -> None:
     )
     runs = DecodeLayout(replace(base, qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True))
     assert kernel_refusal(runs) is None
+    gemma = DecodeLayout(replace(base, norm_offset=1.0, norm_placement="sandwich", activation="gelu_pytorch_tanh"))
+    assert kernel_refusal(gemma) is None
     refused = {
-        "norm_offset": DecodeLayout(replace(base, norm_offset=1.0)),
-        "norm_placement": DecodeLayout(replace(base, norm_placement="sandwich")),
-        "activation": DecodeLayout(replace(base, activation="gelu_pytorch_tanh")),
+        "norm_offset": DecodeLayout(replace(base, norm_offset=0.5)),
+        "norm_placement": DecodeLayout(replace(base, norm_placement="post")),
+        "activation": DecodeLayout(replace(base, activation="gelu")),
+        "norm": DecodeLayout(replace(base, norm="layer")),
         "learned positions": DecodeLayout(replace(base, rope=None)),
         "row_deltas": DecodeLayout(base, row_deltas=True),
     }
@@ -319,3 +334,29 @@ def test_the_default_model_decodes_fused(default_llm: Any) -> None:
         handle.remove()
     assert fused._unsupported is None
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_fused_decode_runs_gemma3(tmp_path_factory: pytest.TempPathFactory, quantization: str, num_reqs: int) -> None:
+    # Gemma 3's layout: sandwich norms by (1 + weight), GELU's tanh form, q/k norms, a rotary
+    # base per layer kind, windowed and full layers' K/V in KV cache groups of their own
+    # (allocated as the engine does: the groups share the layer caches, in disjoint blocks).
+    # Quantized weights: the same kernels and floats as the module path (exact).
+    from pagedllm.kv_backends.paged.worker import allocate_kv_caches
+    from pagedllm.layers.attention import Attention
+    from tests.models.test_gemma3 import tiny_gemma3_config
+    from tests.models.utils import save_random_model
+
+    path = tmp_path_factory.mktemp("gemma3-fused")
+    config = tiny_gemma3_config(window=8)
+    config.vocab_size = 320  # PROMPTS' ids
+    save_random_model(path, config)
+    loaded = load_model(str(path), quantization=quantization)
+    layers = [m for m in loaded.model.modules() if isinstance(m, Attention)]
+    groups = 4  # the full layer, and the three windowed ones (one layer slot each)
+    allocate_kv_caches(layers, num_blocks=groups * 8 * num_reqs + 1, block_size=BLOCK_SIZE, dtype="float32")
+    assert sorted(layer.kv_cache_group for layer in layers) == list(range(groups))
+    atol = 2e-5 if quantization == "none" else 0.0
+    assert compare_decode_steps(loaded, num_reqs, steps=5, atol=atol, groups=groups) == 5
+    assert _fused(loaded)._unsupported is None and _fused(loaded)._num_groups == groups

@@ -49,10 +49,10 @@ def tiny_gemma2_config(tied: bool = False) -> Any:
     )  # fmt: skip
 
 
-# For the family test (test_families.py): sandwich norms, 1 + w and GELU are not the fused
-# decode's layout (and its windowed layers keep their KV in a cache group of their own), so
-# it decodes module by module.
-FAMILY_CASES = [FamilyCase("gemma2", lambda: tiny_gemma2_config(tied=True), fused=False)]
+# For the family test (test_families.py): decode steps run the compiled forward (sandwich
+# norms, 1 + w, GELU's tanh form, the attention soft-cap, windowed and full layers' KV in
+# cache groups of their own).
+FAMILY_CASES = [FamilyCase("gemma2", lambda: tiny_gemma2_config(tied=True), fused=True, quantized=("int8",))]
 
 
 @pytest.fixture(scope="module")

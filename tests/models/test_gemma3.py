@@ -47,9 +47,10 @@ def tiny_gemma3_config(window: int = WINDOW) -> Any:
     )  # fmt: skip
 
 
-# For the family test (test_families.py): its layout (sandwich norms, 1 + w, GELU) is not
-# the fused decode's, so it decodes module by module.
-FAMILY_CASES = [FamilyCase("gemma3", tiny_gemma3_config, fused=False)]
+# For the family test (test_families.py): decode steps run the compiled forward (sandwich
+# norms, 1 + w, GELU's tanh form, q/k norms, a rotary table per layer kind, the windowed and
+# full layers' KV in cache groups of their own).
+FAMILY_CASES = [FamilyCase("gemma3", tiny_gemma3_config, fused=True, quantized=("int8", "int4"))]
 
 
 @pytest.fixture(scope="module")

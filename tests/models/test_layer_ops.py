@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedllm.kernels import build as cpu_kernels
-from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
 TOL = {torch.float32: dict(atol=2e-6, rtol=1e-6), torch.bfloat16: dict(atol=0, rtol=0)}
@@ -79,6 +79,47 @@ def test_silu_and_mul_matches_torch(ops, torch_only, dtype):
     want = torch_only(lambda: act(x))
     torch.testing.assert_close(ops.silu_and_mul(x), want, **TOL[dtype])  # the kernel at any size
     torch.testing.assert_close(act(x[:2]), want[:2], **TOL[dtype])  # the module's fused rows
+
+
+def _gelu_tanh_f64(g: torch.Tensor) -> torch.Tensor:
+    g = g.double()
+    return 0.5 * g * (1 + torch.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_is_gelus_tanh_form(ops, torch_only, dtype):
+    # Computed as x * sigmoid(2u) (the same function as 0.5 x (1 + tanh(u))): float32 within
+    # 2e-6 relative of the float64 formula wherever |y| > 1e-3 (torch's own gelu is off by up to
+    # 5e-5 there) and 1e-6 absolute below; bfloat16 within one bfloat16 step of torch's.
+    gate = torch.linspace(-12, 12, 24001)
+    x = torch.cat([gate, torch.ones_like(gate)])[None]  # up = 1: the activation itself
+    got = ops.gelu_tanh_and_mul(x)[0].double()
+    want = _gelu_tanh_f64(gate)
+    big = want.abs() > 1e-3
+    assert ((got - want).abs() / want.abs())[big].max() < 2e-6
+    assert (got - want)[~big].abs().max() < 1e-6
+    gen = torch.Generator().manual_seed(2)
+    y = (4 * torch.randn(40, 2 * 96, generator=gen)).to(dtype)
+    act = GeluAndMul("tanh")
+    reference = torch_only(lambda: act(y))  # torch's F.gelu(gate, approximate="tanh") * up
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=2**-7)
+    torch.testing.assert_close(act(y), reference, **tol)
+    torch.testing.assert_close(act(y[:2]), reference[:2], **tol)  # a decode step's few rows (the scalar kernel in bf16)
+
+
+def test_gemma_rms_norm_scales_by_one_plus_weight(ops, torch_only):
+    # float32 through the compiled rms_norm by weight + 1 (its offset argument), after a
+    # weight change as well, and on q/k heads (rows not evenly strided); against the torch
+    # formulation.
+    gen = torch.Generator().manual_seed(3)
+    norm = GemmaRMSNorm(96, eps=1e-6)
+    norm.weight.data.copy_(0.1 * torch.randn(96, generator=gen))
+    x = torch.randn(7, 96, generator=gen)
+    torch.testing.assert_close(norm(x), torch_only(lambda: norm(x)), **NORM_TOL[torch.float32])
+    norm.weight.data.mul_(-1.0)  # written as the weight loaders write (no version bump)
+    torch.testing.assert_close(norm(x), torch_only(lambda: norm(x)), **NORM_TOL[torch.float32])
+    heads = torch.randn(5, 3 * 96, generator=gen)[:, :192].view(5, 2, 96)
+    torch.testing.assert_close(norm(heads), torch_only(lambda: norm(heads)), **NORM_TOL[torch.float32])
 
 
 def test_argmax_rows_is_torchs_argmax() -> None:

@@ -150,10 +150,9 @@ def _greedy_with_gaps(model: Any, prompt_ids: list[int], steps: int) -> tuple[li
     return req.token_ids[len(prompt_ids) :], gaps
 
 
-@pytest.mark.parametrize("expert_qtype", ["Q8_0", "Q4_0", "Q4_K"])
-def test_random_qwen3_moe_gguf_greedy_equal_to_the_loop(
-    expert_qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _tiny_qwen3_moe_gguf(expert_qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A small random Qwen3-MoE written as llama.cpp's converter would, experts in
+    `expert_qtype` (the rest Q8_0), loaded with its blocks kept."""
     if build.gguf_linear_ops() is None:
         pytest.skip("the gguf_linear extension did not build")
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
@@ -166,7 +165,16 @@ def test_random_qwen3_moe_gguf_greedy_equal_to_the_loop(
     if expert_qtype == "Q4_K":
         monkeypatch.setattr(gguf.quants, "quantize", _random_k_quants(gguf.quants.quantize))
     _moe_gguf(path, hf_model, "qwen3moe", "Q8_0", expert_qtype=expert_qtype)
-    loaded = load_model(str(path), quantization="gguf")
+    return load_model(str(path), quantization="gguf")
+
+
+@pytest.mark.parametrize("expert_qtype", ["Q8_0", "Q4_0", "Q4_K"])
+def test_random_qwen3_moe_gguf_greedy_equal_to_the_loop(
+    expert_qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The grouped run's decode steps go through the fused decode (its sparse layers: the same
+    # grouped call); the loop's run module by module (the fused decode follows SparseMoE._grouped).
+    loaded = _tiny_qwen3_moe_gguf(expert_qtype, tmp_path, monkeypatch)
     moes = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
     assert moes and all(m.expert_stacks is not None and m.expert_stacks.gate_up_type == expert_qtype for m in moes)
     bind_kv_caches(loaded.model, num_blocks=8, block_size=16)
@@ -182,3 +190,25 @@ def test_random_qwen3_moe_gguf_greedy_equal_to_the_loop(
     ours, _ = _greedy_with_gaps(loaded.model, prompt_ids, 16)
     assert calls[0] == 0  # the 12-token prefill and every decode step: the grouped call
     assert_greedy_match(ours, ref, gaps, f"qwen3moe {expert_qtype} grouped vs loop")
+
+
+@pytest.mark.parametrize("expert_qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("num_reqs", [1, 2])  # (the third of PROMPTS is past this vocabulary)
+def test_fused_decode_runs_the_sparse_layers(
+    expert_qtype: str, num_reqs: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decode steps through one compiled call over every layer, sparse MLPs included (router,
+    # layer_ops' routing, the grouped call over the same stacks): the module path's floats.
+    from tests.models.test_fused_decode import BLOCK_SIZE, compare_decode_steps
+
+    loaded = _tiny_qwen3_moe_gguf(expert_qtype, tmp_path, monkeypatch)
+    fused = loaded.model.model.fused_layers
+    bind_kv_caches(loaded.model, num_blocks=8 * num_reqs + 1, block_size=BLOCK_SIZE)
+    assert compare_decode_steps(loaded, num_reqs, steps=4, atol=0) == 4
+    assert fused._unsupported is None and fused._sparse is not None
+    # Where the module path's experts take their loop, so does the step (module by module).
+    for m in loaded.model.modules():
+        if isinstance(m, SparseMoE):
+            m.use_grouped = False
+    bind_kv_caches(loaded.model, num_blocks=8 * num_reqs + 1, block_size=BLOCK_SIZE)
+    assert compare_decode_steps(loaded, num_reqs, steps=2, atol=0) == 0

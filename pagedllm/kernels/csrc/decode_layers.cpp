@@ -11,6 +11,7 @@
 //
 // Per layer, over M rows (each a decode: a request's next token, or one row of its verification run):
 //   residual += h (the first layer: residual = h); x = rms_norm(residual)
+//   (every norm scales by weight + norm_offset: Gemma's (1 + weight) with norm_offset 1)
 //   qkv = x W_qkv^T (+ b); [q, k = rms_norm per head (q/k norm layouts only)]
 //   q, k = rotary(q, k); K/V rows written to the cache at slot_mapping (an 8-bit cache:
 //       quantized per row as layers/kv_quant.py does, kv_codes.h's quantize_row)
@@ -18,15 +19,24 @@
 //       contiguous slot; seq_lens: the row's position + 1),
 //       its scores soft-capped to c * tanh(s / c) where the layer has a cap c
 //   residual += a W_o^T (+ b); x = rms_norm(residual)
-//   h = silu(x W_gate^T) * (x W_up^T), then h W_down^T (+ b)
+//   h = act(x W_gate^T) * (x W_up^T), then h W_down^T (+ b); act: silu, or gelu's tanh form;
+//   or a sparse MLP (Qwen3-MoE, Mixtral): router logits x W_r^T, route_row (layer_ops.h: the
+//   module path's routing), then gguf_moe.h's grouped call over the experts' GGUF stacks
+// Sandwich norms (Gemma 2 and 3): the attention's and the MLP's outputs are each normed
+// (attn_out_norm, mlp_out_norm) before they join the residual stream. The rotary cos/sin table
+// is the decoder's or the layer's own (Gemma 3's local and global layers: two bases).
 // The caller applies the final norm to (h, residual), as the per-module model does.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "decode_gguf_linear.h"
+#include "gguf_moe.h"
 #include "layer_ops.h"
 #include "lora_delta.h"
 #include "paged_attention.h"
@@ -232,13 +242,28 @@ void dispatch_kv(KVElem e, F&& f) {
   }
 }
 
+// A sparse MLP: the router, and every expert's gate/up and down as GGUF stacks (the module
+// path's SparseMoE.expert_stacks, run by the same grouped call).
+struct DecodeMoE {
+  DecodeLinear router;            // [E, hidden]
+  torch::Tensor gate_up, down;    // uint8 [E, 2 I, row bytes], [E, hidden, row bytes]
+  gguf::ExpertStack gu, dn;
+  int64_t E, top_k;
+  bool renorm, int8;              // renormalise the top-k weights; int8 activations (K-quants)
+};
+
 struct DecodeLayer {
-  torch::Tensor input_norm, post_norm;  // float32 [hidden]
+  torch::Tensor input_norm, post_norm;  // float32 [hidden]: before the attention and before the MLP
   torch::Tensor q_norm, k_norm;         // float32 [head_dim], or both empty: no q/k norm
-  DecodeLinear qkv, o, gate_up, down;
+  torch::Tensor attn_out_norm, mlp_out_norm;  // float32 [hidden], or both empty: no sandwich norms
+  torch::Tensor cos_sin;                      // the layer's rotary table, or empty: the decoder's
+  DecodeLinear qkv, o;
+  std::optional<DecodeLinear> gate_up, down;  // a dense MLP, or none: the layer's moe
+  std::shared_ptr<DecodeMoE> moe;             // a sparse MLP (set_moe), or none
   torch::Tensor kv_cache;  // [2, blocks, block_size, Hkv, D] or the contiguous-slot layout [2, slots, capacity, Hkv, D]
                            // (8-bit codes: D + 4, the row's scale last)
   KVElem kv_elem;
+  int64_t group;           // the KV cache group whose slot mapping and block tables address kv_cache
   int64_t window;          // sliding window, 0 = full attention
   float softcap;           // attention logit soft-cap, 0 = none
 };
@@ -249,27 +274,41 @@ class LlamaDecodeLayers {
  public:
   LlamaDecodeLayers(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t intermediate, double eps, double scale, torch::Tensor cos_sin_cache,
-                    double qk_norm_eps, int64_t int16_max_rows, int64_t tile_max_rows)
+                    double qk_norm_eps, int64_t int16_max_rows, int64_t tile_max_rows, std::string activation,
+                    double norm_offset)
       : hidden_(hidden), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), inter_(intermediate),
         eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
-        qk_norm_eps_(static_cast<float>(qk_norm_eps)), cos_sin_(cos_sin_cache),
+        qk_norm_eps_(static_cast<float>(qk_norm_eps)), norm_offset_(static_cast<float>(norm_offset)),
+        cos_sin_(cos_sin_cache),
         int16_max_rows_(int16_max_rows), tile_max_rows_(tile_max_rows) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-    TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.is_contiguous() &&
-                    cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == head_dim,
-                "cos_sin_cache must be float32 [max_position, head_dim]");
+    check_cos_sin(cos_sin_cache);
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation must be silu or gelu_tanh, got ",
+                activation);
+    gelu_tanh_ = activation == "gelu_tanh";
   }
 
   // linears: qkv, o, gate_up, down (DecodeLinear's forms, built in Python by the bound
   // DecodeLinear factories). q_norm, k_norm: the per-head RMSNorm weights [head_dim], or both
   // empty for none. window: the sliding window (0: full attention); softcap: the attention logit
   // soft-cap (0: none).
+  // attn_out_norm, mlp_out_norm: the sandwich norms' weights [hidden], or both empty; cos_sin:
+  // the layer's rotary table [max_position, head_dim], or empty for the decoder's.
+  // group: the layer's KV cache group (forward's slot_mappings / block_tables index).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
-                 torch::Tensor kv_cache, int64_t window, double softcap, std::vector<DecodeLinear> lin) {
-    TORCH_CHECK(lin.size() == 4, "a layer has four linears: qkv, o, gate_up, down");
+                 torch::Tensor attn_out_norm, torch::Tensor mlp_out_norm, torch::Tensor cos_sin,
+                 torch::Tensor kv_cache, int64_t group, int64_t window, double softcap, std::vector<DecodeLinear> lin) {
+    TORCH_CHECK(group >= 0, "the KV cache group must be >= 0, got ", group);
+    TORCH_CHECK(lin.size() == 4 || lin.size() == 2,
+                "a layer has four linears (qkv, o, gate_up, down), or two and a sparse MLP (set_moe)");
     for (const auto& w : {input_norm, post_norm})
       TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == hidden_,
                   "norm weights must be float32 [hidden]");
+    TORCH_CHECK(attn_out_norm.numel() == mlp_out_norm.numel(), "the sandwich norms come together");
+    for (const auto& w : {attn_out_norm, mlp_out_norm})
+      TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == hidden_),
+                  "sandwich norm weights must be float32 [hidden] or empty");
+    if (cos_sin.numel()) check_cos_sin(cos_sin);
     TORCH_CHECK(q_norm.numel() == k_norm.numel(), "q_norm and k_norm come together");
     for (const auto& w : {q_norm, k_norm})
       TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == d_),
@@ -282,36 +321,84 @@ class LlamaDecodeLayers {
     const int64_t qkv_width = (hq_ + 2 * hkv_) * d_;
     TORCH_CHECK(lin[0].N == qkv_width && lin[0].K == hidden_, "qkv_proj must be [", qkv_width, ", ", hidden_, "]");
     TORCH_CHECK(lin[1].N == hidden_ && lin[1].K == hq_ * d_, "o_proj shape");
-    TORCH_CHECK(lin[2].N == 2 * inter_ && lin[2].K == hidden_, "gate_up_proj shape");
-    TORCH_CHECK(lin[3].N == hidden_ && lin[3].K == inter_, "down_proj shape");
+    if (lin.size() == 4) {
+      TORCH_CHECK(lin[2].N == 2 * inter_ && lin[2].K == hidden_, "gate_up_proj shape");
+      TORCH_CHECK(lin[3].N == hidden_ && lin[3].K == inter_, "down_proj shape");
+    }
     TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
-    layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, lin[0], lin[1], lin[2], lin[3], kv_cache, elem,
-                                 window, static_cast<float>(softcap)});
+    std::optional<DecodeLinear> gate_up, down;
+    if (lin.size() == 4) gate_up = lin[2], down = lin[3];
+    layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm, cos_sin,
+                                 lin[0], lin[1], gate_up, down, nullptr, kv_cache, elem, group, window,
+                                 static_cast<float>(softcap)});
+    num_groups_ = std::max(num_groups_, group + 1);
+  }
+
+  // Layer `index` (added with two linears) gets a sparse MLP: router [E, hidden] and the experts'
+  // GGUF stacks gate_up [E, 2 I, row bytes of hidden] and down [E, hidden, row bytes of I] of the
+  // given type indices; top_k experts a row, renormalised when renorm; int8 activations per 256
+  // for the K-quant projections.
+  void set_moe(int64_t index, DecodeLinear router, torch::Tensor gate_up, int64_t gate_up_type, torch::Tensor down,
+               int64_t down_type, int64_t top_k, bool renorm, bool int8) {
+    TORCH_CHECK(index >= 0 && index < num_layers(), "no layer ", index);
+    DecodeLayer& layer = layers_[index];
+    TORCH_CHECK(!layer.gate_up, "layer ", index, " has a dense MLP");
+    const int64_t E = router.N;
+    TORCH_CHECK(router.K == hidden_, "the router must be [experts, hidden]");
+    TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be in [1, ", E, "]");
+    TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == E && down.size(0) == E &&
+                    gate_up.size(1) % 2 == 0 && down.size(1) == hidden_ && gate_up.is_contiguous() &&
+                    down.is_contiguous() && gate_up.scalar_type() == torch::kUInt8 &&
+                    down.scalar_type() == torch::kUInt8,
+                "expert stacks must be contiguous uint8 gate_up [E, 2 I, *] and down [E, hidden, *]");
+    const int64_t I = gate_up.size(1) / 2;
+    auto stack = [](const torch::Tensor& t, int64_t type, int64_t K) {
+      TORCH_CHECK(type >= 0 && type < int64_t(gguf::Type::kCount), "unknown GGUF type index ", type);
+      const gguf::Geometry g = gguf::kGeometry[type];
+      TORCH_CHECK(K % g.elems == 0 && t.size(2) == K / g.elems * g.bytes, gguf::kTypeNames[type], " rows of ", K,
+                  " elements do not take ", t.size(2), " bytes");
+      return gguf::ExpertStack{t.data_ptr<uint8_t>(), gguf::Type(type), t.size(1), t.size(2), K};
+    };
+    layer.moe = std::make_shared<DecodeMoE>(DecodeMoE{router, gate_up, down, stack(gate_up, gate_up_type, hidden_),
+                                                      stack(down, down_type, I), E, top_k, renorm, int8});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // hidden: float32 [M, hidden] (the embeddings); residual: [M, hidden] or empty (the first
-  // layer starts the residual stream); positions, slot_mapping, seq_lens: int64 [M]; paged
-  // caches read through block_tables (int64 [M, max_blocks]), contiguous-slot ones through slots
-  // (int64 [M], block_tables then ignored). Returns (h, residual) after the last layer.
+  // layer starts the residual stream); positions, seq_lens: int64 [M]; per KV cache group a
+  // slot mapping (int64 [M]) and, for paged caches, block tables (int64 [M, max_blocks]);
+  // contiguous-slot caches (one group) are read through slots (int64 [M], block tables then
+  // ignored). Returns (h, residual) after the last layer.
   std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor residual, torch::Tensor positions,
-                                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     torch::Tensor slots) {
+                                     std::vector<torch::Tensor> slot_mappings, std::vector<torch::Tensor> block_tables,
+                                     torch::Tensor seq_lens, torch::Tensor slots) {
     TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 2 && hidden.size(1) == hidden_,
                 "hidden must be float32 [rows, hidden]");
     const int64_t M = hidden.size(0);
-    for (const auto* t : {&positions, &slot_mapping, &seq_lens})
-      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == M,
-                  "positions, slot_mapping and seq_lens must be int64 [rows]");
     const bool paged = slots.numel() == 0;
-    TORCH_CHECK(paged ? block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 &&
-                            block_tables.size(0) >= M && block_tables.stride(1) == 1
-                      : slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == M,
-                "block_tables must be int64 [rows, max_blocks] (or slots int64 [rows])");
+    TORCH_CHECK(static_cast<int64_t>(slot_mappings.size()) == num_groups_ &&
+                    static_cast<int64_t>(block_tables.size()) == num_groups_,
+                "one slot mapping and one block table per KV cache group (", num_groups_, ")");
+    TORCH_CHECK(paged || num_groups_ == 1, "contiguous-slot caches hold one KV cache group");
+    for (const auto* t : {&positions, &seq_lens})
+      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == M,
+                  "positions and seq_lens must be int64 [rows]");
+    for (int64_t g = 0; g < num_groups_; ++g) {
+      const auto& sm = slot_mappings[g];
+      const auto& bt = block_tables[g];
+      TORCH_CHECK(sm.scalar_type() == torch::kInt64 && sm.is_contiguous() && sm.numel() == M,
+                  "slot_mapping must be int64 [rows]");
+      TORCH_CHECK(paged ? bt.scalar_type() == torch::kInt64 && bt.dim() == 2 && bt.size(0) >= M && bt.stride(1) == 1
+                        : slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == M,
+                  "block_tables must be int64 [rows, max_blocks] (or slots int64 [rows])");
+    }
+    for (const DecodeLayer& layer : layers_)
+      TORCH_CHECK(layer.gate_up || layer.moe, "layer ", &layer - layers_.data(), " has no MLP (set_moe)");
     const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* slot_map = slot_mapping.data_ptr<int64_t>();
-    const int64_t max_position = cos_sin_.size(0);
+    int64_t max_position = cos_sin_.size(0);
+    for (const DecodeLayer& layer : layers_)
+      if (layer.cos_sin.numel()) max_position = std::min(max_position, layer.cos_sin.size(0));
     for (int64_t t = 0; t < M; ++t)
       TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " outside the rotary cache (",
                   max_position, " positions)");
@@ -328,7 +415,6 @@ class LlamaDecodeLayers {
     attn_.resize(M * QD);
     gu_.resize(M * 2 * inter_);
     act_.resize(M * inter_);
-    const float* cos_sin = cos_sin_.data_ptr<float>();
     bool first = residual.numel() == 0;
     for (const DecodeLayer& layer : layers_) {
       const size_t li = &layer - layers_.data();  // LoRA deltas (lora_delta.h) after each projection
@@ -338,7 +424,7 @@ class LlamaDecodeLayers {
       } else {
         add_rows<float>(h, H, res, H, res, M, H);
       }
-      rms_norm_rows<float>(res, H, layer.input_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
+      rms_norm_rows<float>(res, H, layer.input_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_, norm_offset_);
       layer.qkv(xn_.data(), M, qkv_.data(), int16_max_rows_, tile_max_rows_);
       lora_.apply(li, 0, xn_.data(), M, H, qkv_.data(), QKV);
       if (layer.q_norm.numel()) {  // in place, each head's D values of q then of k
@@ -346,12 +432,15 @@ class LlamaDecodeLayers {
         const float* kw = layer.k_norm.data_ptr<float>();
         for (int64_t t = 0; t < M; ++t) {
           float* row = qkv_.data() + t * QKV;
-          rms_norm_rows<float>(row, d_, qw, row, d_, hq_, d_, qk_norm_eps_);
-          rms_norm_rows<float>(row + QD, d_, kw, row + QD, d_, hkv_, d_, qk_norm_eps_);
+          rms_norm_rows<float>(row, d_, qw, row, d_, hq_, d_, qk_norm_eps_, norm_offset_);
+          rms_norm_rows<float>(row + QD, d_, kw, row + QD, d_, hkv_, d_, qk_norm_eps_, norm_offset_);
         }
       }
+      const float* cos_sin = (layer.cos_sin.numel() ? layer.cos_sin : cos_sin_).data_ptr<float>();
       rotate_rows<float>(qkv_.data(), QKV, q_.data(), hq_, d_, pos, cos_sin, M);
       rotate_rows<float>(qkv_.data() + QD, QKV, k_.data(), hkv_, d_, pos, cos_sin, M);
+      const int64_t* slot_map = slot_mappings[layer.group].data_ptr<int64_t>();
+      const torch::Tensor& tables = block_tables[layer.group];
       dispatch_kv(layer.kv_elem, [&](auto kv_tag) {
         using KV = decltype(kv_tag);
         // K/V rows into the cache (the same rows the per-module path's write_kv writes).
@@ -369,7 +458,7 @@ class LlamaDecodeLayers {
         }
         if (paged) {
           decode_kernel<float, PagedRows, KV>(q_.data(), k_cache, v_cache,
-                                              PagedRows{block_tables.data_ptr<int64_t>(), block_tables.stride(0),
+                                              PagedRows{tables.data_ptr<int64_t>(), tables.stride(0),
                                                         layer.kv_cache.size(2)},
                                               seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_,
                                               layer.window, layer.softcap);
@@ -382,20 +471,48 @@ class LlamaDecodeLayers {
       });
       layer.o(attn_.data(), M, h, int16_max_rows_, tile_max_rows_);
       lora_.apply(li, 1, attn_.data(), M, QD, h, H);
+      const bool sandwich = layer.attn_out_norm.numel() != 0;
+      if (sandwich) rms_norm_rows<float>(h, H, layer.attn_out_norm.data_ptr<float>(), h, H, M, H, eps_, norm_offset_);
       add_rows<float>(h, H, res, H, res, M, H);
-      rms_norm_rows<float>(res, H, layer.post_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_);
-      layer.gate_up(xn_.data(), M, gu_.data(), int16_max_rows_, tile_max_rows_);
-      lora_.apply(li, 2, xn_.data(), M, H, gu_.data(), 2 * inter_);
-      silu_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
-      layer.down(act_.data(), M, h, int16_max_rows_, tile_max_rows_);
-      lora_.apply(li, 3, act_.data(), M, inter_, h, H);
+      rms_norm_rows<float>(res, H, layer.post_norm.data_ptr<float>(), xn_.data(), H, M, H, eps_, norm_offset_);
+      if (layer.moe) {
+        const DecodeMoE& moe = *layer.moe;
+        logits_.resize(M * moe.E);
+        ids_.resize(M * moe.top_k);
+        weights_.resize(M * moe.top_k);
+        moe.router(xn_.data(), M, logits_.data(), int16_max_rows_, tile_max_rows_);
+        for (int64_t t = 0; t < M; ++t)
+          route_row(logits_.data() + t * moe.E, moe.E, moe.top_k, moe.renorm, ids_.data() + t * moe.top_k,
+                    weights_.data() + t * moe.top_k);
+        std::memset(h, 0, sizeof(float) * M * H);
+        gguf::moe_grouped(xn_.data(), M, ids_.data(), weights_.data(), moe.top_k, moe.E, moe.gu, moe.dn, h, moe.int8);
+      } else {
+        (*layer.gate_up)(xn_.data(), M, gu_.data(), int16_max_rows_, tile_max_rows_);
+        lora_.apply(li, 2, xn_.data(), M, H, gu_.data(), 2 * inter_);
+        if (gelu_tanh_) {
+          gelu_tanh_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
+        } else {
+          silu_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
+        }
+        (*layer.down)(act_.data(), M, h, int16_max_rows_, tile_max_rows_);
+        lora_.apply(li, 3, act_.data(), M, inter_, h, H);
+      }
+      if (sandwich) rms_norm_rows<float>(h, H, layer.mlp_out_norm.data_ptr<float>(), h, H, M, H, eps_, norm_offset_);
     }
     return {h_out, res_out};
   }
 
  private:
+  void check_cos_sin(const torch::Tensor& t) const {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 2 && t.size(1) == d_,
+                "cos_sin_cache must be float32 [max_position, head_dim]");
+  }
+
   int64_t hidden_, hq_, hkv_, d_, inter_;
   float eps_, scale_, qk_norm_eps_;
+  float norm_offset_;       // every norm scales by weight + norm_offset_ (Gemma: 1)
+  bool gelu_tanh_ = false;  // the MLP's activation: gelu's tanh form, else silu
+  int64_t num_groups_ = 0;  // KV cache groups the layers read (1 + the largest group index)
   torch::Tensor cos_sin_;
   int64_t int16_max_rows_, tile_max_rows_;
   std::vector<DecodeLayer> layers_;
@@ -405,7 +522,8 @@ class LlamaDecodeLayers {
 
  private:
   // Buffers reused from step to step (one forward at a time per object).
-  std::vector<float> xn_, qkv_, q_, k_, attn_, gu_, act_;
+  std::vector<float> xn_, qkv_, q_, k_, attn_, gu_, act_, logits_, weights_;
+  std::vector<int64_t> ids_;
 };
 
 }  // namespace pagedllm
@@ -439,8 +557,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("K", &DecodeLinear::K);
   pybind11::class_<pagedllm::LlamaDecodeLayers>(m, "LlamaDecodeLayers", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, double, int64_t,
-                          int64_t>())
+                          int64_t, std::string, double>())
       .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
+      .def("set_moe", &pagedllm::LlamaDecodeLayers::set_moe,
+           "(layer, router, gate_up stack, its type index, down stack, its type index, top_k, renorm, int8)")
       .def("num_layers", &pagedllm::LlamaDecodeLayers::num_layers)
       .def("set_lora", [](pagedllm::LlamaDecodeLayers& d, int64_t layer, std::vector<torch::Tensor> a,
                           std::vector<torch::Tensor> b, std::vector<std::vector<int64_t>> sections,

@@ -11,7 +11,7 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, hidden] with unit stride on hidden");
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, double offset) {
   check_rows(x, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be [hidden] in x's dtype");
@@ -19,7 +19,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), out.stride(0), x.size(0), x.size(1),
-                            static_cast<float>(eps));
+                            static_cast<float>(eps), static_cast<float>(offset));
   });
   return out;
 }
@@ -100,6 +100,47 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
+// out[t] = T(gelu_tanh(gate[t])) * up[t], as silu_and_mul (layer_ops.h's gelu_tanh_mul_rows).
+torch::Tensor gelu_tanh_and_mul(const torch::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = torch::empty({rows, inter}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  if (x.scalar_type() == torch::kFloat32) {
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+      gelu_tanh_mul_rows_avx2(xp + begin * stride, stride, op + begin * inter, end - begin, inter);
+    });
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gelu_tanh_and_mul", [&] {
+    gelu_tanh_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, inter);
+  });
+  return out;
+}
+
+// router logits [rows, E] float32 -> (expert ids int64 [rows, top_k], weights float32 [rows,
+// top_k]): route_row of each row.
+std::vector<torch::Tensor> moe_route(const torch::Tensor& logits, int64_t top_k, bool renorm) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "router logits must be float32");
+  const int64_t rows = logits.size(0), E = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be in [1, ", E, "], got ", top_k);
+  auto ids = torch::empty({rows, top_k}, logits.options().dtype(torch::kInt64));
+  auto w = torch::empty({rows, top_k}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) route_row(lp + r * ld, E, top_k, renorm, ip + r * top_k, wp + r * top_k);
+  });
+  return {ids, w};
+}
+
 // logits [rows, V] float32 -> int64 [rows]: argmax_row of each row.
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   check_rows(x, "x");
@@ -117,9 +158,13 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows, scaled by weight + offset (Gemma: offset 1)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("offset") = 0.0);
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm: returns (normed, sum)");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding of q and k: returns (q, k)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [gate | up] rows");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up over [gate | up] rows");
+  m.def("moe_route", &moe_route, "(router logits float32 [rows, E], top_k, renorm) -> (ids, weights): "
+        "softmax, top-k, optional renormalisation");
   m.def("argmax_rows", &argmax_rows, "each float32 row's argmax (torch.argmax's ties and NaN)");
 }

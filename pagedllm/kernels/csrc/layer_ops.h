@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <vector>
 
 #include "vec_avx2.h"
 
@@ -22,10 +23,11 @@ constexpr int64_t kGrainRows = 16;
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
-// out[t] = weight * T(x[t] * rsqrt(mean(x[t]^2) + eps)), x[t] taken as sum[t] when fused.
+// out[t] = (weight + offset) * T(x[t] * rsqrt(mean(x[t]^2) + eps)), x[t] taken as sum[t] when
+// fused; offset 1 is Gemma's (1 + weight) scale (float32 models: the sum rounds as torch's).
 template <typename T>
 void rms_norm_rows(const T* in, int64_t in_stride, const T* weight, T* out, int64_t out_stride,
-                   int64_t rows, int64_t hidden, float eps) {
+                   int64_t rows, int64_t hidden, float eps, float offset = 0.f) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* x = in + t * in_stride;
@@ -40,7 +42,7 @@ void rms_norm_rows(const T* in, int64_t in_stride, const T* weight, T* out, int6
 #pragma omp simd
       for (int64_t i = 0; i < hidden; ++i) {
         const float normed = round_to<T>(static_cast<float>(x[i]) * inv_rms);
-        y[i] = static_cast<T>(static_cast<float>(weight[i]) * normed);
+        y[i] = static_cast<T>((static_cast<float>(weight[i]) + offset) * normed);
       }
     }
   });
@@ -102,7 +104,52 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
   });
 }
 
+// gelu's tanh form as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function
+// as 0.5 x (1 + tanh(u)), one exp and no cancellation near tanh = -1.
+constexpr float kGeluTanhScale2 = 2.f * 0.7978845608028654f;
+constexpr float kGeluTanhCubic = 0.044715f;
+
+template <typename T>
+void gelu_tanh_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = in + t * in_stride;
+      const T* up = gate + inter;
+      T* y = out + t * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float u2 = kGeluTanhScale2 * (g + kGeluTanhCubic * g * g * g);
+        const float gelu = round_to<T>(g / (1.f + std::exp(-u2)));
+        y[i] = static_cast<T>(gelu * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
+// float32 gelu_tanh(gate) * up, eight lanes at a time on the calling thread (vec_avx2.h's exp).
+inline void gelu_tanh_mul_rows_avx2(const float* in, int64_t in_stride, float* out, int64_t rows, int64_t inter) {
+  const __m256 one = _mm256_set1_ps(1.f), scale = _mm256_set1_ps(-kGeluTanhScale2),
+               cubic = _mm256_set1_ps(kGeluTanhCubic);
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* gate = in + t * in_stride;
+    const float* up = gate + inter;
+    float* y = out + t * inter;
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(cubic, g), _mm256_mul_ps(g, g), g);  // g + c g^3
+      const __m256 e = exp_avx2(_mm256_mul_ps(scale, inner));                                 // exp(-2u)
+      const __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < inter; ++i) {
+      const float g = gate[i];
+      y[i] = g / (1.f + std::exp(-kGeluTanhScale2 * (g + kGeluTanhCubic * g * g * g))) * up[i];
+    }
+  }
+}
+
 // float32 silu(gate) * up, eight lanes at a time, on the calling thread: for the few rows of
 // a decode step, where the scalar exp of silu_mul_rows dominates (1,536 exps per row).
 inline void silu_mul_rows_avx2(const float* in, int64_t in_stride, float* out, int64_t rows, int64_t inter) {
@@ -122,6 +169,35 @@ inline void silu_mul_rows_avx2(const float* in, int64_t in_stride, float* out, i
   }
 }
 #endif
+
+// A sparse MoE's routing of one row of router logits [E] (layers/moe.py's `route`, the module
+// path and the fused decode both): softmax in float32 (exp of logit - max, summed in index
+// order), the top_k probabilities in descending order (of equal ones the lower expert first),
+// renormalised to sum to one when `renorm` (their sum in slot order).
+inline void route_row(const float* logits, int64_t E, int64_t top_k, bool renorm, int64_t* ids, float* w) {
+  float m = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) m = logits[e] > m ? logits[e] : m;
+  thread_local std::vector<float> p;
+  p.resize(E);
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logits[e] - m));
+  for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+  for (int64_t s = 0; s < top_k; ++s) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int64_t j = 0; j < s; ++j) taken |= ids[j] == e;
+      if (!taken && (best < 0 || p[e] > p[best] || std::isnan(p[e]))) best = e;
+    }
+    ids[s] = best;
+    w[s] = p[best];
+  }
+  if (renorm) {
+    float total = 0.f;
+    for (int64_t s = 0; s < top_k; ++s) total += w[s];
+    for (int64_t s = 0; s < top_k; ++s) w[s] /= total;
+  }
+}
 
 // The index of each row's largest value, as torch.argmax: the first of equal maxima, and the
 // first NaN where a row holds one (NaN counts as the largest). One thread per row: a decode
