@@ -69,10 +69,10 @@ def hash_block_tokens(
 
 
 def first_block_extra_keys(
-    engine_keys: tuple, cache_salt: str | None, lora_key: tuple | None = None
+    engine_keys: tuple, cache_salt: str | None, lora_key: tuple | None = None, mm_key: tuple | None = None
 ) -> tuple | None:
-    """Extra keys of a request's first block: the engine-wide keys, the request's salt and its
-    LoRA adapter (``LoRARequest.cache_key()``).
+    """Extra keys of a request's first block: the engine-wide keys, the request's salt, its
+    LoRA adapter (``LoRARequest.cache_key()``) and its images (``multimodal.inputs.mm_cache_key``).
 
     Only the first block needs them: every later hash chains through it.
     """
@@ -81,6 +81,8 @@ def first_block_extra_keys(
         keys = (*keys, ("cache_salt", cache_salt))
     if lora_key is not None:
         keys = (*keys, lora_key)
+    if mm_key is not None:
+        keys = (*keys, mm_key)
     return keys or None
 
 

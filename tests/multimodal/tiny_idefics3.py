@@ -1,0 +1,69 @@
+"""A tiny random Idefics3 (SmolVLM) checkpoint with the default model's tokenizer plus the
+image tokens, and its HF processor saved beside it (for tests/multimodal)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
+IMAGE_SIZE = 32  # the vision tower's square input: (32 / 8)^2 = 16 patches
+PATCH_SIZE = 8
+SCALE_FACTOR = 2  # 16 patches -> 4 image tokens per image
+
+
+def save_tiny_idefics3(path: str, tokenizer: Any) -> None:
+    """Save the checkpoint (safetensors), the tokenizer and the processor to ``path``."""
+    import torch
+    from transformers import (
+        Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor,
+    )
+
+    tokenizer = _with_image_tokens(tokenizer)
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    text = dict(
+        model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, initializer_range=0.2,
+    )
+    config = Idefics3Config(
+        text_config=text, vision_config=vision, scale_factor=SCALE_FACTOR, image_token_id=image_token_id,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Idefics3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # HF's init leaves the vision tower near-zero: make images matter
+        for p in model.model.vision_model.parameters():
+            p.normal_(0.0, 0.2)
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE},
+    )
+    seq_len = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=seq_len, chat_template=_CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def _with_image_tokens(tokenizer: Any) -> Any:
+    import copy
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    tokenizer.image_token = "<image>"
+    return tokenizer
+
+
+# SmolVLM's template: an image part is "<image>" in the text, expanded by the processor.
+_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
