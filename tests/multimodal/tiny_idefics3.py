@@ -56,14 +56,15 @@ def _with_image_tokens(tokenizer: Any) -> Any:
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
     tokenizer.image_token = "<image>"
+    tokenizer.chat_template = _CHAT_TEMPLATE
     return tokenizer
 
 
-# SmolVLM's template: an image part is "<image>" in the text, expanded by the processor.
+# A SmolVLM-shaped template: an image part is "<image>" in the text, expanded by the processor.
 _CHAT_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<image>{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
