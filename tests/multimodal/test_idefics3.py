@@ -107,17 +107,21 @@ def test_prefix_cache_keys_on_the_image(vlm):
 def test_encoder_cache_hit_for_the_same_image(vlm):
     cache = vlm.llm_engine.engine_core.runner.encoder_cache
     image = random_image(200)
-    (a,) = vlm.generate([{"prompt": "First <image> here.", "multi_modal_data": {"image": image}}], _greedy(),
-                        use_tqdm=False)
+    prompt = {"prompt": "First <image> here.", "multi_modal_data": {"image": image}}
+    (a,) = vlm.generate([prompt], _greedy(), use_tqdm=False)
     hits, misses = cache.hits, cache.misses
-    # Another text around the same image (no prefix-cache hit): the encoder's rows are reused.
-    (b,) = vlm.generate([{"prompt": "Second <image> here.", "multi_modal_data": {"image": image}}], _greedy(),
-                        use_tqdm=False)
+    # The same request again with the prefix cache emptied: its KV is recomputed, the image
+    # is not re-encoded, and the answer is the same.
+    assert vlm.reset_prefix_cache()
+    (b,) = vlm.generate([prompt], _greedy(), use_tqdm=False)
+    assert b.num_cached_tokens == 0
     assert (cache.hits, cache.misses) == (hits + 1, misses)
-    (c,) = vlm.generate([{"prompt": "First <image> here.", "multi_modal_data": {"image": image}}], _greedy(),
-                        use_tqdm=False, )
-    assert c.outputs[0].token_ids == a.outputs[0].token_ids
-    assert b.prompt_token_ids != a.prompt_token_ids
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    # Other text around it, and the image twice in one prompt: encoded never again.
+    (c,) = vlm.generate([{"prompt": "Second <image> and <image>.", "multi_modal_data": {"image": [image, image]}}],
+                        _greedy(), use_tqdm=False)
+    assert (cache.hits, cache.misses) == (hits + 3, misses)
+    assert c.prompt_token_ids != a.prompt_token_ids
 
 
 def test_chat_with_image_parts_matches_generate(vlm, tmp_path):

@@ -56,6 +56,11 @@ def test_openai_client_base64_image_matches_hf(vlm_server, tiny_idefics3_dir, hf
     ref, gaps = hf_greedy_mm(hf_tiny_idefics3, {"prompt": TEMPLATE_TEXT, "multi_modal_data": {"image": [image]}})
     assert_greedy_match(r.choices[0].token_ids, ref, gaps, "server")
     assert r.usage.prompt_tokens == len(r.prompt_token_ids)
+    stream = client.chat.completions.create(
+        model=tiny_idefics3_dir, messages=image_message(data_url(png_bytes(image))), max_tokens=MAX_TOKENS,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == r.choices[0].message.content
 
 
 def test_local_file_under_the_allowed_path(vlm_server, tiny_idefics3_dir, media_dir):
