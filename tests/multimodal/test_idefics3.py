@@ -42,6 +42,10 @@ def _inputs(seed: int = 0) -> list[dict]:
 def hf_greedy_mm(hf, prompt: dict) -> tuple[list[int], list[float]]:
     """HF's greedy tokens and top-2 logprob gaps for a prompt with images (its processor
     expands the placeholders and preprocesses the pixels)."""
+    return _hf_greedy_n(hf, prompt, MAX_TOKENS)
+
+
+def _hf_greedy_n(hf, prompt: dict, max_tokens: int) -> tuple[list[int], list[float]]:
     model, processor = hf
     images = prompt.get("multi_modal_data", {}).get("image")
     if images:
@@ -51,7 +55,7 @@ def hf_greedy_mm(hf, prompt: dict) -> tuple[list[int], list[float]]:
     tokens, gaps = [], []
     with torch.inference_mode():
         out = model(**inputs, use_cache=True)
-        for _ in range(MAX_TOKENS):
+        for _ in range(max_tokens):
             top2 = torch.log_softmax(out.logits[0, -1].float(), dim=-1).topk(2)
             tokens.append(int(top2.indices[0]))
             gaps.append(float(top2.values[0] - top2.values[1]))
@@ -157,3 +161,17 @@ def test_limit_mm_per_prompt(tiny_idefics3_dir):
     (out,) = llm.generate([{"prompt": "<image> only", "multi_modal_data": {"image": image}}],
                           SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_preemption_recomputes_images(tiny_idefics3_dir, hf_tiny_idefics3):
+    """A pool of 13 blocks for three image prompts of ~7 blocks each: requests are preempted
+    and resumed (recomputed from their images) and still match HF."""
+    llm = LLM(tiny_idefics3_dir, dtype="float32", matmul_activations="float32", max_model_len=96,
+              kv_cache_memory_bytes=14 * 8 * 512, block_size=8, enable_prefix_caching=False)
+    prompts = _inputs(seed=20)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    for prompt, out in zip(prompts, outs):
+        ref, gaps = _hf_greedy_n(hf_tiny_idefics3, prompt, 24)
+        assert_greedy_match(list(out.outputs[0].token_ids), ref, gaps, prompt["prompt"])
