@@ -128,7 +128,7 @@ class Request:
         self.pooling_params = pooling_params
         self.reads_whole_prompt = reads_whole_prompt
         # The prompt's images (multimodal/inputs.py), in prompt order; None: text only. Their
-        # hashes enter the first block's prefix-cache hash (mm_cache_key).
+        # hashes enter the prefix-cache hashes of the blocks that hold them (mm_block_keys).
         self.mm_features = mm_features
 
     @property

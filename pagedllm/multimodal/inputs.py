@@ -35,9 +35,15 @@ class MultiModalFeature:
         return len(self.positions)
 
 
-def mm_cache_key(features: list[MultiModalFeature] | None) -> tuple | None:
-    """The prefix-cache extra key of a request's images (None without images): requests with
-    the same text and different images never share KV blocks."""
+def mm_block_keys(features: list[MultiModalFeature] | None, block_size: int) -> dict[int, tuple] | None:
+    """The prefix-cache extra key of each block that holds image positions (None without
+    images): the hashes and offsets of the images it overlaps, as vLLM keys blocks. Blocks
+    before the first image share like text; from an image's first block on, requests with
+    the same text and different images never share a block (the hashes chain)."""
     if not features:
         return None
-    return ("mm", tuple((f.identifier, f.offset) for f in features))
+    keys: dict[int, list[tuple[str, int]]] = {}
+    for f in features:
+        for block in range(f.offset // block_size, (f.end - 1) // block_size + 1):
+            keys.setdefault(block, []).append((f.identifier, f.offset))
+    return {block: ("mm", tuple(images)) for block, images in keys.items()}

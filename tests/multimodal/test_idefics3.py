@@ -98,13 +98,17 @@ def test_chunked_prefill_splits_an_image(tiny_idefics3_dir, hf_tiny_idefics3):
 def test_prefix_cache_keys_on_the_image(vlm):
     text = PREAMBLE + "Describe <image> briefly."
     first, second = random_image(100), random_image(101)
+    _, (feature,) = vlm.llm_engine.input_processor.images.process(text, [first])
+    text_blocks = feature.offset // 8  # whole blocks before the image (block_size 8)
+    assert text_blocks >= 1
     (a,) = vlm.generate([{"prompt": text, "multi_modal_data": {"image": first}}], _greedy(), use_tqdm=False)
     (b,) = vlm.generate([{"prompt": text, "multi_modal_data": {"image": second}}], _greedy(), use_tqdm=False)
-    # Same text, different image: no block is shared, and the answer differs.
-    assert b.num_cached_tokens == 0
+    # Same text, different image: the blocks before the image are shared, none from it on,
+    # and the answer differs.
+    assert b.num_cached_tokens == text_blocks * 8
     assert a.outputs[0].token_ids != b.outputs[0].token_ids
     (c,) = vlm.generate([{"prompt": text, "multi_modal_data": {"image": first}}], _greedy(), use_tqdm=False)
-    assert c.num_cached_tokens > 0  # same text, same image: the prefix cache serves it
+    assert c.num_cached_tokens > text_blocks * 8  # same text, same image: past the image too
     assert c.outputs[0].token_ids == a.outputs[0].token_ids
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 BlockHash = bytes
 """A 32-byte sha256 digest naming a full block and everything before it."""
@@ -69,10 +69,10 @@ def hash_block_tokens(
 
 
 def first_block_extra_keys(
-    engine_keys: tuple, cache_salt: str | None, lora_key: tuple | None = None, mm_key: tuple | None = None
+    engine_keys: tuple, cache_salt: str | None, lora_key: tuple | None = None
 ) -> tuple | None:
-    """Extra keys of a request's first block: the engine-wide keys, the request's salt, its
-    LoRA adapter (``LoRARequest.cache_key()``) and its images (``multimodal.inputs.mm_cache_key``).
+    """Extra keys of a request's first block: the engine-wide keys, the request's salt and its
+    LoRA adapter (``LoRARequest.cache_key()``).
 
     Only the first block needs them: every later hash chains through it.
     """
@@ -81,8 +81,6 @@ def first_block_extra_keys(
         keys = (*keys, ("cache_salt", cache_salt))
     if lora_key is not None:
         keys = (*keys, lora_key)
-    if mm_key is not None:
-        keys = (*keys, mm_key)
     return keys or None
 
 
@@ -91,8 +89,11 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     first_extra_keys: tuple | None = None,
+    block_extra_keys: Mapping[int, tuple] | None = None,
 ) -> None:
     """Append to ``block_hashes`` the hashes of the full blocks of ``token_ids`` not yet hashed.
+    ``block_extra_keys``: more keys of some blocks by index (the images a block holds:
+    ``multimodal.inputs.mm_block_keys``); every later hash chains through them.
 
     Incremental: blocks ``0 .. len(block_hashes) - 1`` are taken as already hashed (the token
     ids of a full block never change), so calling this after every appended token costs one
@@ -103,6 +104,8 @@ def extend_block_hashes(
     parent = block_hashes[-1] if block_hashes else None
     for i in range(start, num_full):
         extra = first_extra_keys if i == 0 else None
+        if block_extra_keys is not None and i in block_extra_keys:
+            extra = (*(extra or ()), block_extra_keys[i])
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         block_hashes.append(parent)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from pagedllm.multimodal.inputs import mm_cache_key
+from pagedllm.multimodal.inputs import mm_block_keys
 from pagedllm.core.kv_manager import (
     KVAllocation,
     KVCapabilities,
@@ -451,9 +451,9 @@ class KVCacheManager(KVManager, KVTransfer):
         hashes = entry[1]
         if len(hashes) < request.num_tokens // self.block_size:
             lora_key = request.lora_request.cache_key() if request.lora_request is not None else None
-            extra = first_block_extra_keys(
-                self.hash_extra_keys, request.cache_salt, lora_key, mm_cache_key(request.mm_features))
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra)
+            extra = first_block_extra_keys(self.hash_extra_keys, request.cache_salt, lora_key)
+            images = mm_block_keys(request.mm_features, self.block_size)
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra, images)
         return hashes
 
     def _cow_index(
