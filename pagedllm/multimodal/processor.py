@@ -8,6 +8,7 @@ the server calls it on a worker thread, never on the event loop."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,9 @@ class ImageProcessor:
         from transformers import AutoProcessor
 
         self.hf = AutoProcessor.from_pretrained(model_dir)
+        # One call at a time: the processor's fast tokenizer refuses concurrent use from
+        # several threads ("Already borrowed") and the server preprocesses on worker threads.
+        self._lock = threading.Lock()
         self.spec = spec
         self.config = config
         self.image_token_id = spec.image_token(hf_config)
@@ -55,7 +59,9 @@ class ImageProcessor:
         for image in images:
             _check_pil(image, self.config)
         try:
-            out = self.hf(text=[text], images=[images], return_tensors="np", add_special_tokens=add_special_tokens)
+            with self._lock:
+                out = self.hf(text=[text], images=[images], return_tensors="np",
+                              add_special_tokens=add_special_tokens)
         except (ValueError, OSError) as e:
             raise MediaError(f"the image could not be preprocessed: {e}") from None
         ids = np.asarray(out["input_ids"][0], dtype=np.int64)

@@ -63,6 +63,24 @@ def test_openai_client_base64_image_matches_hf(vlm_server, tiny_idefics3_dir, hf
     assert streamed == r.choices[0].message.content
 
 
+def test_concurrent_image_requests(vlm_server, tiny_idefics3_dir):
+    """Eight image requests at once (preprocessed on worker threads) answer as one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(seed: int) -> list[int]:
+        body = {"model": tiny_idefics3_dir, "messages": image_message(data_url(png_bytes(random_image(seed)))),
+                "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        r = httpx.post(vlm_server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    seeds = list(range(30, 38))
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, seeds))
+    assert together == [ask(s) for s in seeds]
+    assert len({tuple(t) for t in together}) > 1  # the images matter
+
+
 def test_local_file_under_the_allowed_path(vlm_server, tiny_idefics3_dir, media_dir):
     image = random_image(8)
     path = media_dir / "picture.png"
