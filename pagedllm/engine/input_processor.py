@@ -82,7 +82,10 @@ class InputProcessor:
                 f"({self.max_prompt_chars} characters); shorten the prompt")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids)."""
+        """Return (prompt text or None, prompt token ids); ValueError for a prompt with images
+        (tokenize_prompt takes them: generate and chat)."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError("multi_modal_data is taken by generate and chat only (not by beam search or pooling)")
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict):

@@ -65,6 +65,8 @@ class LLMEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         if isinstance(params, PoolingParams):
+            if mm_features:
+                raise ValueError("multi_modal_data is taken by generate and chat only (not by beam search or pooling)")
             request_id = request_id if request_id is not None else str(next(self._ids))
             core_request = make_pooling_request(
                 request_id, text, prompt_token_ids, params, self.model_config, self.output_processor, priority)

@@ -151,6 +151,11 @@ def test_refusals(vlm, tiny_idefics3_dir, default_llm):
         default_llm.generate([{"prompt": "x <image>", "multi_modal_data": {"image": image}}], use_tqdm=False)
     with pytest.raises(ValueError, match="multi_modal_data has 'audio'"):
         vlm.generate([{"prompt": "x", "multi_modal_data": {"audio": b""}}], use_tqdm=False)
+    with pytest.raises(ValueError, match="not by beam search"):
+        from pagedllm.engine.beam_search import BeamSearchParams
+
+        vlm.beam_search([{"prompt": "x <image>", "multi_modal_data": {"image": image}}],
+                        BeamSearchParams(beam_width=2, max_tokens=2))
     with pytest.raises(ValueError, match="PIL.Image"):
         vlm.generate([{"prompt": "x <image>", "multi_modal_data": {"image": "not an image"}}], use_tqdm=False)
     assert not vlm.llm_engine.has_unfinished_requests()
