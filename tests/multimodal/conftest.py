@@ -15,6 +15,16 @@ def tiny_idefics3_dir(tmp_path_factory, default_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_idefics3_tiled_dir(tmp_path_factory, default_tokenizer):
+    """The same weights (seeded) with a processor that tiles images, as SmolVLM's does."""
+    from tests.multimodal.tiny_idefics3 import save_tiny_idefics3
+
+    path = tmp_path_factory.mktemp("tiny-idefics3-tiled")
+    save_tiny_idefics3(str(path), default_tokenizer, image_splitting=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def hf_tiny_idefics3(tiny_idefics3_dir):
     import torch
     from transformers import AutoProcessor, Idefics3ForConditionalGeneration

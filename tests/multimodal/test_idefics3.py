@@ -184,3 +184,20 @@ def test_preemption_recomputes_images(tiny_idefics3_dir, hf_tiny_idefics3):
     for prompt, out in zip(prompts, outs):
         ref, gaps = _hf_greedy_n(hf_tiny_idefics3, prompt, 24)
         assert_greedy_match(list(out.outputs[0].token_ids), ref, gaps, prompt["prompt"])
+
+
+def test_tiled_images_match_hf(tiny_idefics3_tiled_dir):
+    """SmolVLM's tiling: an image is up to 2 x 2 tiles and a global one (4 embeddings each, after row
+    markers); two images of other shapes in one prompt, in chunks of 16 that cut through them."""
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    llm = _engine(tiny_idefics3_tiled_dir, max_num_batched_tokens=16, max_num_seqs=2)
+    images = [random_image(40, 70, 40), random_image(41, 30, 64)]
+    prompt = {"prompt": "Compare <image> with <image> please.", "multi_modal_data": {"image": images}}
+    _, features = llm.llm_engine.input_processor.images.process(prompt["prompt"], images)
+    assert [f.pixel_values.shape[0] for f in features] == [5, 3]  # 2 x 2 + 1, 1 x 2 + 1
+    assert all(f.end - f.offset > f.num_embeds for f in features)  # runs interleaved with markers
+    (out,) = llm.generate([prompt], _greedy(), use_tqdm=False)
+    hf = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3_tiled_dir, dtype=torch.float32).eval()
+    ref, gaps = hf_greedy_mm((hf, AutoProcessor.from_pretrained(tiny_idefics3_tiled_dir)), prompt)
+    assert_greedy_match(list(out.outputs[0].token_ids), ref, gaps, "tiled")

@@ -11,8 +11,10 @@ PATCH_SIZE = 8
 SCALE_FACTOR = 2  # 16 patches -> 4 image tokens per image
 
 
-def save_tiny_idefics3(path: str, tokenizer: Any) -> None:
-    """Save the checkpoint (safetensors), the tokenizer and the processor to ``path``."""
+def save_tiny_idefics3(path: str, tokenizer: Any, image_splitting: bool = False) -> None:
+    """Save the checkpoint (safetensors), the tokenizer and the processor to ``path``.
+    image_splitting: the processor tiles an image (SmolVLM's default) into up to 2 x 2 tiles
+    of IMAGE_SIZE plus a global one, each tile's tokens after a <row_r_col_c> marker."""
     import torch
     from transformers import (
         Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor,
@@ -41,8 +43,9 @@ def save_tiny_idefics3(path: str, tokenizer: Any) -> None:
             p.normal_(0.0, 0.2)
         model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
+    longest = 2 * IMAGE_SIZE if image_splitting else IMAGE_SIZE
     image_processor = Idefics3ImageProcessorPil(
-        do_image_splitting=False, size={"longest_edge": IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE},
+        do_image_splitting=image_splitting, size={"longest_edge": longest}, max_image_size={"longest_edge": IMAGE_SIZE},
     )
     seq_len = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
     processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=seq_len, chat_template=_CHAT_TEMPLATE)
