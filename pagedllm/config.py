@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.kv_backends import KV_BACKEND_NAMES
 from pagedllm import faults
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
@@ -88,6 +89,9 @@ class ModelConfig:
     """A classifier's outputs (a *ForSequenceClassification checkpoint), else None."""
     labels: tuple[str, ...] = ()
     """A classifier's label names by output index (the checkpoint's id2label)."""
+    multimodal_dir: str | None = None
+    """A vision-language checkpoint's HF-format directory, whose processor preprocesses images
+    (multimodal/processor.py); None: the model takes text only."""
 
 
 Runner = Literal["generate", "pooling"]
@@ -452,6 +456,8 @@ class EngineConfig:
     """Pooling models: runner, conversion, pooler overrides."""
     observability_config: ObservabilityConfig = ObservabilityConfig()
     """Logs, stats and test hooks."""
+    multimodal_config: MultiModalConfig = MultiModalConfig()
+    """Image inputs: where they may come from, how many per prompt, their bounds."""
     seed: int = 0
     """Seed of the engine's global generator (requests without their own seed)."""
     model_config: ModelConfig | None = None

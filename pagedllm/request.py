@@ -6,6 +6,7 @@ import enum
 import time
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ class Request:
         "lora_request",
         "pooling_params",
         "reads_whole_prompt",
+        "mm_features",
     )
 
     def __init__(
@@ -83,6 +85,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         reads_whole_prompt: bool = False,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -124,6 +127,9 @@ class Request:
         # no prefix-cache hit.
         self.pooling_params = pooling_params
         self.reads_whole_prompt = reads_whole_prompt
+        # The prompt's images (multimodal/inputs.py), in prompt order; None: text only. Their
+        # hashes enter the prefix-cache hashes of the blocks that hold them (mm_block_keys).
+        self.mm_features = mm_features
 
     @property
     def num_tokens(self) -> int:

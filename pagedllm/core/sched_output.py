@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -35,6 +36,8 @@ class NewRequestData:
     """The adapter the request runs with (None: the base model)."""
     pooling_params: PoolingParams | None = None
     """A pooling request: the runner pools its prompt instead of sampling."""
+    mm_features: list[MultiModalFeature] | None = None
+    """The prompt's images: the runner encodes them and writes their rows over the placeholders."""
 
 
 @dataclass(slots=True)

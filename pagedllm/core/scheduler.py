@@ -491,6 +491,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             lora_request=request.lora_request,
             pooling_params=request.pooling_params,
+            mm_features=request.mm_features,
         )
 
     def update_from_output(

@@ -43,6 +43,7 @@ from pagedllm.config import (
 from pagedllm.engine.arg_flags import add_dataclass_flags, flag, given_flags, json_dict
 from pagedllm.kv_backends import KV_BACKEND_NAMES, get_kv_backend
 from pagedllm.lora.config import LoRAConfig
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.pooling_params import PoolerConfig
 from pagedllm.platforms.registry import DEVICE_CHOICES, get_platform, resolve_device
 from pagedllm.platforms.isa import ISAS
@@ -171,6 +172,12 @@ class EngineArgs:
     max_lora_rank: int = flag(LoRAConfig.max_lora_rank, "largest LoRA rank accepted", type=int)
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory, LRU evicted (default: "
                                      "--max-loras)", type=int)
+    limit_mm_per_prompt: dict | None = flag(
+        None, 'most images per prompt, vLLM\'s JSON form, e.g. \'{"image": 2}\' (default: no cap)', type=json_dict)
+    allowed_local_media_path: str | None = flag(
+        None, "file:// image URLs are read only under this directory (default: refused)")
+    allowed_media_domains: list[str] | None = flag(
+        None, "http(s) image URLs are fetched only from these hosts (default: none)", nargs="+")
     inject_fault: str | None = flag(None, "fault injection for tests, '<site>:<marker>[@<n>],...' (faults.py; "
                                     "default: $PAGEDLLM_INJECT_FAULT)")
     usage_context: UsageContext = flag("offline", "offline (LLM) or serve: picks the step budgets' defaults",
@@ -237,6 +244,9 @@ class EngineArgs:
             kv_transfer_config=self._kv_transfer_config(),
             sampling_config=SamplingConfig(self.max_logprobs, self.generation_config, self.override_generation_config),
             pooling_config=self._pooling_config(),
+            multimodal_config=MultiModalConfig(
+                dict(self.limit_mm_per_prompt or {}), self.allowed_local_media_path,
+                tuple(h.lower() for h in self.allowed_media_domains or ())),
             observability_config=ObservabilityConfig(self.disable_log_stats,
                                                      self.inject_fault or environ.get(ENV_FAULTS) or None),
             seed=self.seed,

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.engine.arg_utils import EngineArgs
@@ -342,8 +343,10 @@ class AsyncLLM:
         kv_transfer_params: dict | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> RequestStream:
-        """Validate and queue a request. Raises ValueError on bad input."""
+        """Validate and queue a request. Raises ValueError on bad input. ``mm_features``: the
+        prompt's preprocessed images (InputProcessor.render_chat_inputs, on a worker thread)."""
         self._check_ready()
         assert self.input_processor is not None and self.model_config is not None
         assert self.config is not None
@@ -365,6 +368,7 @@ class AsyncLLM:
         request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
             self.tokenizer, self.output_processor, cache_salt, kv_transfer_params, priority, lora_request,
+            mm_features,
         )
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         stream = RequestStream(request_id, self, deadline)
@@ -595,7 +599,8 @@ class AsyncLLM:
             self.model_config, self.config, self.tokenizer = info.model_config, info.config, info.tokenizer
             self.generation_defaults = info.generation_defaults
             self.input_processor = InputProcessor(
-                self.tokenizer, self.model_config, self.config.speculative_config, self.args.max_logprobs)
+                self.tokenizer, self.model_config, self.config.speculative_config, self.args.max_logprobs,
+                self.config.multimodal_config)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.metrics.engine_ready(self.model_config.max_model_len, _cache_info(info))
             self.ready = True

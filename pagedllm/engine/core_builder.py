@@ -219,6 +219,7 @@ def _build_runner(config: EngineConfig, loaded: Any, kv: KVBuild) -> Any:
         decode_graph_sizes=config.device_config.cuda_graph_sizes,
         lora_config=config.lora_config,
         pooler_config=config.model_config.pooler if config.model_config is not None else None,
+        encoder_cache_size=config.multimodal_config.encoder_cache_size or config.scheduler_config.max_num_batched_tokens,
     )
 
 

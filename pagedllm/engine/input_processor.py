@@ -8,14 +8,28 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from pagedllm.config import ModelConfig
+from pagedllm.multimodal.chat import extract_images, has_image_parts
+from pagedllm.multimodal.config import MultiModalConfig
+from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.media import MediaConnector
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PromptType = Union[str, dict]
 """A string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; a dict may also carry a
-"cache_salt": requests with different salts never share cached prefix blocks."""
+"cache_salt": requests with different salts never share cached prefix blocks, and with
+{"prompt": str}, "multi_modal_data": {"image": PIL.Image | [PIL.Image, ...]} (the text writes
+the model's image placeholder, e.g. "<image>", once per image)."""
+
+
+class PromptInputs(NamedTuple):
+    """A prompt made ready for the engine."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @functools.cache
@@ -43,8 +57,14 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, model_config: ModelConfig, speculative_config: object | None = None,
-                 max_logprobs: int = MAX_LOGPROBS) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, multimodal_config: MultiModalConfig | None = None) -> None:
+        from pagedllm.multimodal.processor import image_processor_for
+
         self.tokenizer = tokenizer
+        mm_config = multimodal_config or MultiModalConfig()
+        self.images = image_processor_for(model_config, mm_config)
+        """The model's image preprocessing; None for a text-only model."""
+        self.media = MediaConnector(mm_config)
         self.model_config = model_config
         # The thinking budget is refused while speculative decoding is on (see validate).
         self.speculative_config = speculative_config
@@ -62,7 +82,10 @@ class InputProcessor:
                 f"({self.max_prompt_chars} characters); shorten the prompt")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids)."""
+        """Return (prompt text or None, prompt token ids); ValueError for a prompt with images
+        (tokenize_prompt takes them: generate and chat)."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError("multi_modal_data is taken by generate and chat only (not by beam search or pooling)")
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
@@ -77,6 +100,50 @@ class InputProcessor:
             f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
             f"got {type(prompt).__name__}"
         )
+
+    def tokenize_prompt(self, prompt: PromptType) -> PromptInputs:
+        """tokenize(), and a prompt's "multi_modal_data" preprocessed (blocking: the server
+        calls this on a worker thread)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return PromptInputs(*self.tokenize(prompt))
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data has {unknown[0]!r}; supported: 'image'")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError('a prompt with multi_modal_data needs its text as "prompt" (token ids cannot place images)')
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        self.check_prompt_chars(text)
+        ids, features = self.require_images().process(text, list(images), add_special_tokens=True)
+        return PromptInputs(text, ids, features)
+
+    def require_images(self) -> Any:
+        """The image processor; ValueError when the model takes no images."""
+        if self.images is None:
+            raise ValueError(
+                f"model {self.model_config.model!r} ({self.model_config.architecture}) does not take image inputs")
+        return self.images
+
+    def render_chat_inputs(
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None, *,
+        continue_final_message: bool = False, documents: list[dict] | None = None, add_special_tokens: bool = False,
+    ) -> PromptInputs:
+        """render_chat with image parts (image_url, image_pil) loaded and expanded (blocking)."""
+        if not has_image_parts(messages):
+            return PromptInputs(*self.render_chat(
+                messages, chat_template, add_generation_prompt, chat_template_kwargs, tools,
+                continue_final_message=continue_final_message, documents=documents,
+                add_special_tokens=add_special_tokens))
+        processor = self.require_images()
+        messages, images = extract_images(messages, self.media)
+        processor.check_count(len(images))
+        text = render_chat_text(self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs,
+                                tools, continue_final_message=continue_final_message, documents=documents)
+        self.check_prompt_chars(text)
+        ids, features = processor.process(text, images, add_special_tokens=add_special_tokens)
+        return PromptInputs(text, ids, features)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids; add_special_tokens=False: the text's own tokens, no BOS added.

@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request, RequestStatus
@@ -35,7 +36,7 @@ class LLMEngine:
         self.model_dir = built.model_dir  # HF-format directory of the weights (GGUF: converted cache)
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.config.speculative_config,
-            self.config.sampling_config.max_logprobs)
+            self.config.sampling_config.max_logprobs, self.config.multimodal_config)
         self.generation_defaults = built.generation_defaults  # generation_config.py
         self.output_processor = OutputProcessor(self.tokenizer)
         # The engine's reasoning parser (--reasoning-parser), or None: LLM.chat reads it.
@@ -53,14 +54,19 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        """Validate and queue a request; returns its id. Raises ValueError on bad input.
+        ``mm_features``: the images of a prompt given as token ids (InputProcessor's
+        render_chat_inputs); a prompt dict's "multi_modal_data" is preprocessed here."""
         check_priority(priority, self.config.scheduler_config.scheduling_policy)
         if prompt_token_ids is None:
-            text, prompt_token_ids = self.input_processor.tokenize(prompt)
+            text, prompt_token_ids, mm_features = self.input_processor.tokenize_prompt(prompt)
         else:
             text = prompt if isinstance(prompt, str) else None
         if isinstance(params, PoolingParams):
+            if mm_features:
+                raise ValueError("multi_modal_data is taken by generate and chat only (not by beam search or pooling)")
             request_id = request_id if request_id is not None else str(next(self._ids))
             core_request = make_pooling_request(
                 request_id, text, prompt_token_ids, params, self.model_config, self.output_processor, priority)
@@ -71,6 +77,7 @@ class LLMEngine:
         core_request = make_requests(
             request_id, text, prompt_token_ids, params, max_tokens, self.model_config,
             self.tokenizer, self.output_processor, cache_salt, priority=priority, lora_request=lora_request,
+            mm_features=mm_features,
         )
         return self._submit(request_id, core_request)
 
@@ -119,6 +126,7 @@ def make_requests(
     kv_transfer_params: dict | None = None,
     priority: int = 0,
     lora_request: LoRARequest | None = None,
+    mm_features: list[MultiModalFeature] | None = None,
 ) -> Request:
     """Register a validated request with the output processor; return the core request to
     submit. For n > 1, one core request per sequence ("{i}_{request_id}", as vLLM) in one
@@ -132,6 +140,7 @@ def make_requests(
             core_id, prompt_token_ids, child, eos_token_ids=model_config.eos_token_ids,
             max_tokens=max_tokens, arrival_time=arrival_time, group_id=group_id, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params, priority=priority, lora_request=lora_request,
+            mm_features=mm_features,
         )
 
     if params.n == 1:

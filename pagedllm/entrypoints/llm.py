@@ -15,6 +15,7 @@ from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput, Beam
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.engine.pooling_inputs import cosine, pooling_token_ids, score_pairs
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -80,7 +81,7 @@ class LLM:
         adapter for every prompt, or one (or None: the base) per prompt (needs enable_lora)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        requests = [(p, None) for p in prompts]
+        requests = [(p, None, None) for p in prompts]
         return self._run(requests, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
@@ -97,7 +98,9 @@ class LLM:
         """Chat: one conversation (a list of messages) or a list of conversations;
         ``chat_template_kwargs`` are variables for the template (e.g. ``enable_thinking``);
         ``tools`` (OpenAI's tool objects) are shown to the model through the template, the
-        shipped tool template when the model's knows no tools (docs/tool_calling.md)."""
+        shipped tool template when the model's knows no tools (docs/tool_calling.md). Image
+        parts ({"type": "image_url", "image_url": {"url": ...}} or {"type": "image_pil",
+        "image_pil": PIL.Image}) go to a vision-language model (docs/multimodal.md)."""
         from pagedllm.entrypoints.openai.tool_parsers.chat_template import choose_chat_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -105,14 +108,14 @@ class LLM:
         requests = []
         for conv in conversations:
             template = choose_chat_template(chat_template, processor.tokenizer.chat_template, conv, tools)
-            text, ids = processor.render_chat(conv, template, add_generation_prompt, chat_template_kwargs, tools)
-            requests.append((text, ids))
+            requests.append(processor.render_chat_inputs(conv, template, add_generation_prompt, chat_template_kwargs,
+                                                         tools))
         if self.llm_engine.reasoning_parser is not None:
             sampling_params = self._reasoning_states(requests, sampling_params, chat_template_kwargs)
         return self._run(requests, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _reasoning_states(
-        self, requests: list[tuple[str, list[int]]], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        self, requests: list[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         chat_template_kwargs: dict[str, Any] | None,
     ) -> SamplingParams | Sequence[SamplingParams] | None:
         """Per conversation, whether its grammar waits for the reasoning's end: the prompt and
@@ -122,7 +125,7 @@ class LLM:
         parser = self.llm_engine.reasoning_parser
         assert parser is not None
         result = []
-        for (text, _), params in zip(requests, sampling_params):
+        for (text, *_), params in zip(requests, sampling_params):
             spec = params.structured_outputs
             if spec is not None and spec.reasoning_ended is None:
                 ended = not parser.starts_in_reasoning(text, chat_template_kwargs)
@@ -227,7 +230,7 @@ class LLM:
 
     def _run(
         self,
-        requests: list[tuple[PromptType, list[int] | None]],
+        requests: list[tuple[PromptType, list[int] | None, list[MultiModalFeature] | None]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
@@ -243,10 +246,10 @@ class LLM:
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for i, ((prompt, ids), p, prio, lora) in enumerate(zip(requests, params, priorities, loras)):
+            for i, ((prompt, ids, mm), p, prio, lora) in enumerate(zip(requests, params, priorities, loras)):
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                order[engine.add_request(
-                    prompt, p, prompt_token_ids=ids, cache_salt=salt, priority=prio, lora_request=lora)] = i
+                order[engine.add_request(prompt, p, prompt_token_ids=ids, cache_salt=salt, priority=prio,
+                                         lora_request=lora, mm_features=mm)] = i
         except Exception:
             engine.abort_request(list(order))  # a bad prompt: nothing half-queued stays behind
             raise

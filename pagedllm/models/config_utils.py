@@ -22,6 +22,11 @@ def architecture_of(hf_config: Any) -> str:
     return name
 
 
+def text_config_of(hf_config: Any) -> Any:
+    """The language model's config: a vision-language config's `text_config`, else itself."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
 def head_dim_of(hf_config: Any) -> int:
     head_dim = getattr(hf_config, "head_dim", None)
     return head_dim or hf_config.hidden_size // hf_config.num_attention_heads

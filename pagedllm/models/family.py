@@ -10,6 +10,7 @@ adding a family is its model file (and its test) and no table elsewhere:
 - `packed_modules`: the checkpoint projections loaded into one fused parameter;
 - `gguf`: llama.cpp's architecture name, its tensor names and the converter's quirks;
 - `supports_tensor_parallel`;
+- `image`: how the family takes images (multimodal/spec.py), None for text only;
 - `runner`: "pooling" for encoders that only embed or classify (BERT: models/bert.py).
 """
 
@@ -21,6 +22,7 @@ from typing import Any, Callable, Literal, Mapping
 from torch import nn
 
 from pagedllm.layers.moe import MoEConfig
+from pagedllm.multimodal.spec import ImageSpec
 
 NormKind = Literal["rms", "layer"]
 # pre: norm before attention and MLP (Llama, GPT-2); post: after the residual add (OPT-350m);
@@ -150,6 +152,9 @@ class ModelFamily:
     """(fused parameter, checkpoint projection, shard id), e.g. ("qkv_proj", "q_proj", "q")."""
     gguf: GGUFSpec | None = None
     supports_tensor_parallel: bool = False
+    image: ImageSpec | None = None
+    """Image inputs (multimodal/spec.py): the model has `encode_images` and `embed_input_ids`
+    and takes `inputs_embeds`; None: text only."""
     runner: Literal["generate", "pooling"] = "generate"
     """pooling: an encoder that only embeds or classifies (models/pooling.py); its model has
     `pooler_defaults` and, for a classifier, `classify(pooled)`."""

@@ -136,9 +136,12 @@ class LlamaModel(nn.Module):
         # Decode steps of a few rows: every layer in one compiled call (models/fused_decode.py).
         self.fused_layers = FusedDecoderLayers()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T] int64 -> [T, hidden]
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # input_ids, positions: [T] int64 -> [T, hidden]; inputs_embeds: [T, hidden] given by a
+        # vision-language model (image rows written over the placeholders) instead of the lookup
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.fused_layers.applies(self.layers, hidden_states):
             hidden_states, residual = self.fused_layers(positions, hidden_states)
             hidden_states, _ = self.norm(hidden_states, residual)

@@ -30,7 +30,7 @@ from torch import nn
 
 from pagedllm.config import DType, ModelConfig
 from pagedllm.distributed.parallel_state import current_tp
-from pagedllm.models.config_utils import architecture_of
+from pagedllm.models.config_utils import architecture_of, text_config_of
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.moe import RouterLinear
@@ -120,7 +120,7 @@ def load_model(
     architecture = architecture_of(hf_config)
     family = family_of(architecture)
     arch = family.arch_config(hf_config)
-    model_len = _max_model_len(hf_config, max_model_len)
+    model_len = _max_model_len(text_config_of(hf_config), max_model_len)
     weight_files = safetensors_files(model_dir) if gguf_path is None else []
     if tokenizer is None:
         tokenizer = _load_tokenizer(model_dir, hf_config if gguf_path is not None else None)
@@ -206,13 +206,14 @@ def _model_config(
         architecture=architecture_of(hf_config),
         dtype=cast(DType, dtype),
         max_model_len=model_len,
-        vocab_size=hf_config.vocab_size,
+        vocab_size=text_config_of(hf_config).vocab_size,
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
         eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
         bos_token_id=bos_token_id,
         sliding_window=arch.model_sliding_window,
+        multimodal_dir=model_dir if family_of(architecture_of(hf_config)).image is not None else None,
     )
 
 
@@ -459,7 +460,7 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> tuple[int, 
     sources += [
         added[token]
         for token in _END_OF_TURN_TOKENS
-        if token in added and added[token] < hf_config.vocab_size
+        if token in added and added[token] < text_config_of(hf_config).vocab_size
         and not (harmony and token == _HARMONY_MESSAGE_END)
     ]
     ids: list[int] = []

@@ -39,6 +39,7 @@ from pagedllm.kv_backends.paged.worker import PagedKVWorker, attention_layers
 from pagedllm.worker.fault_isolation import propose_isolated, sample_isolated, verify_isolated
 from pagedllm.worker.kv_worker import KVCacheWorker, StepIndex
 from pagedllm.worker.batch import Batch, build_batch, gather_input_ids
+from pagedllm.worker.mm_embeds import EncoderCache, step_inputs_embeds
 from pagedllm.worker.pooler import StepPooler
 from pagedllm.worker.sampling_inputs import CachedRequestState
 
@@ -59,6 +60,7 @@ class ModelRunner:
         decode_graph_sizes: Sequence[int] = (),
         lora_config: LoRAConfig | None = None,
         pooler_config: PoolerConfig | None = None,
+        encoder_cache_size: int = 0,
     ) -> None:
         """``make_kv_worker`` builds the KV backend's worker side over the model's Attention
         layers (default: the paged pool of ``num_blocks`` blocks of ``block_size`` tokens;
@@ -67,7 +69,9 @@ class ModelRunner:
         as graphs replayed at these batch sizes (worker/cuda_graphs.py; CUDA graphs on CUDA,
         a re-run of the captured function elsewhere). ``lora_config``: serve LoRA adapters
         (lora/manager.py; None: the base model only). ``pooler_config``: the model's resolved
-        pooling (worker/pooler.py), for pooling requests; None: it takes none."""
+        pooling (worker/pooler.py), for pooling requests; None: it takes none.
+        ``encoder_cache_size``: embedding rows of encoded images kept (worker/mm_embeds.py),
+        for a model that takes images."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -97,6 +101,7 @@ class ModelRunner:
         self.draft_policy: DraftPolicy | None = None if spec is None else DraftPolicy(spec)
         self.lora_manager = self._lora_manager(lora_config) if lora_config is not None else None
         self.pooler = StepPooler(model, pooler_config) if pooler_config is not None else None
+        self.encoder_cache = EncoderCache(encoder_cache_size) if model_config.multimodal_dir is not None else None
         # Build (or load the cached build of) the compiled kernels now, not in the first step.
         paged_attention_ops()
 
@@ -151,6 +156,7 @@ class ModelRunner:
                 prompt_logprobs=[] if wants_prompt_logprobs else None,
                 lora_request=new.lora_request,
                 pooling_params=new.pooling_params,
+                mm_features=new.mm_features,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -223,17 +229,23 @@ class ModelRunner:
         lora = None
         if self.lora_manager is not None:
             lora = self.lora_manager.prepare([s.lora_request for s in states], np.asarray(batch.num_scheduled))
-        return _Step(states, drafts, batch, lora)
+        embeds = None
+        if self.encoder_cache is not None:
+            embeds = step_inputs_embeds(self.model, self.encoder_cache, states, batch.query_start,
+                                        batch.num_scheduled, batch.input_ids)
+        return _Step(states, drafts, batch, lora, embeds)
 
     def _forward(self, step: _Step) -> torch.Tensor:
         """Hidden states [T, hidden]: a captured decode graph where one takes the step, else
         the model under the step's attention metadata (and LoRA mapping)."""
         batch = step.batch
-        if self.decode_graphs is not None and step.lora is None:
+        if self.decode_graphs is not None and step.lora is None and step.inputs_embeds is None:
             hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
             if hidden is not None:
                 return hidden
         with forward_context(batch.attn_metadata), lora_context(step.lora):
+            if step.inputs_embeds is not None:
+                return self.model(batch.input_ids, batch.positions, inputs_embeds=step.inputs_embeds)
             return self.model(batch.input_ids, batch.positions)
 
     def _draft_prefills(self, step: _Step) -> list[PrefillChunk]:
@@ -404,3 +416,4 @@ class _Step(NamedTuple):
     drafts: list[list[int]]  # [R] each request's draft tokens (scored this step)
     batch: Batch
     lora: Any  # the step's LoRA mapping (lora/manager.py), None without adapters
+    inputs_embeds: torch.Tensor | None = None  # [T, hidden] with image rows written in (worker/mm_embeds.py)

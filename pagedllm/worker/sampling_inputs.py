@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm import faults
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
@@ -35,6 +36,7 @@ class CachedRequestState:
     prompt_logprobs: list | None = None
     lora_request: LoRARequest | None = None  # the adapter the request runs with (lora/)
     pooling_params: PoolingParams | None = None  # a pooling request: pooled (worker/pooler.py), never sampled
+    mm_features: list[MultiModalFeature] | None = None  # the prompt's images (worker/mm_embeds.py)
 
     @property
     def num_output_tokens(self) -> int:

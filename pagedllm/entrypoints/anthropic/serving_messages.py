@@ -189,7 +189,7 @@ class AnthropicServingMessages:
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         chat_req = to_chat_request(req)
-        _, ids = await self.chat.render(chat_req.messages, None, chat_req.add_generation_prompt,
+        _, ids, _ = await self.chat.render(chat_req.messages, None, chat_req.add_generation_prompt,
                                         chat_req.chat_template_kwargs, request_tools(chat_req),
                                         continue_final_message=chat_req.continue_final_message)
         return {"input_tokens": len(ids)}

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.engine.async_llm import (
     AsyncLLM,
     EngineNotReadyError,
@@ -421,9 +422,11 @@ def add_requests(
     kv_transfer_params: dict | None = None, *, priority: int = 0,
     request_logger: RequestLogger | None = None,
     lora_request: LoRARequest | None = None,
+    mm_features: list[MultiModalFeature] | None = None,
 ) -> list[RequestStream]:
     """Queue one request per prompt; on a bad one, abort those already queued and raise a 400.
-    Each queued request is logged by request_logger (--enable-log-requests)."""
+    Each queued request is logged by request_logger (--enable-log-requests). mm_features: the
+    single prompt's images."""
     try:
         width = params.params.beam_width if isinstance(params, BeamSearchRequest) else params.n
         engine.check_admission(len(prompts) * width)
@@ -446,6 +449,8 @@ def add_requests(
                     raise ValueError("priority cannot be combined with use_beam_search")
                 if lora_request is not None:
                     raise ValueError("a LoRA adapter cannot be combined with use_beam_search")
+                if mm_features:
+                    raise ValueError("images cannot be combined with use_beam_search yet")
                 assert engine.model_config is not None
                 beam = params.params_for(len(ids), engine.model_config.max_model_len)
                 streams.append(engine.add_beam_search(request_id, text, beam, prompt_token_ids=ids))
@@ -453,6 +458,7 @@ def add_requests(
                 streams.append(engine.add_request(
                     request_id, text, params, prompt_token_ids=ids, cache_salt=cache_salt,
                     kv_transfer_params=kv_transfer_params, priority=priority, lora_request=lora_request,
+                    mm_features=mm_features,
                 ))
             if request_logger is not None:
                 request_logger.log(request_id, text, ids, params.params if isinstance(params, BeamSearchRequest) else params)

@@ -4,6 +4,7 @@ parser each choice's text is split into reasoning (also sent as reasoning_conten
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -59,11 +60,14 @@ from pagedllm.entrypoints.openai.tool_parsers.handler import (
     finish_reason_with_calls,
 )
 from pagedllm.entrypoints.openai.tool_parsers.stream import TextStreamState, ToolStreamState
+from pagedllm.engine.input_processor import PromptInputs
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.chat import extract_images, has_image_parts
 
 
 def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
-    """Plain dicts for the template; content parts must be text."""
+    """Plain dicts for the template; content parts must be text or image_url (a message with
+    images keeps its parts, in order, for a vision-language model's template)."""
     result = []
     for m in messages:
         d = m.model_dump(exclude_none=True)
@@ -71,10 +75,15 @@ def messages_to_dicts(messages: list[Any]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"only text content parts are supported, got {part.get('type')!r}", "messages")
+                kind = part.get("type")
+                if kind == "image_url":
+                    continue
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"only text and image_url content parts are supported, got {kind!r}", "messages")
                 texts.append(part["text"])
-            d["content"] = "\n".join(texts)
+            if len(texts) == len(content):
+                d["content"] = "\n".join(texts)
         result.append(d)
     return result
 
@@ -111,14 +120,18 @@ class OpenAIServingChat:
         chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
         **options: Any,
     ):
-        """(prompt text, token ids), rendered off the event loop (see chat_renderer.py);
+        """(prompt text, token ids, image features or None), rendered off the event loop (see
+        chat_renderer.py); image_url parts are loaded and preprocessed on worker threads.
         options: ChatRenderer.render's (continue_final_message, documents, add_special_tokens)."""
         if not req_messages:
             raise bad_request("messages must not be empty", "messages")
+        messages = messages_to_dicts(req_messages)
+        images = None
+        if has_image_parts(messages):
+            messages, images = await self._load_images(messages)
         try:
-            return await self.renderer.render(
-                messages_to_dicts(req_messages), chat_template, add_generation_prompt, chat_template_kwargs, tools,
-                **options)
+            text, ids = await self.renderer.render(
+                messages, chat_template, add_generation_prompt, chat_template_kwargs, tools, **options)
         except ChatTemplateError as e:
             message = str(e)
             if message.startswith("chat_template_kwargs"):
@@ -128,6 +141,29 @@ class OpenAIServingChat:
             else:
                 param = "chat_template" if chat_template else "messages"
             raise bad_request(message, param) from None
+        if images is None:
+            return PromptInputs(text, ids)
+        assert self.engine.input_processor is not None
+        processor = self.engine.input_processor.require_images()
+        try:
+            ids, features = await asyncio.to_thread(
+                processor.process, text, images, add_special_tokens=bool(options.get("add_special_tokens")))
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        return PromptInputs(text, ids, features)
+
+    async def _load_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The messages with {"type": "image"} parts, and their images, loaded on a worker
+        thread (decoding and any fetch stay off the event loop); a 400 naming the problem."""
+        processor = self.engine.input_processor
+        assert processor is not None
+        try:
+            images = processor.require_images()
+            messages, loaded = await asyncio.to_thread(extract_images, messages, processor.media)
+            images.check_count(len(loaded))
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        return messages, loaded
 
     def _check(self, req: ChatCompletionRequest) -> int | None:
         """Reject what we do not support (the fields no endpoint honours: serving_base's
@@ -147,13 +183,15 @@ class OpenAIServingChat:
         await tokenize_bad_words(self.engine, params)
         tools = tool_call_handler(req, self.tool_config)
         params = await constrain_tool_calls(tools, params)
-        text, ids = await self.render(
+        text, ids, mm_features = await self.render(
             req.messages, req.chat_template, req.add_generation_prompt, req.chat_template_kwargs, request_tools(req),
             continue_final_message=req.continue_final_message, documents=req.documents,
             add_special_tokens=req.add_special_tokens)
         assert self.engine.model_config is not None
         max_len = self.engine.model_config.max_model_len
         kept = truncate_prompt(ids, req.truncate_prompt_tokens, max_len)
+        if mm_features and len(kept) != len(ids):
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
         text, ids = (text if len(kept) == len(ids) else None), kept
         check_context_length(len(ids), max_tokens, max_len)
         reasoning = self.reasoning.for_request(text, req.chat_template_kwargs, req.include_reasoning,
@@ -162,7 +200,8 @@ class OpenAIServingChat:
         request_id = req.request_id or random_id("chatcmpl")
         model = response_model_name(self.model_name, lora_request)
         streams = add_requests(self.engine, request_id, [(text, ids)], params, req.cache_salt, req.kv_transfer_params,
-                               priority=req.priority, request_logger=self.request_logger, lora_request=lora_request)
+                               priority=req.priority, request_logger=self.request_logger, lora_request=lora_request,
+                               mm_features=mm_features)
         return ChatRun(request_id, model, streams, ids, tools, reasoning, num_logprobs)
 
     async def create(

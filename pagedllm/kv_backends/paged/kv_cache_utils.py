@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 BlockHash = bytes
 """A 32-byte sha256 digest naming a full block and everything before it."""
@@ -89,8 +89,11 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     first_extra_keys: tuple | None = None,
+    block_extra_keys: Mapping[int, tuple] | None = None,
 ) -> None:
     """Append to ``block_hashes`` the hashes of the full blocks of ``token_ids`` not yet hashed.
+    ``block_extra_keys``: more keys of some blocks by index (the images a block holds:
+    ``multimodal.inputs.mm_block_keys``); every later hash chains through them.
 
     Incremental: blocks ``0 .. len(block_hashes) - 1`` are taken as already hashed (the token
     ids of a full block never change), so calling this after every appended token costs one
@@ -101,6 +104,8 @@ def extend_block_hashes(
     parent = block_hashes[-1] if block_hashes else None
     for i in range(start, num_full):
         extra = first_extra_keys if i == 0 else None
+        if block_extra_keys is not None and i in block_extra_keys:
+            extra = (*(extra or ()), block_extra_keys[i])
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         block_hashes.append(parent)
 

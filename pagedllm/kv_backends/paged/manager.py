@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from pagedllm.multimodal.inputs import mm_block_keys
 from pagedllm.core.kv_manager import (
     KVAllocation,
     KVCapabilities,
@@ -451,7 +452,8 @@ class KVCacheManager(KVManager, KVTransfer):
         if len(hashes) < request.num_tokens // self.block_size:
             lora_key = request.lora_request.cache_key() if request.lora_request is not None else None
             extra = first_block_extra_keys(self.hash_extra_keys, request.cache_salt, lora_key)
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra)
+            images = mm_block_keys(request.mm_features, self.block_size)
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra, images)
         return hashes
 
     def _cow_index(

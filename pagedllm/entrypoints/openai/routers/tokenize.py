@@ -25,7 +25,7 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
         raise bad_request("give exactly one of prompt or messages", "prompt")
     check_list_caps(body)
     if body.messages is not None:
-        _, tokens = await state.chat.render(body.messages, None, body.add_generation_prompt)
+        _, tokens, _ = await state.chat.render(body.messages, None, body.add_generation_prompt)
     else:
         try:
             tokens = await engine.encode(body.prompt or "", body.add_special_tokens)
