@@ -257,6 +257,8 @@ def gpt_oss_metadata_from_gguf(reader: Any, out_dir: str) -> tuple[Any, None]:
                     original_max_position_embeddings=int(required("rope.scaling.original_context_length")),
                     beta_fast=float(value("rope.scaling.yarn_beta_fast", 32.0)),
                     beta_slow=float(value("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)  # fmt: skip
+        if (attention_factor := value("rope.scaling.yarn_attn_factor")) is not None:
+            rope["attention_factor"] = float(attention_factor)
     tokens = value("tokenizer.ggml.tokens")
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = len(tokens) if tokens else int(embd.shape[-1]) if embd is not None else int(required("vocab_size"))

@@ -41,12 +41,16 @@ TEXTS = [
 
 def _source(path: Path, mxfp4: bool) -> Any:
     """A random gpt-oss checkpoint (test_gpt_oss.py's shape, weights std 0.1, sinks N(1, 1) so
-    they matter) over the harmony tokenizer, saved at `path`; its HF model."""
+    they matter) over the harmony tokenizer, saved at `path`; its HF model. The float one sets
+    YaRN's attention factor (1.25 for the default 1.35)."""
     from transformers import GptOssForCausalLM
 
     tokenizer = harmony_tokenizer()
+    config = gpt_oss_config(len(tokenizer))
+    if not mxfp4:  # YaRN's attention factor set (the converter's yarn_attn_factor key)
+        config.rope_parameters = {**config.rope_parameters, "attention_factor": 1.25}
     torch.manual_seed(0)
-    model = GptOssForCausalLM(gpt_oss_config(len(tokenizer))).eval()
+    model = GptOssForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
