@@ -2,7 +2,8 @@
 
 The first load of a file writes into `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`, under
 `<sha256 of format version, path, size, mtime>/`, only what is metadata: config.json (from
-transformers' GGUF reader plus the family's `config_from_gguf`), the tokenizer files (with
+transformers' GGUF reader plus the family's `config_from_gguf`, or the family's own
+`metadata_from_gguf` where that reader lacks or misreads the architecture), the tokenizer files (with
 the GGUF's chat template) and gguf_index.json, the tensor table of the file and its splits
 (gguf_index.py), built from the validated headers (gguf_header.py). No weights are written:
 every load reads each tensor with a positional read of the file into its kept form
