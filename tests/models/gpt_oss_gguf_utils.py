@@ -9,6 +9,7 @@ tokens), small.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,8 @@ def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def save_gpt_oss(path: Path, hf_model: Any, tokenizer: Any, mxfp4: bool) -> None:
     """`hf_model` saved at `path` with `tokenizer`; mxfp4: its experts as the released
-    checkpoints hold them (`_blocks` / `_scales`), and the HF model's own expert weights set to
+    checkpoints hold them (`_blocks` / `_scales`, config.json's `quantization_config` saying
+    mxfp4), and the HF model's own expert weights set to
     transformers' dequantization of those (so the HF model is the reference for either file)."""
     from safetensors.torch import load_file, save_file
 
@@ -102,6 +104,10 @@ def save_gpt_oss(path: Path, hf_model: Any, tokenizer: Any, mxfp4: bool) -> None
         with torch.no_grad():
             hf_model.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())  # as the released checkpoints say
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -190,7 +196,7 @@ def _add_vocab(writer: Any, tokenizer: Any, vocab_size: int) -> None:
 def write_gpt_oss_gguf(src: Path, path: Path | str) -> None:
     """The HF gpt-oss directory `src` (float or MXFP4 experts, with its tokenizer) as llama.cpp's
     converter writes it with --outtype f32: its keys, names, F32 tensors, MXFP4 experts kept
-    in ggml's block layout."""
+    in ggml's block layout (the file type then MOSTLY_MXFP4_MOE, as the converter says)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -221,7 +227,8 @@ def write_gpt_oss_gguf(src: Path, path: Path | str) -> None:
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    mxfp4 = any(n.endswith("_blocks") for n in state)  # the converter's file type for such a checkpoint
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if mxfp4 else gguf.LlamaFileType.ALL_F32)
     writer.add_sliding_window(cfg.sliding_window)
     writer.add_expert_feed_forward_length(cfg.intermediate_size)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
