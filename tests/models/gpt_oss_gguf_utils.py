@@ -51,7 +51,8 @@ def harmony_tokenizer(extra_tokens: tuple[str, ...] = (), template: str = HARMON
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>"
     )
-    fast.add_special_tokens({"additional_special_tokens": [t for t in HARMONY_SPECIAL if t not in fast.all_special_tokens]})
+    markers = [t for t in HARMONY_SPECIAL if t not in fast.all_special_tokens]
+    fast.add_special_tokens({"additional_special_tokens": markers})
     if extra_tokens:
         fast.add_tokens(list(extra_tokens))
     fast.chat_template = template
