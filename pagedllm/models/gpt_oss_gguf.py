@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-# llama.cpp's gpt-oss block tensors -> this package's names (its converter splits gate_up_proj
-# into gate and up stacks, biases too; the sinks get a `.weight`, dropped by gpt_oss_tensors).
+# llama.cpp's gpt-oss block tensors -> HF's names where the converter kept HF's tensor (the
+# sinks get a `.weight`, dropped by gpt_oss_tensors), this package's per-expert names where it
+# split HF's 3-D expert stacks (gate_up_proj into gate and up, biases too).
 GGUF_BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
@@ -15,7 +16,7 @@ GGUF_BLOCK_NAMES = {
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "attn_sinks": "self_attn.sinks",
-    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp": "mlp.router",
     "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
     "ffn_up_exps": "mlp.experts.{expert}.up_proj",
     "ffn_down_exps": "mlp.experts.{expert}.down_proj",
