@@ -134,8 +134,9 @@ class GGUFSpec:
     of HF checkpoints applies unchanged."""
     metadata_from_gguf: Callable[[Any, str], tuple[Any, Any]] | None = None
     """(gguf-py's GGUFReader of the file, the metadata directory being written) -> (HF config,
-    tokenizer), for architectures transformers' GGUF reader does not know (llama.cpp's `bert`);
-    it may write further checkpoint files there (sentence-transformers' pooling modules)."""
+    tokenizer), for architectures transformers' GGUF reader does not know (llama.cpp's `bert`)
+    or misreads (`gpt-oss`); it may write further checkpoint files there (sentence-transformers'
+    pooling modules). A tokenizer of None: transformers' GGUF tokenizer builder reads the file's."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 The first load of a file writes into `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`, under
 `<sha256 of format version, path, size, mtime>/`, only what is metadata: config.json (from
-transformers' GGUF reader plus the family's `config_from_gguf`), the tokenizer files (with
+transformers' GGUF reader plus the family's `config_from_gguf`, or the family's own
+`metadata_from_gguf` where that reader lacks or misreads the architecture), the tokenizer files (with
 the GGUF's chat template) and gguf_index.json, the tensor table of the file and its splits
 (gguf_index.py), built from the validated headers (gguf_header.py). No weights are written:
 every load reads each tensor with a positional read of the file into its kept form
@@ -126,6 +127,10 @@ def _config_and_tokenizer(index: GGUFIndex, spec: GGUFSpec, src_dir: str, basena
 
         hf_config, tokenizer = spec.metadata_from_gguf(gguf.GGUFReader(index.path), os.path.dirname(src_dir))
         hf_config.tie_word_embeddings = False
+        if tokenizer is None:  # the file's tokenizer.ggml.* as transformers builds it (no config needed)
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(src_dir, gguf_file=basename)
         check_config_matches(index, hf_config)
         return hf_config, tokenizer
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=basename)
@@ -305,6 +310,11 @@ def read_gguf_tensors(
             heads = num_kv_heads
         if keep_quantized and t.type_name in DEQUANTIZED_TYPES and len(shape) >= 2:
             dequantized.append(f"{t.name} ({t.type_name})")
+        if "{expert}" in name and len(shape) == 2:  # a stack of expert biases [E, rows] (gpt-oss)
+            stack = np.asarray(_dequantize_raw(data, t.type_name), dtype=np.float32).reshape(shape)
+            for e in range(shape[0]):
+                yield name.format(expert=e), torch.from_numpy(stack[e].copy())
+            continue
         if "{expert}" in name:  # a 3-D stack [E, rows, cols]: one 2-D tensor per expert
             for e in range(shape[0]):
                 yield name.format(expert=e), _matrix(data[e], t.type_name, shape[1:], None, keep_quantized, expert=True)

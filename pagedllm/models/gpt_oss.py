@@ -15,7 +15,13 @@ Checkpoints: transformers' layout, `mlp.router.{weight,bias}`, `mlp.experts.gate
 layers/moe.py's shapes ([out, in] linears). The released checkpoints' MXFP4 experts
 (`*_blocks` [E, rows, K / 32, 16] uint8, `*_scales` [E, rows, K / 32] e8m0) are kept as stored,
 repacked into ggml's MXFP4 blocks (`mxfp4_rows`: the same codes and exponents) and run by the
-GGUF kernels. llama.cpp's `gpt-oss` files are not read yet.
+GGUF kernels.
+
+llama.cpp's `gpt-oss` GGUF files (its converter's names: the router `ffn_gate_inp`, the experts
+`ffn_{gate,up,down}_exps` split from gate_up_proj, their biases [E, rows] 2-D, `attn_sinks`,
+`post_attention_norm`; Q/K not permuted) read by the GGUF loader: the config from the file's
+`gpt-oss.*` keys (gpt_oss_gguf.py: transformers' GGUF reader misreads the rope scaling keys),
+the tokenizer by transformers' GGUF tokenizer builder, MXFP4 experts kept.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from pagedllm.kernels import GGUFBlocks
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.layers.moe import MoEConfig, RouterLinear, Routing, SparseMoE
-from pagedllm.models.family import ArchConfig, ModelFamily
+from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.gpt_oss_gguf import GGUF_BLOCK_NAMES, gpt_oss_metadata_from_gguf
 from pagedllm.models.llama import (
     PACKED_MODULES,
     LlamaAttention,
@@ -167,9 +174,10 @@ def gpt_oss_tensors(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, A
     expert tensor once both its `_blocks` and `_scales` have come."""
     pending: dict[str, dict[str, Any]] = {}  # "<prefix>|<kind>" -> {"blocks": ..., "scales": ...}
     for name, tensor in weights:
-        name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks", ".self_attn.attn.sinks")
+        name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks.weight", ".self_attn.sinks")
+        name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
         prefix, sep, kind = name.rpartition(".mlp.experts.")
-        if not sep:
+        if not sep or kind[:1].isdigit():  # not an expert, or one expert's tensor already (GGUF)
             yield name, tensor
             continue
         if kind.endswith(("_blocks", "_scales")):
@@ -212,5 +220,6 @@ FAMILIES = (
         # q/k/v as in the checkpoint; its gate_up_proj is already one tensor (split per expert
         # into gate_proj / up_proj by gpt_oss_tensors, then packed again by the loader).
         packed_modules=tuple(p for p in PACKED_MODULES if p[0] == "qkv_proj"),
+        gguf=GGUFSpec("gpt-oss", GGUF_BLOCK_NAMES, metadata_from_gguf=gpt_oss_metadata_from_gguf),
     ),
 )

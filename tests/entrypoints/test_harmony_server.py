@@ -9,6 +9,11 @@ prompt's length shows the level). A second such model writes one commentary mess
 `functions.get_time` and stops at <|call|>: one tool call, plain and streamed. More harmony
 cases (analysis, then a call, then the final channel) are in test_tool_parsers.py and
 tests/reasoning/test_parsers.py on fixed texts (a bigram model writes one cycle).
+
+The same two chains from llama.cpp-style `gpt-oss` GGUF files (the bigram as a GptOssForCausalLM
+with MXFP4 experts, tests/models/gpt_oss_gguf_utils.py), served from the file alone: its harmony
+tokenizer (o200k's split, the markers as control tokens) and this chat template read from the
+file's tokenizer keys.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.entrypoints.utils import RemoteServer
+from tests.models.gpt_oss_gguf_utils import harmony_tokenizer, save_harmony_bigram
 from tests.reasoning.think_model import save_think_model
 
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
@@ -127,3 +133,31 @@ def test_commentary_message_to_a_function_is_a_tool_call(call_client, streamed):
     assert calls is not None and len(calls) == 1
     assert (calls[0].function.name, calls[0].function.arguments) == ("get_time", "{}")
     assert calls[0].id.startswith("call_")
+
+
+# One token each in the GGUF's vocabulary (plain added tokens: USER_DEFINED in the file).
+GGUF_WORDS = ("assistant", "analysis", "commentary", " to=functions.get_time", "{}", "hello")
+
+
+@pytest.fixture(scope="module", params=["analysis", "call"])
+def gguf_client(request, tmp_path_factory):
+    chain = CHAIN if request.param == "analysis" else CALL_CHAIN
+    tokenizer = harmony_tokenizer(GGUF_WORDS, TEMPLATE)
+    path = save_harmony_bigram(tmp_path_factory.mktemp("harmony-gguf"), tokenizer, chain)
+    srv, client = _serve(str(path))
+    yield request.param, client
+    srv.stop()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_gpt_oss_gguf_harmony_reasoning_and_tool_call(gguf_client, streamed):
+    kind, client = gguf_client
+    assert client.models.list().data[0].id.endswith("model.gguf")
+    if kind == "analysis":
+        assert ask(client, streamed, max_tokens=7) == ("hello", None, None)
+        assert ask(client, streamed, max_tokens=12, reasoning_effort="high") == ("hellohello", None, None)
+        return
+    reasoning, content, calls = ask(client, streamed, max_tokens=32, tools=TOOLS)
+    assert (reasoning, content) == (None, None)
+    assert calls is not None and len(calls) == 1
+    assert (calls[0].function.name, calls[0].function.arguments) == ("get_time", "{}")

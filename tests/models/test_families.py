@@ -90,6 +90,17 @@ def test_every_declared_architecture_has_a_case() -> None:
     assert generating <= covered, generating - covered
 
 
+def _hf_holds(hf_names: set[str], prefix: str, part: str) -> bool:
+    """The HF checkpoint holds the tensor a GGUF block tensor of `prefix` (a layer) comes from:
+    `part`'s weight, a bare parameter (gpt-oss's sinks), or, for one expert's projection, the
+    3-D stack of every expert's (gpt-oss's: gate and up fused, split by llama.cpp's converter)."""
+    if f"{prefix}.{part}.weight" in hf_names or f"{prefix}.{part}" in hf_names:
+        return True
+    stem, _, proj = part.rpartition(".")  # "mlp.experts.0", "gate_proj"
+    fused = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}.get(proj, proj)
+    return stem.endswith(".experts.0") and f"{prefix}.{stem.removesuffix('.0')}.{fused}" in hf_names
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_declaration_matches_the_checkpoint(case: FamilyCase, tmp_path_factory: pytest.TempPathFactory) -> None:
     hf_model, path = _checkpoint(case, tmp_path_factory)
@@ -109,7 +120,7 @@ def test_declaration_matches_the_checkpoint(case: FamilyCase, tmp_path_factory: 
             # In some layer: a MoE family's dense layers and sparse ones hold different MLPs.
             part = hf_part.format(expert=0)
             layers = range(arch.num_layers)
-            assert any(f"{family.gguf.block_prefix}.{i}.{part}.weight" in hf_names for i in layers), hf_part
+            assert any(_hf_holds(hf_names, f"{family.gguf.block_prefix}.{i}", part) for i in layers), hf_part
         assert {f"{n}.weight" for n in family.gguf.global_names.values()} <= hf_names
 
 
