@@ -348,8 +348,12 @@ class FusedDecoderLayers(nn.Module):
                 mlp = layer.mlp
                 stacks = mlp.expert_stacks
                 int8 = mlp.experts[0].gate_up_proj.decode_activations == "int8"  # as SparseMoE.forward
+                gate = mlp.gate
+                # A float32 router through torch's linear, as the module path's (kernels/linear.py):
+                # a last-bit difference in its logits may change the top-k.
+                float_router = gate.weight.detach() if not gate.kept_weights() and gate.bias is None else _EMPTY
                 decoder.set_moe(
-                    decoder.num_layers() - 1, router, stacks.gate_up, ops.gguf_type_names().index(stacks.gate_up_type),
+                    decoder.num_layers() - 1, router, float_router, stacks.gate_up, ops.gguf_type_names().index(stacks.gate_up_type),
                     stacks.down, ops.gguf_type_names().index(stacks.down_type), mlp.top_k, mlp.norm_topk_prob, int8,
                 )
         self._sparse = next((layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)), None)

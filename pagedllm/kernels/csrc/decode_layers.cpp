@@ -246,6 +246,8 @@ void dispatch_kv(KVElem e, F&& f) {
 // path's SparseMoE.expert_stacks, run by the same grouped call).
 struct DecodeMoE {
   DecodeLinear router;            // [E, hidden]
+  torch::Tensor router_float;     // the router's float32 weight, multiplied by torch's linear as the
+                                  // module path's F.linear (bit for bit: the top-k is discrete), or empty
   torch::Tensor gate_up, down;    // uint8 [E, 2 I, row bytes], [E, hidden, row bytes]
   gguf::ExpertStack gu, dn;
   int64_t E, top_k;
@@ -338,13 +340,16 @@ class LlamaDecodeLayers {
   // GGUF stacks gate_up [E, 2 I, row bytes of hidden] and down [E, hidden, row bytes of I] of the
   // given type indices; top_k experts a row, renormalised when renorm; int8 activations per 256
   // for the K-quant projections.
-  void set_moe(int64_t index, DecodeLinear router, torch::Tensor gate_up, int64_t gate_up_type, torch::Tensor down,
-               int64_t down_type, int64_t top_k, bool renorm, bool int8) {
+  void set_moe(int64_t index, DecodeLinear router, torch::Tensor router_float, torch::Tensor gate_up,
+               int64_t gate_up_type, torch::Tensor down, int64_t down_type, int64_t top_k, bool renorm, bool int8) {
     TORCH_CHECK(index >= 0 && index < num_layers(), "no layer ", index);
     DecodeLayer& layer = layers_[index];
     TORCH_CHECK(!layer.gate_up, "layer ", index, " has a dense MLP");
     const int64_t E = router.N;
     TORCH_CHECK(router.K == hidden_, "the router must be [experts, hidden]");
+    TORCH_CHECK(router_float.numel() == 0 || (router_float.scalar_type() == torch::kFloat32 &&
+                                              router_float.sizes() == torch::IntArrayRef({E, hidden_})),
+                "router_float must be float32 [experts, hidden] or empty");
     TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be in [1, ", E, "]");
     TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == E && down.size(0) == E &&
                     gate_up.size(1) % 2 == 0 && down.size(1) == hidden_ && gate_up.is_contiguous() &&
@@ -359,7 +364,8 @@ class LlamaDecodeLayers {
                   " elements do not take ", t.size(2), " bytes");
       return gguf::ExpertStack{t.data_ptr<uint8_t>(), gguf::Type(type), t.size(1), t.size(2), K};
     };
-    layer.moe = std::make_shared<DecodeMoE>(DecodeMoE{router, gate_up, down, stack(gate_up, gate_up_type, hidden_),
+    layer.moe = std::make_shared<DecodeMoE>(DecodeMoE{router, router_float, gate_up, down,
+                                                      stack(gate_up, gate_up_type, hidden_),
                                                       stack(down, down_type, I), E, top_k, renorm, int8});
   }
 
@@ -480,7 +486,12 @@ class LlamaDecodeLayers {
         logits_.resize(M * moe.E);
         ids_.resize(M * moe.top_k);
         weights_.resize(M * moe.top_k);
-        moe.router(xn_.data(), M, logits_.data(), int16_max_rows_, tile_max_rows_);
+        if (moe.router_float.numel()) {
+          const auto xt = torch::from_blob(xn_.data(), {M, H}, torch::kFloat32);
+          torch::from_blob(logits_.data(), {M, moe.E}, torch::kFloat32).copy_(at::linear(xt, moe.router_float));
+        } else {
+          moe.router(xn_.data(), M, logits_.data(), int16_max_rows_, tile_max_rows_);
+        }
         for (int64_t t = 0; t < M; ++t)
           route_row(logits_.data() + t * moe.E, moe.E, moe.top_k, moe.renorm, ids_.data() + t * moe.top_k,
                     weights_.data() + t * moe.top_k);
@@ -560,7 +571,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, std::string, double>())
       .def("add_layer", &pagedllm::LlamaDecodeLayers::add_layer)
       .def("set_moe", &pagedllm::LlamaDecodeLayers::set_moe,
-           "(layer, router, gate_up stack, its type index, down stack, its type index, top_k, renorm, int8)")
+           "(layer, router, its float32 weight or empty, gate_up stack, its type index, down stack, its type index, "
+           "top_k, renorm, int8)")
       .def("num_layers", &pagedllm::LlamaDecodeLayers::num_layers)
       .def("set_lora", [](pagedllm::LlamaDecodeLayers& d, int64_t layer, std::vector<torch::Tensor> a,
                           std::vector<torch::Tensor> b, std::vector<std::vector<int64_t>> sections,
