@@ -76,6 +76,20 @@ def _expected_min_p(min_p: float, t: float) -> torch.Tensor:
     return p / p.sum()
 
 
+def _expected_top_k_top_p(k: int, top_p: float) -> torch.Tensor:
+    # top-p over the top-k tokens' renormalised probabilities (as the full-vocabulary path does).
+    p = _expected_top_k(k)
+    order = p.argsort(descending=True).tolist()
+    out = torch.zeros(VOCAB)
+    mass = 0.0
+    for token in order:
+        out[token] = p[token]
+        mass += float(p[token])
+        if mass >= top_p:
+            break
+    return out / out.sum()
+
+
 # (name, right metadata, expected distribution, wrong metadata = the negative control)
 CASES = [
     ("temperature", dict(temperature=0.7), _expected_temperature(0.7), dict(temperature=0.8)),
@@ -83,6 +97,8 @@ CASES = [
     ("top_p", dict(top_p=0.6), _expected_top_p(0.6), dict(top_p=0.75)),
     ("top_k+temperature", dict(top_k=6, temperature=1.5), None, dict(top_k=6)),
     ("min_p", dict(min_p=0.2, temperature=0.8), _expected_min_p(0.2, 0.8), dict(min_p=0.3, temperature=0.8)),
+    # top_k below the vocabulary: the draw runs over the k candidates (Sampler's top-k path)
+    ("top_k+top_p", dict(top_k=6, top_p=0.6), _expected_top_k_top_p(6, 0.6), dict(top_k=6, top_p=0.75)),
 ]
 
 
@@ -103,3 +119,21 @@ def test_greedy_rows_take_the_argmax():
     md.temperature[::2] = 0.0
     tokens = Sampler(0)(LOGITS.expand(NUM_SAMPLES, VOCAB).clone(), md).sampled_token_ids
     assert (tokens[::2] == 0).all()
+
+
+def test_rows_with_their_own_top_k_and_the_full_path():
+    # One batch, rows alternating top_k 3 and 6 (the top-k path over 6 candidates, each row's k
+    # applied): each half matches its distribution. With one row that sets no top_k (the
+    # vocabulary) the whole batch takes the full path, with the same distributions.
+    for no_top_k_row in (False, True):
+        md = _metadata(top_k=6)
+        md.top_k[::2] = 3
+        if no_top_k_row:
+            md.top_k[1] = VOCAB
+        tokens = Sampler(3)(LOGITS.expand(NUM_SAMPLES, VOCAB).clone(), md).sampled_token_ids
+        three, six = tokens[::2], tokens[1::2][int(no_top_k_row):]
+        for drawn, k in ((three, 3), (six, 6)):
+            p_value = chi_square_p_value(torch.bincount(drawn, minlength=VOCAB), _expected_top_k(k))
+            assert p_value > SIGNIFICANCE, (no_top_k_row, k, p_value)
+        swapped = chi_square_p_value(torch.bincount(three, minlength=VOCAB), _expected_top_k(6))
+        assert swapped < SIGNIFICANCE  # the negative control: the rows' k matters
