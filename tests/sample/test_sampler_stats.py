@@ -56,9 +56,10 @@ def _expected_top_k(k: int) -> torch.Tensor:
     return p / p.sum()
 
 
-def _expected_top_p(top_p: float) -> torch.Tensor:
-    # Written out in Python over the (sorted) vocabulary: the smallest set reaching top_p.
-    p = LOGITS.softmax(-1)
+def _expected_top_p(top_p: float, p: torch.Tensor | None = None) -> torch.Tensor:
+    # Written out in Python over the (sorted) vocabulary: the smallest set reaching top_p of p
+    # (default: the softmax of LOGITS).
+    p = LOGITS.softmax(-1) if p is None else p
     order = p.argsort(descending=True).tolist()
     out = torch.zeros(VOCAB)
     mass = 0.0
@@ -78,16 +79,7 @@ def _expected_min_p(min_p: float, t: float) -> torch.Tensor:
 
 def _expected_top_k_top_p(k: int, top_p: float) -> torch.Tensor:
     # top-p over the top-k tokens' renormalised probabilities (as the full-vocabulary path does).
-    p = _expected_top_k(k)
-    order = p.argsort(descending=True).tolist()
-    out = torch.zeros(VOCAB)
-    mass = 0.0
-    for token in order:
-        out[token] = p[token]
-        mass += float(p[token])
-        if mass >= top_p:
-            break
-    return out / out.sum()
+    return _expected_top_p(top_p, _expected_top_k(k))
 
 
 # (name, right metadata, expected distribution, wrong metadata = the negative control)

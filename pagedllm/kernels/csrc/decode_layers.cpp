@@ -501,9 +501,9 @@ class LlamaDecodeLayers {
         (*layer.gate_up)(xn_.data(), M, gu_.data(), int16_max_rows_, tile_max_rows_);
         lora_.apply(li, 2, xn_.data(), M, H, gu_.data(), 2 * inter_);
         if (gelu_tanh_) {
-          gelu_tanh_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
+          gated_mul_rows_avx2<Gate::kGeluTanh>(gu_.data(), 2 * inter_, act_.data(), M, inter_);
         } else {
-          silu_mul_rows_avx2(gu_.data(), 2 * inter_, act_.data(), M, inter_);
+          gated_mul_rows_avx2<Gate::kSilu>(gu_.data(), 2 * inter_, act_.data(), M, inter_);
         }
         (*layer.down)(act_.data(), M, h, int16_max_rows_, tile_max_rows_);
         lora_.apply(li, 3, act_.data(), M, inter_, h, H);

@@ -76,9 +76,10 @@ std::vector<torch::Tensor> rotary_embedding(const torch::Tensor& positions, cons
   return {q_out, k_out};
 }
 
-// out[t] = T(silu(gate[t])) * up[t] with gate, up the halves of x[t], silu rounded to T first
-// as torch's F.silu(gate) * up does.
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
+// out[t] = T(act(gate[t])) * up[t] with gate, up the halves of x[t] (layer_ops.h's
+// gated_mul_rows): silu_and_mul, gelu_tanh_and_mul.
+template <Gate A>
+torch::Tensor gated_and_mul(const torch::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
@@ -89,36 +90,13 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
     float* op = out.data_ptr<float>();
     const int64_t stride = x.stride(0);
     at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-      silu_mul_rows_avx2(xp + begin * stride, stride, op + begin * inter, end - begin, inter);
+      gated_mul_rows_avx2<A>(xp + begin * stride, stride, op + begin * inter, end - begin, inter);
     });
     return out;
   }
 #endif
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
-    silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, inter);
-  });
-  return out;
-}
-
-// out[t] = T(gelu_tanh(gate[t])) * up[t], as silu_and_mul (layer_ops.h's gelu_tanh_mul_rows).
-torch::Tensor gelu_tanh_and_mul(const torch::Tensor& x) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
-  const int64_t rows = x.size(0), inter = x.size(1) / 2;
-  auto out = torch::empty({rows, inter}, x.options());
-#if defined(__AVX2__) && defined(__FMA__)
-  if (x.scalar_type() == torch::kFloat32) {
-    const float* xp = x.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const int64_t stride = x.stride(0);
-    at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-      gelu_tanh_mul_rows_avx2(xp + begin * stride, stride, op + begin * inter, end - begin, inter);
-    });
-    return out;
-  }
-#endif
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gelu_tanh_and_mul", [&] {
-    gelu_tanh_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, inter);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gated_and_mul", [&] {
+    gated_mul_rows<scalar_t, A>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, inter);
   });
   return out;
 }
@@ -162,8 +140,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("offset") = 0.0);
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm: returns (normed, sum)");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding of q and k: returns (q, k)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [gate | up] rows");
-  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up over [gate | up] rows");
+  m.def("silu_and_mul", &gated_and_mul<Gate::kSilu>, "silu(gate) * up over [gate | up] rows");
+  m.def("gelu_tanh_and_mul", &gated_and_mul<Gate::kGeluTanh>, "gelu_tanh(gate) * up over [gate | up] rows");
   m.def("moe_route", &moe_route, "(router logits float32 [rows, E], top_k, renorm) -> (ids, weights): "
         "softmax, top-k, optional renormalisation");
   m.def("argmax_rows", &argmax_rows, "each float32 row's argmax (torch.argmax's ties and NaN)");

@@ -88,29 +88,23 @@ void rotate_rows(const T* in, int64_t in_stride, T* out, int64_t heads, int64_t 
   });
 }
 
-template <typename T>
-void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* gate = in + t * in_stride;
-      const T* up = gate + inter;
-      T* y = out + t * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float silu = round_to<T>(g / (1.f + std::exp(-g)));
-        y[i] = static_cast<T>(silu * static_cast<float>(up[i]));
-      }
-    }
-  });
-}
-
-// gelu's tanh form as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function
-// as 0.5 x (1 + tanh(u)), one exp and no cancellation near tanh = -1.
+// The gated activations, act(gate) * up, each act as g * sigmoid(z): silu z = g; gelu's tanh
+// form z = 2u, u = sqrt(2/pi) (g + 0.044715 g^3) (the same function as 0.5 g (1 + tanh(u)), one
+// exp and no cancellation near tanh = -1).
+enum class Gate { kSilu, kGeluTanh };
 constexpr float kGeluTanhScale2 = 2.f * 0.7978845608028654f;
 constexpr float kGeluTanhCubic = 0.044715f;
 
-template <typename T>
-void gelu_tanh_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {
+template <Gate A>
+inline float gate_z(float g) {
+  if constexpr (A == Gate::kSilu) return g;
+  return kGeluTanhScale2 * (g + kGeluTanhCubic * g * g * g);
+}
+
+// out[t] = T(act(gate[t])) * up[t] with gate, up the halves of x[t], act rounded to T first as
+// torch's F.silu(gate) * up does.
+template <typename T, Gate A = Gate::kSilu>
+void gated_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = in + t * in_stride;
@@ -118,41 +112,25 @@ void gelu_tanh_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, in
       T* y = out + t * inter;
       for (int64_t i = 0; i < inter; ++i) {
         const float g = static_cast<float>(gate[i]);
-        const float u2 = kGeluTanhScale2 * (g + kGeluTanhCubic * g * g * g);
-        const float gelu = round_to<T>(g / (1.f + std::exp(-u2)));
-        y[i] = static_cast<T>(gelu * static_cast<float>(up[i]));
+        const float act = round_to<T>(g / (1.f + std::exp(-gate_z<A>(g))));
+        y[i] = static_cast<T>(act * static_cast<float>(up[i]));
       }
     }
   });
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// float32 gelu_tanh(gate) * up, eight lanes at a time on the calling thread (vec_avx2.h's exp).
-inline void gelu_tanh_mul_rows_avx2(const float* in, int64_t in_stride, float* out, int64_t rows, int64_t inter) {
-  const __m256 one = _mm256_set1_ps(1.f), scale = _mm256_set1_ps(-kGeluTanhScale2),
-               cubic = _mm256_set1_ps(kGeluTanhCubic);
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* gate = in + t * in_stride;
-    const float* up = gate + inter;
-    float* y = out + t * inter;
-    int64_t i = 0;
-    for (; i + 8 <= inter; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(cubic, g), _mm256_mul_ps(g, g), g);  // g + c g^3
-      const __m256 e = exp_avx2(_mm256_mul_ps(scale, inner));                                 // exp(-2u)
-      const __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-      _mm256_storeu_ps(y + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
-    }
-    for (; i < inter; ++i) {
-      const float g = gate[i];
-      y[i] = g / (1.f + std::exp(-kGeluTanhScale2 * (g + kGeluTanhCubic * g * g * g))) * up[i];
-    }
-  }
+template <Gate A>
+inline __m256 gate_z_avx2(__m256 g) {
+  if constexpr (A == Gate::kSilu) return g;
+  const __m256 cubic = _mm256_mul_ps(_mm256_set1_ps(kGeluTanhCubic), g);
+  return _mm256_mul_ps(_mm256_set1_ps(kGeluTanhScale2), _mm256_fmadd_ps(cubic, _mm256_mul_ps(g, g), g));
 }
 
-// float32 silu(gate) * up, eight lanes at a time, on the calling thread: for the few rows of
-// a decode step, where the scalar exp of silu_mul_rows dominates (1,536 exps per row).
-inline void silu_mul_rows_avx2(const float* in, int64_t in_stride, float* out, int64_t rows, int64_t inter) {
+// float32 act(gate) * up, eight lanes at a time, on the calling thread: for the few rows of a
+// decode step, where the scalar exp of gated_mul_rows dominates (1,536 exps per row).
+template <Gate A = Gate::kSilu>
+inline void gated_mul_rows_avx2(const float* in, int64_t in_stride, float* out, int64_t rows, int64_t inter) {
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
   for (int64_t t = 0; t < rows; ++t) {
     const float* gate = in + t * in_stride;
@@ -161,11 +139,11 @@ inline void silu_mul_rows_avx2(const float* in, int64_t in_stride, float* out, i
     int64_t i = 0;
     for (; i + 8 <= inter; i += 8) {
       const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 e = exp_avx2(_mm256_xor_ps(g, sign));  // exp(-g)
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-      _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+      const __m256 e = exp_avx2(_mm256_xor_ps(gate_z_avx2<A>(g), sign));  // exp(-z)
+      const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
     }
-    for (; i < inter; ++i) y[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    for (; i < inter; ++i) y[i] = gate[i] / (1.f + std::exp(-gate_z<A>(gate[i]))) * up[i];
   }
 }
 #endif
