@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.models.utils import add_decoder_shape
+
 # o200k's pre-tokenizer split (gpt-oss's tokenizer.json; llama.cpp's `gpt-4o` pre-tokenizer).
 O200K_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -207,12 +209,7 @@ def write_gpt_oss_gguf(src: Path, path: Path | str) -> None:
     state = load_file(str(src / "model.safetensors"))
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
     writer.add_type("model")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_shape(writer, cfg)
     rope = cfg.rope_parameters
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)

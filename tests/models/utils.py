@@ -248,6 +248,16 @@ def add_tiny_vocab(writer: Any, tokenizer: Any, vocab_size: int) -> None:
     writer.add_chat_template(tokenizer.chat_template)
 
 
+
+def add_decoder_shape(writer: Any, cfg: Any) -> None:
+    """A decoder's shape keys as llama.cpp's converter writes them (layers, context, widths, heads)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+
 def save_tiny_gguf(
     path: str | os.PathLike[str],
     hf_model: Any,
@@ -278,12 +288,7 @@ def save_tiny_gguf(
     # split_max_tensors > 0: llama.cpp's split files, <stem>-0000i-of-0000n.gguf beside `path`.
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_name(f"tiny-{arch}")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_shape(writer, cfg)
     rope = cfg.rope_parameters
     writer.add_rope_freq_base(float(rope.get("rope_theta") or rope["full_attention"]["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
