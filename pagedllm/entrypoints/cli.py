@@ -167,7 +167,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedllm.engine.core_client import start_engine_core
     from pagedllm.models.sources import is_gguf_source
 
-    started_core = start_engine_core(engine_config)
+    # Data parallelism: the front end starts its replicas once it runs (engine/dp_client.py).
+    dp = engine_config.parallel_config.data_parallel_size > 1
+    started_core = None if dp else start_engine_core(engine_config)
     faults.configure(engine_config.observability_config.inject_fault)  # the front end's sites
     import tokenizers  # noqa: F401
 
