@@ -90,6 +90,10 @@ def run_engine_core(
     in_sock.close(linger=0)
     out_sock.close(linger=1000)
     ctx.term()
+    if parent_pid is None:  # a Ray actor: its call returns (or fails), the actor lives on
+        if exit_code:
+            raise RuntimeError("the engine core failed; see its log")
+        return
     # Skip the interpreter's teardown of torch and its thread pools: on a loaded machine it
     # takes longer than the front end waits before terminating the process, and after a
     # failure it could hang with the process still alive (the front end would not notice).

@@ -184,8 +184,7 @@ class RayReplicaLauncher(ReplicaLauncher):
             except Exception:  # noqa: BLE001 -- already gone
                 pass
         remove_placement_group(self._pg)
-        if self._owns_ray:
-            self._ray.shutdown()
+        # Not ray.shutdown() here (a worker thread): Ray disconnects the driver at exit itself.
 
 
 LAUNCHERS: dict[str, type[ReplicaLauncher]] = {"mp": MpReplicaLauncher, "ray": RayReplicaLauncher}
