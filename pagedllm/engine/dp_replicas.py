@@ -18,6 +18,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -27,6 +28,7 @@ from pagedllm.engine.core_client import StartedCore, start_engine_core
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
+RESTART_TIMEOUT_S = 120.0
 
 
 class ReplicaLauncher(ABC):
@@ -162,14 +164,26 @@ class RayReplicaLauncher(ReplicaLauncher):
     def start(self, index: int) -> StartedCore:
         ray = self._ray
         actor = self.actors[index]
-        # Waits for a restarted actor to be up again (Ray queues the call until then).
-        pid, node_id, cpus = self._where[index] = ray.get(actor.where.remote())
+        pid, node_id, cpus = self._where[index] = self._where_when_up(actor)
         address = self.config.parallel_config.data_parallel_address
         input_addr = f"tcp://{address}:{_free_port(address)}"
         output_addr = f"tcp://{address}:{_free_port(address)}"
         run_ref = actor.run.remote(self.config, input_addr, output_addr, logging.getLogger().getEffectiveLevel())
         tmpdir = tempfile.mkdtemp(prefix="pagedllm-dp-")  # CoreClient removes it at shutdown
         return StartedCore(RayCoreHandle(ray, actor, run_ref, pid), tmpdir, input_addr, output_addr)
+
+    def _where_when_up(self, actor: Any) -> tuple[int, str, list[int]]:
+        """The actor's place, once it is up: a call to an actor Ray is restarting fails at once
+        (ActorUnavailableError), so ask again until it answers."""
+        ray = self._ray
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                return ray.get(actor.where.remote())
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def describe(self, index: int) -> str:
         pid, node_id, cpus = self._where.get(index, (0, "?", []))
