@@ -91,7 +91,8 @@ class DPCoreClient:
         self._router.add_replica(replica.index, info.num_total_blocks)
         replica.up = True
         replica.reader = self._loop.create_task(self._read(replica))
-        logger.info("data-parallel replica %d up: %s", replica.index, self._launcher.describe(replica.index))
+        logger.info("data-parallel replica %d up: pid %d (%s)", replica.index, started.proc.pid,
+                    self._launcher.describe(replica.index))
         self._set_up(replica)
         return info
 

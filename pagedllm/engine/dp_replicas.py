@@ -187,7 +187,7 @@ class RayReplicaLauncher(ReplicaLauncher):
 
     def describe(self, index: int) -> str:
         pid, node_id, cpus = self._where.get(index, (0, "?", []))
-        return f"Ray actor pid {pid} on node {node_id[:12]}, {self.cpus_per_replica} CPU(s) of cores {cpus}"
+        return f"Ray actor on node {node_id[:12]}, {self.cpus_per_replica} CPU(s) of cores {cpus}"
 
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
