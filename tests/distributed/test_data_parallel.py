@@ -22,7 +22,9 @@ from tests.utils import assert_same_greedy
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-SERVER_ARGS = [*SMALL_SERVER_ARGS, "--max-num-seqs", "8"]
+# Two running sequences per replica: of 8 concurrent requests, some wait without output, so a
+# replica's death both fails requests (they had tokens) and retries others elsewhere.
+SERVER_ARGS = [*SMALL_SERVER_ARGS, "--max-num-seqs", "2"]
 DP_ARGS = ["--data-parallel-size", "2", "--data-parallel-backend", "ray"]
 PROMPTS = [
     "The capital of France is",
@@ -182,7 +184,8 @@ def check_replica_killed_under_load(dp_server: RemoteServer) -> None:
     retried = replica_series(dp_server, "dp_replica_requests_retried_total")
     failed = replica_series(dp_server, "dp_replica_requests_failed_total")
     assert sum(routed.values()) - sum(routed_before.values()) == len(prompts) + sum(retried.values())
-    assert sum(failed.values()) == len(failures)
+    assert sum(failed.values()) == len(failures) >= 1
+    assert sum(retried.values()) >= 1
     finished = total(dp_server, "request_success_total", {"finished_reason": "length"}) - success_before
     assert finished == len(prompts) - len(failures)
     # Both replicas serve again.
