@@ -186,15 +186,20 @@ class DPCoreClient:
 
     def _dispatch(self, request_id: str, kind: str, payload: Any, hashes: list[int]) -> None:
         loads = self._loads()
-        if self._closed or not loads:
-            raise EngineDeadError(f"no data-parallel replica is up ({self.size} restarting)")
-        index = self._router.choose(hashes, loads)
-        replica = self._replicas[index]
-        assert replica.client is not None
-        if kind == "add":
-            replica.client.add_request(payload)
-        else:
-            replica.client.add_beam_search(*payload)
+        while True:
+            if self._closed or not loads:
+                raise EngineDeadError(f"no data-parallel replica is up ({self.size} restarting)")
+            index = self._router.choose(hashes, loads)
+            replica = self._replicas[index]
+            assert replica.client is not None
+            try:
+                if kind == "add":
+                    replica.client.add_request(payload)
+                else:
+                    replica.client.add_beam_search(*payload)
+                break
+            except EngineDeadError:  # it died; its reader has not handled that yet: try another
+                del loads[index]
         self._router.record(index, hashes)
         self._owner[request_id] = index
         self._unstarted[request_id] = (kind, payload, hashes)
