@@ -587,6 +587,11 @@ class AsyncLLM:
         self._kv_snapshot = (time.monotonic(), snapshot)
         return snapshot
 
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Per data-parallel replica: up, requests in flight, running, waiting, KV usage,
+        requests routed (empty with one engine core)."""
+        return [] if self._client is None else self._client.replica_states()
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._streams)

@@ -159,6 +159,10 @@ class CoreClient:
         self._utility_waiters.setdefault(name, []).append(future)
         return await future
 
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Data-parallel replicas' figures (dp_client.py); one core has none."""
+        return []
+
     # ---- core -> front end ------------------------------------------------------------
 
     async def wait_ready(self) -> ReadyInfo:

@@ -261,6 +261,16 @@ class DPCoreClient:
             return total
         return results[0]
 
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Each replica's figures for the dashboard."""
+        states = []
+        for r in self._replicas:
+            s = r.stats.scheduler_stats if r.stats is not None else None
+            states.append({"replica": r.index, "up": r.up, "in_flight": len(r.in_flight),
+                           "running": s.num_running if s else 0, "waiting": s.num_waiting if s else 0,
+                           "kv_cache_usage": s.kv_cache_usage if s else 0.0, "routed": r.num_routed})
+        return states
+
     # ---- cores -> front end ------------------------------------------------------------
 
     async def get_outputs(self) -> CoreOutputs:

@@ -96,6 +96,8 @@ def test_dp2_greedy_matches_dp1(dp_server):
     delta = {r: routed[r] - routed_before[r] for r in routed}
     assert sum(delta.values()) == len(PROMPTS)
     assert min(delta.values()) >= 1, f"one replica served everything: {delta}"
+    replicas = httpx.get(dp_server.url + "/dashboard/state").json()["replicas"]  # the dashboard lists both
+    assert [(r["replica"], r["up"], r["routed"]) for r in replicas] == [(i, True, routed[i]) for i in (0, 1)]
 
 
 def test_repeated_prefix_goes_to_the_same_replica(dp_server):
