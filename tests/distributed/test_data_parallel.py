@@ -141,19 +141,6 @@ def stream_one(base_url: str, prompt: str) -> str:
 
 
 def test_replica_killed_under_load(dp_server):
-    check_replica_killed_under_load(dp_server)
-
-
-def test_mp_replica_killed_under_load():
-    """The same with the mp backend (local processes: the front end starts a new one)."""
-    srv = RemoteServer([*SERVER_ARGS, "--data-parallel-size", "2", "--data-parallel-backend", "mp"])
-    try:
-        check_replica_killed_under_load(srv)
-    finally:
-        srv.stop()
-
-
-def check_replica_killed_under_load(dp_server: RemoteServer) -> None:
     routed_before = replica_series(dp_server, "dp_replica_requests_routed_total")
     success_before = total(dp_server, "request_success_total", {"finished_reason": "length"})
     victim_pid = replica_pids(dp_server)[1][-1]
@@ -171,7 +158,7 @@ def check_replica_killed_under_load(dp_server: RemoteServer) -> None:
     assert time.monotonic() - t0 < 180
     failures = [r for r in results if r != "ok"]
     assert all("data-parallel replica 1 died" in r for r in failures), failures
-    # The replica comes back (Ray restarts the actor, or a new process starts; a core starts in it).
+    # The replica comes back (Ray restarts the actor; the front end starts a core in it).
     deadline = time.monotonic() + 120
     while replica_series(dp_server, "dp_replica_up")[1] != 1.0:
         assert time.monotonic() < deadline, f"replica 1 did not come back:\n{dp_server.log()}"
