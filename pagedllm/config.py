@@ -301,7 +301,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """Engine-core replicas behind one front end (engine/dp_client.py), each a whole model."""
     data_parallel_size_local: int | None = None
-    """Replicas on this machine (None: all of them); the ``mp`` backend runs every replica here."""
+    """Replicas on this machine (None: all of them with ``mp``, wherever Ray places them with
+    ``ray``); the ``mp`` backend runs every replica here."""
     data_parallel_address: str = "127.0.0.1"
     """The front end's address the replicas connect to (their input and output sockets)."""
     data_parallel_backend: str = "mp"

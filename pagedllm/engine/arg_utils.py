@@ -141,7 +141,7 @@ class EngineArgs:
                                    "engine-core replicas behind one server, routed by prefix-cache affinity "
                                    "and load (docs/data_parallel.md)", names=("-dp",), type=int)
     data_parallel_size_local: int | None = flag(
-        None, "replicas on this node (default: all; the mp backend runs them all here)", names=("-dpl",), type=int)
+        None, "replicas on this node (default: mp all, ray wherever it places them)", names=("-dpl",), type=int)
     data_parallel_address: str = flag(ParallelConfig.data_parallel_address,
                                       "the server's address the replicas connect to", names=("-dpa",))
     data_parallel_backend: str = flag(ParallelConfig.data_parallel_backend,

@@ -4,7 +4,8 @@ back a ``StartedCore`` that ``CoreClient`` drives like the single core's.
 - ``mp``: a local process per replica (``start_engine_core``), each pinned to its share of
   this machine's cores (``cpu_bind.rank_cpus``).
 - ``ray``: a Ray actor per replica, on a placement group with one bundle per replica spread
-  over the cluster's nodes (``SPREAD``); each runs the same engine-core loop
+  over the cluster's nodes (``SPREAD``; the first ``data_parallel_size_local`` bundles on this
+  node); each runs the same engine-core loop
   (``run_engine_core``) connected over TCP to the front end's ``data_parallel_address``, with
   one torch thread per CPU of its bundle (a node started under ``taskset`` pins it to that
   node's cores). The actors are restartable (``max_restarts=-1``): when one dies, Ray starts it
@@ -133,13 +134,14 @@ class RayReplicaLauncher(ReplicaLauncher):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
-        if config.parallel_config.data_parallel_size_local not in (None, 0, self.size):
-            logger.warning("--data-parallel-size-local %d: the ray backend places every replica through "
-                           "its placement group (SPREAD over the nodes)",
-                           config.parallel_config.data_parallel_size_local)
         total_cpus = int(ray.cluster_resources().get("CPU", 0))
         self.cpus_per_replica = max(1, total_cpus // self.size)
-        self._pg = placement_group([{"CPU": self.cpus_per_replica}] * self.size, strategy="SPREAD")
+        # The first data_parallel_size_local bundles on this node (Ray's node:<ip> resource).
+        local = config.parallel_config.data_parallel_size_local
+        local = 0 if local is None else local
+        here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
+        bundles = [{"CPU": self.cpus_per_replica, **(here if i < local else {})} for i in range(self.size)]
+        self._pg = placement_group(bundles, strategy="SPREAD")
         ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             raise ValueError(

@@ -12,7 +12,7 @@ least recently used when ``--models-max`` are loaded, or idle past ``--idle-unlo
   loaded model with no request in flight is stopped first; if every loaded model is busy, the
   request waits (in the same bounded queue) until one is free.
 - ``GET /v1/models`` lists every available model with its ``status`` (``unloaded``,
-  ``loading``, ``loaded``, as llama-server) and, once loaded, its load time in seconds.
+  ``loading``, ``loaded``, as llama-server) and its load time in seconds (so far, while loading).
 - Errors have OpenAI's shape (an unknown model: 404 ``model_not_found``).
 """
 
@@ -128,6 +128,7 @@ class ModelEntry:
     in_flight: int = 0
     last_used: float = 0.0
     load_seconds: float | None = None
+    load_started: float = 0.0
     loading: asyncio.Task | None = None
 
     @property
@@ -216,7 +217,7 @@ class ModelRouter:
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", entry.path, "--host", "127.0.0.1",
                "--port", str(entry.port), "--served-model-name", entry.name, *self.child_args]
         logger.info("loading model %s: %s", entry.name, " ".join(cmd[3:]))
-        t0 = time.monotonic()
+        t0 = entry.load_started = time.monotonic()
         # Its own session (a Ctrl-C here stops it through the router), ended with the router.
         entry.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_term_with_parent)
         try:
@@ -320,6 +321,8 @@ class ModelRouter:
                                     "path": entry.path, "status": {"value": entry.status}}
             if entry.status == "loaded":
                 item["status"]["load_seconds"] = round(entry.load_seconds or 0.0, 2)
+            elif entry.status == "loading":  # progress: how long it has been loading
+                item["status"]["loading_seconds"] = round(time.monotonic() - entry.load_started, 2)
             data.append(item)
         return {"object": "list", "data": data}
 

@@ -25,7 +25,8 @@ MODEL = "SmolLM2-135M-Instruct"
 # Two running sequences per replica: of 8 concurrent requests, some wait without output, so a
 # replica's death both fails requests (they had tokens) and retries others elsewhere.
 SERVER_ARGS = [*SMALL_SERVER_ARGS, "--max-num-seqs", "2"]
-DP_ARGS = ["--data-parallel-size", "2", "--data-parallel-backend", "ray"]
+# One replica asked on the server's node (all nodes are 127.0.0.1 here: the bundle's shape only).
+DP_ARGS = ["--data-parallel-size", "2", "--data-parallel-backend", "ray", "--data-parallel-size-local", "1"]
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea:",

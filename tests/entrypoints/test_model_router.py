@@ -58,8 +58,16 @@ def test_two_models_with_models_max_1(tiny_llama_dir):
             client.completions.create(model="nope", prompt="Hi", max_tokens=2)
         # Two requests at once for an unloaded model: both wait for its load, both answered.
         with ThreadPoolExecutor(2) as pool:
-            outs = list(pool.map(lambda _: client.completions.create(
-                model="smol", prompt="The capital of France is", max_tokens=4, temperature=0), range(2)))
+            futures = [pool.submit(client.completions.create, model="smol", prompt="The capital of France is",
+                                   max_tokens=4, temperature=0) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while (smol := next(m for m in httpx.get(srv.base_url + "/models").json()["data"]
+                                if m["id"] == "smol"))["status"]["value"] == "unloaded":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            if smol["status"]["value"] == "loading":  # the progress shows while it loads
+                assert smol["status"]["loading_seconds"] >= 0
+            outs = [f.result() for f in futures]
         assert outs[0].choices[0].text == outs[1].choices[0].text and outs[0].model == "smol"
         load_times = []
         for name in ("tiny", "smol"):  # alternating: each load stops the other
