@@ -197,7 +197,8 @@ def _serve_models(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise StartupError(f"pagedllm serve: {e}") from None
     run_model_router(models, child_argv(argv[argv.index("serve") + 1:]), args.host, args.port, args.models_max,
-                     args.idle_unload_seconds, args.models_max_queued, args.uvicorn_log_level)
+                     args.idle_unload_seconds, args.models_max_queued, args.uvicorn_log_level,
+                     api_keys_from(args.api_key, os.environ))
 
 
 def _check_serve_args(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[ToolCallConfig, bool]:

@@ -13,13 +13,15 @@ least recently used when ``--models-max`` are loaded, or idle past ``--idle-unlo
   request waits (in the same bounded queue) until one is free.
 - ``GET /v1/models`` lists every available model with its ``status`` (``unloaded``,
   ``loading``, ``loaded``, as llama-server) and its load time in seconds (so far, while loading).
-- Errors have OpenAI's shape (an unknown model: 404 ``model_not_found``).
+- Errors have the server's OpenAI shape (an unknown model: 404); with ``--api-key`` the router
+  asks for a key on every route but ``/health``, as the children do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import signal
@@ -35,6 +37,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.api_server import error_response
+from pagedllm.entrypoints.openai.serving_base import OpenAIError
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +98,11 @@ def child_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _error(message: str, status: int, code: str | None = None) -> JSONResponse:
-    kind = {404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "BadRequestError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code or status},
-                         "object": "error", "message": message, "type": kind, "code": status}, status_code=status)
+def _error(message: str, status: int) -> JSONResponse:
+    """An error in the server's OpenAI shape (a 503 with Retry-After)."""
+    kind = {401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+        status, "BadRequestError")
+    return error_response(OpenAIError(message, status, kind, retry_after_s=1 if status == 503 else None))
 
 
 def _term_with_parent() -> None:
@@ -281,8 +287,7 @@ class ModelRouter:
             return _error(f"give `model`: one of {', '.join(self.models)}", 400)
         entry = self.models.get(name)
         if entry is None:
-            return _error(f"The model `{name}` does not exist (available: {', '.join(self.models)})", 404,
-                          "model_not_found")
+            return _error(f"The model `{name}` does not exist (available: {', '.join(self.models)})", 404)
         try:
             await self.acquire(entry)
         except (RouterBusyError, LoadFailedError) as e:
@@ -335,7 +340,9 @@ class LoadFailedError(RuntimeError):
     """A model's server did not come up."""
 
 
-def build_router_app(router: ModelRouter) -> FastAPI:
+def build_router_app(router: ModelRouter, api_keys: tuple[str, ...] = ()) -> FastAPI:
+    """``api_keys``: the server's (--api-key): the router asks for one on every route but
+    /health, as the children do on theirs."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
@@ -345,6 +352,14 @@ def build_router_app(router: ModelRouter) -> FastAPI:
             await router.close()
 
     app = FastAPI(lifespan=lifespan)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Response:
+        if api_keys and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not any(hmac.compare_digest(given, f"Bearer {key}") for key in api_keys):
+                return _error("invalid or missing API key", 401)
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -372,12 +387,13 @@ class _RouterServer(uvicorn.Server):
 
 
 def run_model_router(models: dict[str, str], child_args: list[str], host: str, port: int, models_max: int,
-                     idle_unload_s: float | None, max_queued: int, log_level: str = "info") -> None:
+                     idle_unload_s: float | None, max_queued: int, log_level: str = "info",
+                     api_keys: tuple[str, ...] = ()) -> None:
     async def main() -> None:
         router = ModelRouter(models, child_args, models_max, idle_unload_s, max_queued)
         logger.info("router mode: %d model(s) available (%s), at most %d loaded", len(models),
                     ", ".join(models), models_max)
-        config = uvicorn.Config(build_router_app(router), host=host, port=port, log_level=log_level)
+        config = uvicorn.Config(build_router_app(router, api_keys), host=host, port=port, log_level=log_level)
         await _RouterServer(config).serve()
 
     asyncio.run(main())

@@ -87,3 +87,17 @@ def test_two_models_with_models_max_1(tiny_llama_dir):
             time.sleep(0.5)
     finally:
         assert srv.stop() == 0
+
+
+def test_router_asks_for_the_api_key(tiny_llama_dir):
+    srv = RemoteServer(["--models", f"tiny={tiny_llama_dir}", "--api-key", "k1", *ARGS], model=None)
+    try:
+        denied = httpx.get(srv.base_url + "/models")
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "AuthenticationError"
+        allowed = httpx.get(srv.base_url + "/models", headers={"Authorization": "Bearer k1"})
+        assert [m["id"] for m in allowed.json()["data"]] == ["tiny"]
+        client = openai.OpenAI(base_url=srv.base_url, api_key="k1", max_retries=0)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.completions.create(model="nope", prompt="Hi", max_tokens=2)
+    finally:
+        assert srv.stop() == 0
