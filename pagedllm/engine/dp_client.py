@@ -27,7 +27,7 @@ import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput
@@ -36,6 +36,9 @@ from pagedllm.engine.core_messages import CoreOutputs, CoreStats, ReadyInfo
 from pagedllm.engine.dp_replicas import LAUNCHERS, ReplicaLauncher
 from pagedllm.engine.dp_router import PrefixAffinityRouter, ReplicaLoad
 from pagedllm.request import Request
+
+if TYPE_CHECKING:
+    from pagedllm.metrics import ReplicaMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +61,10 @@ class Replica:
 
 
 class DPCoreClient:
-    def __init__(self, config: EngineConfig, metrics: Any = None) -> None:
+    def __init__(self, config: EngineConfig, metrics: ReplicaMetrics | None = None) -> None:
         self.config = config
         self.size = config.parallel_config.data_parallel_size
-        self.metrics = metrics  # EngineMetrics (its replica families), or None
+        self.metrics = metrics  # the per-replica series
         self._router = PrefixAffinityRouter(config.cache_config.block_size)
         self._replicas = [Replica(i) for i in range(self.size)]
         self._owner: dict[str, int] = {}  # core request id -> replica index
