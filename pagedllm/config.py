@@ -302,8 +302,18 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     """"uni" (in process), "mp" (worker processes here) or "ray" (Ray actors); default: uni
     for one rank, mp for more."""
+    data_parallel_size: int = 1
+    """Engine-core replicas behind one front end (engine/dp_client.py), each a whole model."""
+    data_parallel_size_local: int | None = None
+    """Replicas on this machine (None: all of them with ``mp``, wherever Ray places them with
+    ``ray``); the ``mp`` backend runs every replica here."""
+    data_parallel_address: str = "127.0.0.1"
+    """The front end's address the replicas connect to (their input and output sockets)."""
+    data_parallel_backend: str = "mp"
+    """"mp" (local processes) or "ray" (Ray actors placed over the cluster's nodes)."""
 
     def __post_init__(self) -> None:
+        self._check_data_parallel()
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
         backend = self.distributed_executor_backend
@@ -318,6 +328,23 @@ class ParallelConfig:
             )
 
 
+    def _check_data_parallel(self) -> None:
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size={dp!r} must be an integer >= 1")
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(f"data_parallel_backend={self.data_parallel_backend!r} is not one of "
+                             f"{', '.join(DATA_PARALLEL_BACKENDS)}")
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= dp:
+            raise ValueError(f"data_parallel_size_local={local} must be between 0 and data_parallel_size={dp}")
+        if self.data_parallel_backend == "mp" and local is not None and local != dp:
+            raise ValueError(f"data_parallel_backend='mp' runs every replica on this machine: "
+                             f"data_parallel_size_local={local} must equal data_parallel_size={dp} "
+                             f"(use 'ray' to place replicas on other nodes)")
+
+
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 UsageContext = Literal["offline", "serve"]
 SCHEDULER_DEFAULTS: dict[str, tuple[int, int]] = {"offline": (256, 4096), "serve": (128, 2048)}
 """(max_num_seqs, max_num_batched_tokens) where the user gives neither, per usage context, as

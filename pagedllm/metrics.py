@@ -189,6 +189,7 @@ class EngineMetrics:
         self._last_log = time.monotonic()
         self._logged_idle = False
         self.history = DashboardHistory()  # recent records for GET /dashboard/state
+        self._replica_metrics: ReplicaMetrics | None = None
 
     def engine_ready(self, max_model_len: int, cache_info: dict[str, Any]) -> None:
         """Create what needs the loaded engine: the token-count histograms (1-2-5 buckets up
@@ -218,6 +219,13 @@ class EngineMetrics:
             list(info), registry=self.registry,
         )
         self.cache_config_info.labels(**info).set(1)
+
+    def replica_metrics(self) -> ReplicaMetrics:
+        """The per-replica series of data parallelism, in this registry (created once)."""
+        if self._replica_metrics is None:
+            labels = {"model_name": self.model_name}
+            self._replica_metrics = ReplicaMetrics(self.registry, self.naming.prefix, labels)
+        return self._replica_metrics
 
     def _l(self, metric):  # the child for this engine's labels
         return metric.labels(**self._labels)
@@ -349,3 +357,56 @@ class EngineMetrics:
         self._log_drafts = self._log_draft_tokens = self._log_accepted_tokens = 0
         self._last_log = now
         return True
+
+
+class ReplicaMetrics:
+    """Data parallelism's per-replica series (label ``replica``, the replica's index) beside
+    the engine's metrics, which are totals over the replicas: whether each is up, its running
+    and waiting requests and KV usage (from its stats), requests routed to it, restarts, and
+    the requests a death failed or sent elsewhere."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, labels: dict[str, str]) -> None:
+        self._labels = labels
+        names = list(labels) + ["replica"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(prefix + name, doc, names, registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(prefix + name, doc, names, registry=registry)
+
+        self.up = gauge("dp_replica_up", "1 while the data-parallel replica serves, 0 while it is down.")
+        self.running = gauge("dp_replica_num_requests_running", "Requests in the replica's running batch.")
+        self.waiting = gauge("dp_replica_num_requests_waiting", "Requests waiting in the replica.")
+        self.in_flight = gauge("dp_replica_num_requests_in_flight",
+                               "Requests the router sent to the replica, not finished.")
+        self.kv_usage = gauge("dp_replica_kv_cache_usage_perc", "The replica's KV cache usage, 1 means 100 percent.")
+        self.routed = counter("dp_replica_requests_routed", "Requests (sequences) the router sent to the replica.")
+        self.restarts = counter("dp_replica_restarts", "Times the replica was started again after dying.")
+        self.failed = counter("dp_replica_requests_failed",
+                              "Requests that had output when the replica died (their clients got a 503).")
+        self.retried = counter("dp_replica_requests_retried",
+                               "Requests without output yet when the replica died, sent to another replica.")
+
+    def _r(self, metric, replica: int):
+        return metric.labels(**self._labels, replica=str(replica))
+
+    def record_replica(self, replica: int, up: bool, stats: CoreStats | None, num_in_flight: int) -> None:
+        self._r(self.up, replica).set(1 if up else 0)
+        self._r(self.in_flight, replica).set(num_in_flight)
+        s = stats.scheduler_stats if stats is not None else None
+        self._r(self.running, replica).set(s.num_running if s is not None else 0)
+        self._r(self.waiting, replica).set(s.num_waiting if s is not None else 0)
+        self._r(self.kv_usage, replica).set(s.kv_cache_usage if s is not None else 0.0)
+        for counter in (self.routed, self.restarts, self.failed, self.retried):
+            self._r(counter, replica)  # every series from the start, at 0
+
+    def observe_routed(self, replica: int) -> None:
+        self._r(self.routed, replica).inc()
+
+    def observe_replica_restart(self, replica: int) -> None:
+        self._r(self.restarts, replica).inc()
+
+    def observe_replica_death(self, replica: int, num_retried: int, num_failed: int) -> None:
+        self._r(self.retried, replica).inc(num_retried)
+        self._r(self.failed, replica).inc(num_failed)

@@ -138,6 +138,16 @@ class EngineArgs:
                                      names=("-tp",), type=int)
     distributed_executor_backend: str | None = flag(None, "uni, mp or ray (default: uni for one rank, mp for "
                                                     "more)", choices=("uni", "mp", "ray"))
+    data_parallel_size: int = flag(ParallelConfig.data_parallel_size,
+                                   "engine-core replicas behind one server, routed by prefix-cache affinity "
+                                   "and load (docs/data_parallel.md)", names=("-dp",), type=int)
+    data_parallel_size_local: int | None = flag(
+        None, "replicas on this node (default: mp all, ray wherever it places them)", names=("-dpl",), type=int)
+    data_parallel_address: str = flag(ParallelConfig.data_parallel_address,
+                                      "the server's address the replicas connect to", names=("-dpa",))
+    data_parallel_backend: str = flag(ParallelConfig.data_parallel_backend,
+                                      "mp (local processes) or ray (actors over the Ray cluster's nodes)",
+                                      names=("-dpb",), choices=("mp", "ray"))
     reasoning_parser: str | None = flag(
         None, "split the reasoning (<think>...</think>) from the answer; grammars start after it",
         choices=REASONING_PARSER_NAMES)
@@ -228,7 +238,9 @@ class EngineArgs:
             ),
             scheduler_config=SchedulerConfig(
                 tokens, seqs, scheduling_policy=self.scheduling_policy),  # type: ignore[arg-type]
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                           self.data_parallel_size, self.data_parallel_size_local,
+                                           self.data_parallel_address, self.data_parallel_backend),
             device_config=DeviceConfig(device, self.gpu_memory_utilization,  # type: ignore[arg-type]
                                        tuple(sorted(set(self.cuda_graph_sizes or ()))),
                                        self.cpu_isa or environ.get(ENV_CPU_ISA) or None),

@@ -220,7 +220,12 @@ class AsyncLLM:
     def start(self) -> None:
         """Spawn the engine core and begin handling its outputs (returns at once)."""
         _limit_front_end_threads()
-        self._client = CoreClient(self.args, self._started_core)
+        if self.args.data_parallel_size > 1:
+            from pagedllm.engine.dp_client import DPCoreClient
+
+            self._client = DPCoreClient(self.args.create_engine_config(), self.metrics.replica_metrics())
+        else:
+            self._client = CoreClient(self.args, self._started_core)
         self._task = asyncio.get_running_loop().create_task(self._run_output_handler())
         if self.request_timeout_s is not None:
             self._expiry_task = asyncio.get_running_loop().create_task(self._expire_requests())
@@ -585,6 +590,11 @@ class AsyncLLM:
             self._kv_snapshot_fetch = None
         self._kv_snapshot = (time.monotonic(), snapshot)
         return snapshot
+
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Per data-parallel replica: up, requests in flight, running, waiting, KV usage,
+        requests routed (empty with one engine core)."""
+        return [] if self._client is None else self._client.replica_states()
 
     @property
     def num_unfinished_requests(self) -> int:

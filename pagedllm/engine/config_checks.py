@@ -24,6 +24,7 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
     config = platform.check_and_update_config(config)
     get_kv_backend(config.cache_config.kv_cache_backend).check_config(config, platform)
     check_parallel_support(config)
+    check_data_parallel_support(config)
     check_lora_support(config)
     return config
 
@@ -75,6 +76,14 @@ def check_parallel_support(config: EngineConfig) -> None:
     activations = config.quantization_config.matmul_activations
     if activations not in ("auto", "float32"):
         raise ValueError(f"--matmul-activations {activations} runs in one process only (--tensor-parallel-size 1)")
+
+
+def check_data_parallel_support(config: EngineConfig) -> None:
+    """Settings data-parallel replicas do not run with (ValueError naming it)."""
+    dp = config.parallel_config.data_parallel_size
+    if dp > 1 and config.kv_transfer_config is not None:
+        raise ValueError(f"data_parallel_size={dp} does not run with kv_transfer_config (disaggregated "
+                         "prefill): run one prefill and one decode server per replica")
 
 
 def check_lora_support(config: EngineConfig) -> None:

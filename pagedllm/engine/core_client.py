@@ -49,18 +49,20 @@ class StartedCore:
     output_addr: str
 
 
-def start_engine_core(config: EngineConfig) -> StartedCore:
+def start_engine_core(config: EngineConfig, cpus: list[int] | None = None, name: str = "pagedllm-engine-core"
+                      ) -> StartedCore:
     """Spawn the engine-core process. `pagedllm serve` calls this first thing, so the core
     loads the model while the front end imports its own modules (the core connects to
-    addresses the front end binds later: ZMQ queues its messages until then)."""
+    addresses the front end binds later: ZMQ queues its messages until then). ``cpus``: the
+    cores to pin it to (a data-parallel replica), None to leave it on every core."""
     tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
     input_addr = f"ipc://{tmpdir}/input"
     output_addr = f"ipc://{tmpdir}/output"
     mp = multiprocessing.get_context("spawn")
     proc = mp.Process(
         target=run_engine_core,
-        args=(config, input_addr, output_addr, os.getpid(), logging.getLogger().getEffectiveLevel()),
-        name="pagedllm-engine-core",
+        args=(config, input_addr, output_addr, os.getpid(), logging.getLogger().getEffectiveLevel(), cpus),
+        name=name,
         daemon=True,
     )
     proc.start()
@@ -156,6 +158,10 @@ class CoreClient:
         self._send(name, payload)
         self._utility_waiters.setdefault(name, []).append(future)
         return await future
+
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Data-parallel replicas' figures (dp_client.py); one core has none."""
+        return []
 
     # ---- core -> front end ------------------------------------------------------------
 

@@ -42,12 +42,21 @@ KV_POLL_INTERVAL_S = 0.02
 
 
 def run_engine_core(
-    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: int
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int | None, log_level: int,
+    cpus: list[int] | None = None,
 ) -> None:
-    """Entry point of the core process (spawned by the front end)."""
-    die_with_parent(parent_pid)
+    """Entry point of the core process (spawned by the front end). ``parent_pid`` None: the
+    process is not the front end's child (a Ray actor, which Ray ends with its driver).
+    ``cpus``: pin the process to these cores, one torch thread each (a data-parallel replica)."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    if cpus:
+        import torch
+
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
     # Ctrl-C reaches the whole process group: the front end decides when the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     import zmq
 
@@ -67,7 +76,7 @@ def run_engine_core(
         in_sock.close(linger=0)  # ctx.term() waits for every socket to close
         ctx.term()
         raise SystemExit(1) from e
-    signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
+    _set_signal(signal.SIGTERM, lambda *_: proc.request_stop())
     exit_code = 0
     try:
         proc.run()
@@ -81,6 +90,10 @@ def run_engine_core(
     in_sock.close(linger=0)
     out_sock.close(linger=1000)
     ctx.term()
+    if parent_pid is None:  # a Ray actor: its call returns (or fails), the actor lives on
+        if exit_code:
+            raise RuntimeError("the engine core failed; see its log")
+        return
     # Skip the interpreter's teardown of torch and its thread pools: on a loaded machine it
     # takes longer than the front end waits before terminating the process, and after a
     # failure it could hang with the process still alive (the front end would not notice).
@@ -88,8 +101,16 @@ def run_engine_core(
     os._exit(exit_code)
 
 
+def _set_signal(signum: int, handler: Any) -> None:
+    """Install a signal handler where this is the main thread (a Ray actor's call may not be)."""
+    try:
+        signal.signal(signum, handler)
+    except ValueError:
+        logger.debug("not the main thread: signal %d left as it is", signum)
+
+
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, in_sock: Any, out_sock: Any, parent_pid: int) -> None:
+    def __init__(self, config: EngineConfig, in_sock: Any, out_sock: Any, parent_pid: int | None) -> None:
         import zmq
 
         from pagedllm.engine.core_builder import build_engine_core
@@ -163,7 +184,7 @@ class EngineCoreProc:
             timeout_ms = 0 if busy else int(idle_s * 1000)
             if poller.poll(timeout_ms):
                 self._drain_input()
-            if os.getppid() != self.parent_pid:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("front end process is gone; engine core exits")
                 return
             outputs = []

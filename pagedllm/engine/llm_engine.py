@@ -27,6 +27,10 @@ class LLMEngine:
         # and never builds an engine (torch stays out of its imports).
         from pagedllm.engine.core_builder import build_engine_core
 
+        dp = config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(f"data_parallel_size={dp}: data parallelism runs behind `pagedllm serve` (one "
+                             f"front end over {dp} engine cores); the LLM class runs one engine")
         built = build_engine_core(config)
         self.config = built.config
         self.scheduler = built.scheduler

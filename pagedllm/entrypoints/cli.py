@@ -150,6 +150,9 @@ def cmd_chat_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """`pagedllm serve`: the OpenAI-compatible server (engine core in its own process)."""
+    if args.models_dir is not None or args.models is not None:
+        _serve_models(args)
+        return
     if (args.api_key is not None and not all(args.api_key)) or (
             args.admin_api_key is not None and not all(args.admin_api_key)):
         # An empty key would let every client in while the operator believes the API guarded.
@@ -167,7 +170,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedllm.engine.core_client import start_engine_core
     from pagedllm.models.sources import is_gguf_source
 
-    started_core = start_engine_core(engine_config)
+    # Data parallelism: the front end starts its replicas once it runs (engine/dp_client.py).
+    dp = engine_config.parallel_config.data_parallel_size > 1
+    started_core = None if dp else start_engine_core(engine_config)
     faults.configure(engine_config.observability_config.inject_fault)  # the front end's sites
     import tokenizers  # noqa: F401
 
@@ -178,6 +183,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.openai.api_server import run_server
 
     run_server(engine_args, _server_config(args, tool_calls, allow_runtime_lora_updating), started_core)
+
+
+def _serve_models(args: argparse.Namespace) -> None:
+    """Router mode: several models behind this server, each in a `pagedllm serve` child."""
+    from pagedllm.entrypoints.model_router import child_argv, discover_models, run_model_router
+
+    argv = list(args.argv)
+    if args.model is not None or getattr(args, "model_option", None) is not None:
+        raise StartupError("pagedllm serve: give the models with --models-dir or --models, not a model argument")
+    try:
+        models = discover_models(args.models_dir, args.models)
+    except ValueError as e:
+        raise StartupError(f"pagedllm serve: {e}") from None
+    run_model_router(models, child_argv(argv[argv.index("serve") + 1:]), args.host, args.port, args.models_max,
+                     args.idle_unload_seconds, args.models_max_queued, args.uvicorn_log_level,
+                     api_keys_from(args.api_key, os.environ))
 
 
 def _check_serve_args(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[ToolCallConfig, bool]:
@@ -272,6 +293,17 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file (with --ssl-keyfile)")
     serve.add_argument("--root-path", default=None,
                        help="the path prefix a proxy serves this server under (ASGI root_path), as vLLM")
+    router = serve.add_argument_group("several models (router mode, as llama-server's; docs/data_parallel.md)")
+    router.add_argument("--models-dir", default=None,
+                        help="serve every *.gguf file and model directory in DIR, each loaded on its first request")
+    router.add_argument("--models", nargs="+", default=None, metavar="NAME=PATH",
+                        help="serve these models by name, each loaded on its first request")
+    router.add_argument("--models-max", type=int, default=4,
+                        help="models loaded at once; the least recently used idle one is stopped for another")
+    router.add_argument("--idle-unload-seconds", type=float, default=None,
+                        help="stop a model idle this long (default: never)")
+    router.add_argument("--models-max-queued", type=int, default=64,
+                        help="requests that may wait for models to load at once (beyond: 503)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the names clients may send as `model` (the first is reported)")
     serve.add_argument("--api-key", nargs="+", default=None,
@@ -407,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         args.func(args)

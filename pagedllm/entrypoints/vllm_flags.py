@@ -105,8 +105,6 @@ NO_OP_FLAGS: tuple[CompatFlag, ...] = (
 MISSING_FEATURE_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--pipeline-parallel-size", "-pp"), "no pipeline parallelism (tensor parallelism: -tp)",
                {"type": int}, harmless=lambda v: v == 1),
-    CompatFlag(("--data-parallel-size", "-dp"), "no data parallelism: run one server per replica",
-               {"type": int}, harmless=lambda v: v == 1),
     CompatFlag(("--api-server-count", "-asc"), "one API server process per engine",
                {"type": int}, harmless=lambda v: v == 1),
     CompatFlag(("--cpu-offload-gb",), "the weights already live in CPU memory",

@@ -51,14 +51,14 @@ def pid_alive(pid: int) -> bool:
 
 
 class RemoteServer:
-    def __init__(self, extra_args: list[str], model: str = "SmolLM2-135M-Instruct",
+    def __init__(self, extra_args: list[str], model: str | None = "SmolLM2-135M-Instruct",
                  env: dict[str, str] | None = None, startup_timeout_s: float = 240.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # float32 activations unless a test asks otherwise: tests compare by the float32 tie rule.
         pinned = [] if {"--matmul-activations", "--prefill-activations"} & set(extra_args) else [
             "--matmul-activations", "float32"]
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model,
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([model] if model else []),
                "--port", str(self.port), *pinned, *extra_args]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedllm-server-{self.port}.log"
         self._log = open(self.log_path, "w")

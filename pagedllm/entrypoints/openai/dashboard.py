@@ -42,6 +42,7 @@ async def dashboard_state(engine: AsyncLLM) -> dict[str, Any]:
             "preempted": snapshot.num_preempted,
             "preemptions_total": snapshot.num_preemptions_total,
         },
+        "replicas": engine.replica_states(),
         **engine.metrics.history.summary(),
         "engine": {
             "snapshot_age_s": age,
