@@ -178,6 +178,16 @@ class KVManager(ABC):
     def max_blocks_per_request(self, num_tokens: int, max_new_tokens: int = 1) -> int:
         """Most units one request of ``num_tokens`` tokens holds at once."""
 
+    def take_offload_ops(self) -> Any:
+        """This step's copies between the pool and the KV offload tiers, for the worker side
+        (None: none; a backend without tiers has none)."""
+        return None
+
+    def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
+        """Per offload tier: hits, misses, stores, rejected (blocks, since the previous call)
+        and bytes held; None without tiers."""
+        return None
+
     @abstractmethod
     def take_slots_to_release(self) -> list[int]:
         """Ids whose memory the worker releases before this step's writes (then forgotten)."""

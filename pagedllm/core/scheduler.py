@@ -282,6 +282,7 @@ class Scheduler:
             kv_slots_to_release=self.kv_cache_manager.take_slots_to_release(),
             scheduled_spec_decode_tokens={r: t for r, t in step.spec_tokens.items() if r not in dropped},
         )
+        output.kv_offload = self.kv_cache_manager.take_offload_ops()
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         self.finished_req_ids = set()
@@ -586,6 +587,7 @@ class Scheduler:
             kv_token_bytes=sum(r.num_computed_tokens for r in self.running) * self.kv_cache_manager.bytes_per_token,
             spec_decoding_stats=self._take_spec_stats(),
             num_paused=len(self.paused),
+            kv_offload=self.kv_cache_manager.take_offload_stats(),
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:

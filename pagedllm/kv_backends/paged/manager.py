@@ -36,7 +36,7 @@ Where later features go (each is an addition, not a rewrite):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from pagedllm.core.kv_manager import (
     KVAllocation,
@@ -50,6 +50,7 @@ from pagedllm.core.kv_manager import (
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.kv_backends.paged.block_pool import BlockOwners, BlockPool, KVCacheBlock
 from pagedllm.kv_backends.paged.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
+from pagedllm.kv_backends.paged.offload import OffloadOps, OffloadStore
 from pagedllm.request import Request
 
 __all__ = ["KVCacheBlock", "KVCacheGroupSpec", "KVCacheManager", "KVFigures", "cdiv"]
@@ -65,6 +66,14 @@ class KVCacheGroupSpec:
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+
+
+class TierBlock(NamedTuple):
+    """A prefix hit found in a KV offload tier, not in the pool: ``allocate_slots`` gives it
+    a fresh block and the worker loads ``data`` into it before the forward."""
+
+    block_hash: BlockHash
+    data: Any
 
 
 class _RequestBlocks:
@@ -138,6 +147,37 @@ class KVCacheManager(KVManager, KVTransfer):
         self._stats = PrefixCacheStats()
         # Blocks kept alive past their request for a remote pull, by hold id.
         self._held: dict[str, list[KVCacheBlock]] = {}
+        # KV offload tiers (offload.py; None: off): this step's evicted blocks to copy out
+        # and tier blocks to load, for the worker side.
+        self.offload: OffloadStore | None = None
+        self._offload_stores: list[tuple[int, BlockHash]] = []
+        self._offload_loads: dict[int, Any] = {}  # block id -> image
+
+    def set_offload(self, store: OffloadStore) -> None:
+        """Put the offload tiers behind the prefix cache (one KV cache group only)."""
+        assert self.num_groups == 1, "KV offload needs one KV cache group"
+        self.offload = store
+        self.block_pool.on_evict = self._on_evict
+
+    def _on_evict(self, block: KVCacheBlock) -> None:
+        """A cached block leaves the pool: the worker copies it into the tiers before this
+        step's forward, unless its KV was to be loaded from them this very step (it is
+        there already, and the load is dropped: the block now serves someone else)."""
+        assert block.block_hash is not None
+        if self._offload_loads.pop(block.block_id, None) is None:
+            self._offload_stores.append((block.block_id, block.block_hash))
+
+    def take_offload_ops(self) -> OffloadOps | None:
+        """This step's copies between the pool and the tiers (None: none, or tiers off)."""
+        if not (self._offload_stores or self._offload_loads):
+            return None
+        ops = OffloadOps(self._offload_stores, list(self._offload_loads.items()))
+        self._offload_stores, self._offload_loads = [], {}
+        return ops
+
+    def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
+        """Per tier counters since the previous call (None: tiers off)."""
+        return self.offload.take_stats() if self.offload is not None else None
 
     # ---- the scheduler's interface -----------------------------------------------------
 
@@ -155,10 +195,14 @@ class KVCacheManager(KVManager, KVTransfer):
         hashes = self._get_block_hashes(request)
         num_hit = (request.num_tokens - 1) // self.block_size
         hit_blocks = empty
+        offload = self.offload
         for group_id in range(self.num_groups):
             chain = hit_blocks[group_id]
             for block_hash in hashes[:num_hit]:
                 block = self.block_pool.get_cached_block(block_hash, group_id)
+                if block is None and offload is not None:  # the pool's miss, a tier's hit?
+                    data = offload.lookup(block_hash)
+                    block = TierBlock(block_hash, data) if data is not None else None
                 if block is None:
                     break
                 chain.append(block)
@@ -246,11 +290,16 @@ class KVCacheManager(KVManager, KVTransfer):
 
     def _can_supply(self, plan: _AllocationPlan, hits: list[list[KVCacheBlock]]) -> bool:
         """Whether the free queue holds the plan's new blocks (and a copy-on-write copy)."""
-        # Hit blocks that are free right now leave the free queue when touched.
-        num_free_hits = sum(
-            b.ref_cnt == 0 for group, skip in zip(hits, plan.skips) for b in group[skip:]
-        )
-        num_needed = (plan.num_new_blocks + (plan.cow_index is not None)) * self.num_groups
+        # Hit blocks that are free right now leave the free queue when touched; hits from
+        # the offload tiers take fresh blocks.
+        num_free_hits = num_tier_hits = 0
+        for group, skip in zip(hits, plan.skips):
+            for b in group[skip:]:
+                if isinstance(b, TierBlock):
+                    num_tier_hits += 1
+                else:
+                    num_free_hits += b.ref_cnt == 0
+        num_needed = (plan.num_new_blocks + (plan.cow_index is not None)) * self.num_groups + num_tier_hits
         return num_needed <= self.block_pool.get_num_free_blocks() - num_free_hits
 
     def _append_blocks(
@@ -261,16 +310,35 @@ class KVCacheManager(KVManager, KVTransfer):
         new_block_ids: list[list[int]] = []
         for blocks, group_hits, skip in zip(req.blocks, hits, plan.skips):
             start = len(blocks)
+            taken = group_hits[skip:]
             # Touch before popping new blocks, so a free hit block cannot be evicted here.
-            self.block_pool.touch(group_hits[skip:])
+            self.block_pool.touch([b for b in taken if not isinstance(b, TierBlock)])
+            if any(isinstance(b, TierBlock) for b in taken):
+                taken = self._load_tier_blocks(taken)
             blocks.extend([self.block_pool.null_block] * skip)
-            blocks.extend(group_hits[skip:])
+            blocks.extend(taken)
             blocks.extend(self.block_pool.get_new_blocks(plan.num_new_blocks))
             new_block_ids.append([b.block_id for b in blocks[start:]])
             self.owners.claim(req.owner_slot, new_block_ids[-1])
         # Hit blocks are cached already.
         req.num_cached_blocks = max(req.num_cached_blocks, plan.num_hit_blocks)
         return new_block_ids
+
+    def _load_tier_blocks(self, taken: list[Any]) -> list[KVCacheBlock]:
+        """Fresh blocks in place of the tier hits among ``taken``, entered into the prefix
+        cache under their hashes; their images are loaded by the worker before the forward."""
+        tier_hits = [b for b in taken if isinstance(b, TierBlock)]
+        fresh = iter(self.block_pool.get_new_blocks(len(tier_hits)))
+        out: list[KVCacheBlock] = []
+        for b in taken:
+            if isinstance(b, TierBlock):
+                block = next(fresh)
+                self.block_pool.cache_block(block, b.block_hash)
+                self._offload_loads[block.block_id] = b.data
+                out.append(block)
+            else:
+                out.append(b)
+        return out
 
     # ---- disaggregated prefill (distributed/kv_transfer/): the KVTransfer capability ----
 

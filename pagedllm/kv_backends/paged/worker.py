@@ -25,6 +25,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.kv_backends.model_kv import attention_layers, kv_token_bytes
+from pagedllm.kv_backends.paged.offload import OffloadStore, apply_ops
 from pagedllm.attention.layouts import BLOCK_TABLES
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.registry import bind_default_backend
@@ -158,15 +159,19 @@ class PagedKVWorker(KVCacheWorker):
 
     def __init__(
         self, layers: list[Attention], num_blocks: int, block_size: int, dtype: str,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", offload: OffloadStore | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.offload = offload  # the KV offload tiers (offload.py), shared with the manager
         self.block_size = block_size
         self.num_groups = len(kv_cache_groups(layers))
         self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, dtype, self.device)
 
     def prepare(self, so: SchedulerOutput) -> None:
         assert not so.kv_slots_to_release, "the paged pool reuses blocks in place"
+        if so.kv_offload is not None:
+            assert self.offload is not None
+            apply_ops(self.kv_caches, so.kv_offload, self.offload)
         if so.blocks_to_copy:
             copy_blocks(self.kv_caches, so.blocks_to_copy)
 
