@@ -78,3 +78,129 @@ def test_cpu_tier_reloads_evicted_prefix(tiny_llama_dir, params, monkeypatch):
     assert again.outputs[0].token_ids == again_off.outputs[0].token_ids == first.outputs[0].token_ids
     stats = _store(on).take_stats()
     assert stats["cpu"]["hits"] >= 18 and stats["cpu"]["stores"] >= 18
+
+
+def _block_files(llm: LLM, prompt: list[int]) -> list[str]:
+    """The disk tier's files of ``prompt``'s full blocks, in order."""
+    from pagedllm.kv_backends.paged.kv_cache_utils import first_block_extra_keys, hash_request_tokens
+
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    hashes = hash_request_tokens(prompt, manager.block_size, first_block_extra_keys(manager.hash_extra_keys, None))
+    return [manager.offload.path(manager.offload.key(h)) for h in hashes]
+
+
+@pytest.fixture(scope="module")
+def written_dir(tiny_llama_dir, tmp_path_factory):
+    """A disk tier holding PROMPT's blocks, written by an engine that is gone, and that
+    engine's outputs for PROMPT."""
+    path = str(tmp_path_factory.mktemp("kv-offload"))
+    llm = _llm(tiny_llama_dir, kv_offload_dir=path)
+    outputs = {p.seed: _run(llm, PROMPT, p).outputs[0].token_ids for p in (GREEDY, SEEDED)}
+    _evict_all(llm)
+    assert _store(llm).flush()
+    files = _block_files(llm, PROMPT)
+    assert all(os.path.exists(f) for f in files[:18])
+    assert not [n for n in os.listdir(path) if n.endswith(".tmp")]
+    del llm
+    return path, outputs
+
+
+def _copy_dir(src: str, dst) -> str:
+    import shutil
+
+    return shutil.copytree(src, str(dst / "tier"))
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_disk_tier_serves_a_new_engine(tiny_llama_dir, written_dir, tmp_path, params, monkeypatch):
+    path = _copy_dir(written_dir[0], tmp_path)
+    llm = _llm(tiny_llama_dir, kv_offload_dir=path)
+    counts = _computed(llm, monkeypatch)
+    out = _run(llm, PROMPT, params)
+    assert out.num_cached_tokens == 288  # from disk: this engine never computed them
+    assert counts[out.request_id] == 300 - 288 + params.max_tokens - 1
+    assert out.outputs[0].token_ids == written_dir[1][params.seed]
+    stats = _store(llm).take_stats()
+    assert stats["disk"]["hits"] == 18 and stats["disk"]["rejected"] == 0
+
+
+def _damage(path: str, how: str) -> None:
+    import json
+    import struct
+    import zlib
+
+    raw = bytearray(open(path, "rb").read())
+    if how == "corrupt":  # one flipped byte in the payload
+        raw[-100] ^= 0xFF
+    elif how == "truncated":
+        raw = raw[: len(raw) - 1000]
+    elif how == "foreign":  # a well-formed file of another geometry (block size 32)
+        _, _, header_len = struct.unpack_from("<4sII", raw)
+        header = json.loads(raw[12 : 12 + header_len])
+        header["geometry"]["block_size"] = 32
+        payload = bytes(raw[12 + header_len :]) * 2
+        header["payload_bytes"], header["crc32"] = len(payload), zlib.crc32(payload)
+        body = json.dumps(header).encode()
+        raw = bytearray(struct.pack("<4sII", b"PGKV", 1, len(body)) + body + payload)
+    with open(path, "wb") as f:
+        f.write(raw)
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "foreign"])
+def test_damaged_block_file_is_recomputed_never_served(tiny_llama_dir, written_dir, tmp_path, how):
+    path = _copy_dir(written_dir[0], tmp_path)
+    llm = _llm(tiny_llama_dir, kv_offload_dir=path)
+    damaged = _block_files(llm, PROMPT)[10]
+    _damage(damaged, how)
+    out = _run(llm, PROMPT, GREEDY)
+    assert out.num_cached_tokens == 10 * 16  # blocks 0..9 from disk; 10 on recomputed
+    assert out.outputs[0].token_ids == written_dir[1][GREEDY.seed]
+    stats = _store(llm).take_stats()
+    assert stats["disk"]["rejected"] == 1 and stats["disk"]["hits"] == 10
+    assert not os.path.exists(damaged)  # removed: the recomputed block is written anew later
+
+
+def test_concurrent_writers_of_the_same_blocks(tmp_path):
+    from pagedllm.kv_backends.paged.offload import BlockGeometry, OffloadStore
+
+    geometry = BlockGeometry(layers=2, kv_heads=2, head_size=16, block_size=16, dtype="float32", row_bytes=64)
+    namespace = b"n" * 32
+    hashes = [bytes([i]) * 32 for i in range(40)]
+    images = [np.random.default_rng(i).integers(0, 256, geometry.block_bytes, dtype=np.uint8) for i in range(40)]
+    stores = [OffloadStore(geometry, namespace, disk_dir=str(tmp_path)) for _ in range(4)]
+
+    def write(store):
+        for h, image in zip(hashes, images):
+            store.store(h, image)
+        assert store.flush()
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(os.listdir(tmp_path)) == sorted(stores[0].key(h).hex() + ".kvb" for h in hashes)
+    reader = OffloadStore(geometry, namespace, disk_dir=str(tmp_path))
+    for h, image in zip(hashes, images):
+        assert np.array_equal(reader.lookup(h), image)
+    assert reader.take_stats()["disk"] == {"hits": 40, "misses": 0, "stores": 0, "rejected": 0,
+                                           "bytes": sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path))}
+
+
+def test_tiers_are_bounded_lru(tmp_path):
+    from pagedllm.kv_backends.paged.offload import BlockGeometry, OffloadStore
+
+    geometry = BlockGeometry(layers=1, kv_heads=1, head_size=16, block_size=16, dtype="float32", row_bytes=64)
+    image = np.zeros(geometry.block_bytes, dtype=np.uint8)
+    store = OffloadStore(geometry, b"n" * 32, cpu_bytes=3 * geometry.block_bytes, disk_dir=str(tmp_path),
+                         disk_bytes=int(2.5 * (geometry.block_bytes + 400)))
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    for h in hashes[:3]:
+        store.store(h, image)
+    store.lookup(hashes[0])  # most recently used now
+    store.store(hashes[3], image)  # the CPU tier drops hashes[1]
+    assert store.flush()
+    with store._lock:
+        assert list(store._cpu) == [store.key(h) for h in (hashes[2], hashes[0], hashes[3])]
+    # The disk holds two files (the budget), the most recently written ones.
+    assert sorted(os.listdir(tmp_path)) == sorted(store.key(h).hex() + ".kvb" for h in hashes[2:4])
