@@ -183,6 +183,11 @@ class KVManager(ABC):
         (None: none; a backend without tiers has none)."""
         return None
 
+    def take_persist_ops(self) -> Any:
+        """At shutdown: copies of the cached blocks not yet in a persistent offload tier
+        (None: none, or no such tier)."""
+        return None
+
     def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
         """Per offload tier: hits, misses, stores, rejected (blocks, since the previous call)
         and bytes held; None without tiers."""

@@ -171,6 +171,10 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
+        # The disk offload tier keeps the pool's cached blocks for the next start (bounded).
+        ops = self.scheduler.kv_cache_manager.take_persist_ops()
+        if ops is not None:
+            self.runner.kv_worker.persist_offload(ops, timeout_s=3.0)
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         runner_shutdown = getattr(self.runner, "shutdown", None)  # tensor-parallel executors

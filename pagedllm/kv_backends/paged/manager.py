@@ -175,6 +175,15 @@ class KVCacheManager(KVManager, KVTransfer):
         self._offload_stores, self._offload_loads = [], {}
         return ops
 
+    def take_persist_ops(self) -> OffloadOps | None:
+        """At shutdown: the cached blocks the disk tier lacks, most recently cached first
+        (their disk writes are bounded in time by the caller)."""
+        if self.offload is None or self.offload.disk_dir is None:
+            return None
+        cached = list(self.block_pool._cached.items())
+        stores = [(b.block_id, key) for key, b in reversed(cached) if not self.offload.on_disk(key)]
+        return OffloadOps(stores) if stores else None
+
     def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
         """Per tier counters since the previous call (None: tiers off)."""
         return self.offload.take_stats() if self.offload is not None else None

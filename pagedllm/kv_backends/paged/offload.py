@@ -201,6 +201,12 @@ class OffloadStore:
                 return True
         return self.disk_dir is not None and os.path.exists(self.path(key))
 
+    def on_disk(self, block_hash: bytes) -> bool:
+        """Whether the disk tier holds (or is writing) the block, by this engine's index."""
+        key = self.key(block_hash)
+        with self._lock:
+            return key in self._disk or key in self._pending
+
     # ---- stores (worker side, on the step) ----------------------------------------------
 
     def store(self, block_hash: bytes, data: np.ndarray) -> None:
