@@ -188,6 +188,17 @@ class KVManager(ABC):
         (None: none, or no such tier)."""
         return None
 
+    def save_prefix(self, name: str, token_ids: list[int], cache_salt: str | None, read_blocks: Any) -> int:
+        """Save the KV of ``token_ids``'s cached prefix under ``name``; returns its tokens
+        (/v1/kv/save). ValueError naming the backend where it has no offload tiers."""
+        raise ValueError(f"kv_cache_backend={self.backend!r} cannot save KV by name (it keeps no prefix-cache "
+                         "blocks); use kv_cache_backend='paged' with --kv-offload-dir")
+
+    def restore_prefix(self, name: str) -> int:
+        """Bring the KV saved under ``name`` back; returns its tokens (/v1/kv/restore)."""
+        raise ValueError(f"kv_cache_backend={self.backend!r} cannot restore KV by name (it keeps no prefix-cache "
+                         "blocks); use kv_cache_backend='paged' with --kv-offload-dir")
+
     def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
         """Per offload tier: hits, misses, stores, rejected (blocks, since the previous call)
         and bytes held; None without tiers."""

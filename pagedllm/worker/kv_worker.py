@@ -54,6 +54,10 @@ class KVCacheWorker(ABC):
         """At shutdown: copy blocks into the KV offload tiers and wait up to ``timeout_s`` for
         their disk writes (``KVManager.take_persist_ops``; backends without tiers get none)."""
 
+    def read_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Images of pool blocks, for saving KV by name (backends with blocks only)."""
+        raise ValueError("this KV backend's worker side has no blocks to read")
+
     @abstractmethod
     def attention_metadata(
         self, block_ids: Sequence[list[list[int]]], step: StepIndex

@@ -60,3 +60,31 @@ def test_restart_serves_prompt_from_disk(tiny_llama_dir, tmp_path):
     assert before["greedy"][1] == 0 and before["seeded"][1] == 288  # the second hit the first's blocks
     assert after["greedy"] == (before["greedy"][0], 288)  # from disk: no block was computed here
     assert after["seeded"] == before["seeded"]
+
+
+def test_save_and_restore_by_name(tiny_llama_dir, tmp_path):
+    import shutil
+
+    saver = RemoteServer([*ARGS, "--kv-offload-dir", str(tmp_path / "a")], model=tiny_llama_dir,
+                         startup_timeout_s=600)
+    try:
+        saved = httpx.post(saver.url + "/v1/kv/save", json={"name": "system-1", "prompt": PROMPT}, timeout=120)
+        assert saved.status_code == 200, saved.text
+        assert saved.json() == {"name": "system-1", "num_tokens": 288, "num_prompt_tokens": 300}
+        bad = httpx.post(saver.url + "/v1/kv/save", json={"name": "../x", "prompt": PROMPT}, timeout=120)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "name"
+        expected = _complete(saver, SAMPLINGS["greedy"])[0]
+    finally:
+        saver.stop()
+    # A new server on a directory holding only the saved prefix (no block files).
+    shutil.copytree(tmp_path / "a" / "saved", tmp_path / "b" / "saved")
+    restorer = RemoteServer([*ARGS, "--kv-offload-dir", str(tmp_path / "b")], model=tiny_llama_dir,
+                            startup_timeout_s=600)
+    try:
+        missing = httpx.post(restorer.url + "/v1/kv/restore", json={"name": "other"}, timeout=60)
+        assert missing.status_code == 400 and "no KV saved under the name 'other'" in missing.json()["error"]["message"]
+        restored = httpx.post(restorer.url + "/v1/kv/restore", json={"name": "system-1"}, timeout=60)
+        assert restored.json() == {"name": "system-1", "num_tokens": 288}
+        assert _complete(restorer, SAMPLINGS["greedy"]) == (expected, 288)
+    finally:
+        restorer.stop()

@@ -184,6 +184,63 @@ class KVCacheManager(KVManager, KVTransfer):
         stores = [(b.block_id, key) for key, b in reversed(cached) if not self.offload.on_disk(key)]
         return OffloadOps(stores) if stores else None
 
+    def save_prefix(
+        self, name: str, token_ids: list[int], cache_salt: str | None, read_blocks: Any
+    ) -> int:
+        """Save the cached blocks of ``token_ids``'s longest cached prefix (pool or tiers)
+        under ``name`` in the disk tier; returns the tokens saved. ``read_blocks(ids)`` copies
+        pool blocks out (the worker side's ``copy_out``)."""
+        from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
+        from pagedllm.kv_backends.paged.offload import saved_path, write_saved
+
+        offload = self._require_offload()
+        path = saved_path(offload, name)
+        hashes = hash_request_tokens(token_ids, self.block_size,
+                                     first_block_extra_keys(self.hash_extra_keys, cache_salt))
+        found: list[Any] = []  # a pool block id, or an image
+        for block_hash in hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is not None:
+                pending = self._offload_loads.get(block.block_id)
+                found.append(pending if pending is not None else block.block_id)
+                continue
+            data = offload.lookup(block_hash)
+            if data is None:
+                break
+            found.append(data)
+        pool_ids = [f for f in found if isinstance(f, int)]
+        copied = iter(read_blocks(pool_ids) if pool_ids else [])
+        images = [next(copied) if isinstance(f, int) else f for f in found]
+        write_saved(offload, path, hashes[: len(images)], images, token_ids[: len(images) * self.block_size])
+        return len(images) * self.block_size
+
+    def restore_prefix(self, name: str) -> int:
+        """Bring the blocks saved under ``name`` into the pool as cached blocks (free, most
+        recently used) and into the CPU tier; returns the tokens restored. Their images are
+        loaded before the next step's forward."""
+        from pagedllm.kv_backends.paged.offload import read_saved, saved_path
+
+        offload = self._require_offload()
+        hashes, images = read_saved(offload, saved_path(offload, name))
+        room = self.block_pool.get_num_free_blocks()  # past it, restored blocks would evict each other
+        for block_hash, image in zip(hashes, images):
+            offload.store(block_hash, image)
+            if self.block_pool.get_cached_block(block_hash) is not None:
+                continue
+            if room == 0:
+                continue  # the pool is full: the tiers keep the rest
+            room -= 1
+            (block,) = self.block_pool.get_new_blocks(1)
+            self.block_pool.cache_block(block, block_hash)
+            self._offload_loads[block.block_id] = image
+            self.block_pool.free_blocks([block])
+        return len(images) * self.block_size
+
+    def _require_offload(self) -> OffloadStore:
+        if self.offload is None:
+            raise ValueError("saving and restoring KV by name needs the KV offload tiers (--kv-offload-dir)")
+        return self.offload
+
     def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
         """Per tier counters since the previous call (None: tiers off)."""
         return self.offload.take_stats() if self.offload is not None else None

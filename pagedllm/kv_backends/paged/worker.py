@@ -25,7 +25,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.kv_backends.model_kv import attention_layers, kv_token_bytes
-from pagedllm.kv_backends.paged.offload import OffloadOps, OffloadStore, apply_ops
+from pagedllm.kv_backends.paged.offload import OffloadOps, OffloadStore, apply_ops, copy_out
 from pagedllm.attention.layouts import BLOCK_TABLES
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.registry import bind_default_backend
@@ -180,6 +180,9 @@ class PagedKVWorker(KVCacheWorker):
         apply_ops(self.kv_caches, ops, self.offload)
         if not self.offload.flush(timeout_s):
             logger.warning("KV offload: not every block reached %s in %.0f s", self.offload.disk_dir, timeout_s)
+
+    def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
+        return copy_out(self.kv_caches, block_ids)
 
     def make_draft_kv(self, model: nn.Module, dtype: str) -> PagedDraftKV:
         """The draft-model KV capability (spec_decode/proposer.py's ``DraftKVHost``): a cache
