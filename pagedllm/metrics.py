@@ -262,6 +262,8 @@ class EngineMetrics:
         for n in stats.iteration_tokens:
             self._l(self.iteration_tokens).observe(n)
         self.history.observe_stats(s.num_running, s.num_waiting, s.kv_cache_usage, pc.queries, pc.hits)
+        if s.kv_offload:
+            self.history.observe_offload(s.kv_offload)
         for tier, counts in (s.kv_offload or {}).items():
             for key, metric in self.kv_offload.items():
                 metric.labels(**self._labels, tier=tier).inc(counts[key])

@@ -55,6 +55,8 @@ def test_restart_serves_prompt_from_disk(tiny_llama_dir, tmp_path):
     try:
         after = {name: _complete(second, s) for name, s in SAMPLINGS.items()}
         assert _disk_hits(second, 18) == 18  # the second request hits the pool, not the disk
+        tiers = httpx.get(second.url + "/dashboard/state", timeout=60).json()["prefix_cache"]["offload_tiers"]
+        assert tiers["disk"]["hits"] == 18 and tiers["disk"]["hit_rate"] == 1.0
     finally:
         second.stop()
     assert before["greedy"][1] == 0 and before["seeded"][1] == 288  # the second hit the first's blocks
