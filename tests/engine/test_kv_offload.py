@@ -204,3 +204,24 @@ def test_tiers_are_bounded_lru(tmp_path):
         assert list(store._cpu) == [store.key(h) for h in (hashes[2], hashes[0], hashes[3])]
     # The disk holds two files (the budget), the most recently written ones.
     assert sorted(os.listdir(tmp_path)) == sorted(store.key(h).hex() + ".kvb" for h in hashes[2:4])
+
+
+def test_many_requests_through_a_small_pool_agree_with_hf(tiny_llama_dir, hf_tiny_llama, tmp_path):
+    """Shared system prompts, a pool far too small for them: preemptions, evictions into both
+    tiers and reloads in one run; every output matches HF's greedy one (tie-aware)."""
+    from tests.utils import assert_greedy_match, hf_greedy
+
+    llm = _llm(tiny_llama_dir, kv_offload_cpu_bytes="96KiB", kv_offload_dir=str(tmp_path))  # CPU tier: 12 blocks
+    systems = [_ids(60 + 40 * i, seed=300 + i) for i in range(5)]
+    prompts = [systems[i % 5] + _ids(3 + i, seed=400 + i) for i in range(20)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = []
+    for wave in range(4):
+        outs += llm.generate([{"prompt_token_ids": p} for p in prompts[wave * 5:(wave + 1) * 5]], params,
+                             use_tqdm=False)
+    stats = _store(llm).take_stats()
+    assert stats["cpu"]["hits"] > 0 and stats["disk"]["hits"] > 0 and stats["disk"]["stores"] > 0
+    assert sum(o.num_cached_tokens for o in outs[5:]) > 0
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        ref, gaps = hf_greedy(hf_tiny_llama, p, 6)
+        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"prompt {i}")

@@ -181,7 +181,9 @@ class KVCacheManager(KVManager, KVTransfer):
         if self.offload is None or self.offload.disk_dir is None:
             return None
         cached = list(self.block_pool._cached.items())
-        stores = [(b.block_id, key) for key, b in reversed(cached) if not self.offload.on_disk(key)]
+        # A block whose load is still pending (restored since the last step) is in the tiers.
+        stores = [(b.block_id, key) for key, b in reversed(cached)
+                  if b.block_id not in self._offload_loads and not self.offload.on_disk(key)]
         return OffloadOps(stores) if stores else None
 
     def save_prefix(
