@@ -178,6 +178,10 @@ class KVManager(ABC):
     def max_blocks_per_request(self, num_tokens: int, max_new_tokens: int = 1) -> int:
         """Most units one request of ``num_tokens`` tokens holds at once."""
 
+    def prefetch(self, request: Request) -> None:
+        """A request was queued: a backend with offload tiers may start reading its prefix
+        (nothing for others)."""
+
     def take_offload_ops(self) -> Any:
         """This step's copies between the pool and the KV offload tiers, for the worker side
         (None: none; a backend without tiers has none)."""

@@ -107,6 +107,8 @@ class Scheduler:
             r.status = RequestStatus.WAITING
             self.requests[r.request_id] = r
         self.waiting.add(request, front=False)
+        if not request.reads_whole_prompt:
+            self.kv_cache_manager.prefetch(request)  # KV offload: read its prefix off the step
 
     def check_request(self, request: Request) -> None:
         """The checks of ``add_request``, without queueing (ValueError if it would refuse)."""

@@ -225,3 +225,22 @@ def test_many_requests_through_a_small_pool_agree_with_hf(tiny_llama_dir, hf_tin
     for i, (p, out) in enumerate(zip(prompts, outs)):
         ref, gaps = hf_greedy(hf_tiny_llama, p, 6)
         assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"prompt {i}")
+
+
+def test_prefetch_reads_a_waiting_requests_blocks_ahead(tiny_llama_dir, written_dir, tmp_path, monkeypatch):
+    """A queued request's prefix is read from disk in the background; its lookup then needs
+    no file (they are removed here before the engine steps)."""
+    path = _copy_dir(written_dir[0], tmp_path)
+    llm = _llm(tiny_llama_dir, kv_offload_dir=path)
+    engine = llm.llm_engine
+    engine.add_request({"prompt_token_ids": PROMPT}, GREEDY, "waiting")
+    assert _store(llm).wait_prefetched()
+    for name in os.listdir(path):
+        if name.endswith(".kvb"):
+            os.unlink(os.path.join(path, name))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].num_cached_tokens == 288
+    assert outputs[0].outputs[0].token_ids == written_dir[1][GREEDY.seed]
+    assert _store(llm).take_stats()["disk"]["hits"] == 18

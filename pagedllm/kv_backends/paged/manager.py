@@ -167,6 +167,20 @@ class KVCacheManager(KVManager, KVTransfer):
         if self._offload_loads.pop(block.block_id, None) is None:
             self._offload_stores.append((block.block_id, block.block_hash))
 
+    def prefetch(self, request: Request) -> None:
+        """A request arrived: read the blocks of its prompt's chain that the pool lacks from
+        the disk tier in the background, while it waits and other requests' steps run (its
+        lookup then finds them in memory)."""
+        if self.offload is None or self.offload.disk_dir is None or not self.enable_caching:
+            return
+        if request.sampling_params.prompt_logprobs is not None:
+            return
+        hashes = self._get_block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
+        first_missing = 0
+        while first_missing < len(hashes) and self.block_pool.get_cached_block(hashes[first_missing]) is not None:
+            first_missing += 1
+        self.offload.prefetch(hashes[first_missing:])
+
     def take_offload_ops(self) -> OffloadOps | None:
         """This step's copies between the pool and the tiers (None: none, or tiers off)."""
         if not (self._offload_stores or self._offload_loads):

@@ -28,9 +28,10 @@ same block just replace one whole file by an identical one. A file that fails an
 
 Threads. The copy out of the pool is a memory copy on the step (``PagedKVWorker.prepare``,
 before the forward that may overwrite the evicted blocks); the disk writes (checksum, write,
-fsync, rename) run on a background thread. Loads are synchronous at schedule time: the
-lookup reads and checks the bytes (the CPU tier needs no read), and ``prepare`` copies them
-into the blocks before the forward.
+fsync, rename) run on a writer thread. A request's arrival queues its prompt's chain for a
+prefetch thread that reads and checks the disk files ahead of the lookup (``prefetch``); the
+lookup at schedule time reads whatever was not prefetched yet (one reader per file at a
+time), and ``prepare`` copies the images into the blocks before the forward.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ VERSION = 1
 _PREAMBLE = struct.Struct("<4sII")  # magic, version, header length
 SUFFIX = ".kvb"
 TIERS = ("cpu", "disk")
+PREFETCH_BYTES = 256 * 2**20
+PREFETCH_BLOCKS = 1024
+"""Most block images read ahead of their lookups (whichever bound is smaller)."""
 
 
 @dataclass(frozen=True)
@@ -150,11 +154,19 @@ class OffloadStore:
         # (key, block hash, image) to write, or an Event to set once those before it are written.
         self._queue: queue.Queue[tuple[bytes, bytes, np.ndarray] | threading.Event] = queue.Queue()
         self._writer: threading.Thread | None = None
+        # Prefetch: block images read from disk ahead of their request's scheduling, kept until
+        # its lookup takes them (bounded, oldest dropped), and the reads in flight, so that a
+        # block is read (and a bad file rejected) once however many ask for it.
+        self._prefetched: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.prefetch_bytes = min(PREFETCH_BYTES, PREFETCH_BLOCKS * geometry.block_bytes)
+        self._reading: dict[bytes, threading.Event] = {}
+        self._prefetch_queue: queue.Queue[list[bytes] | threading.Event] = queue.Queue()
         if disk_dir is not None:
             os.makedirs(disk_dir, exist_ok=True)
             self._scan_disk()
             self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
             self._writer.start()
+            threading.Thread(target=self._prefetch_loop, name="kv-offload-prefetch", daemon=True).start()
 
     # ---- keys --------------------------------------------------------------------------
 
@@ -183,8 +195,12 @@ class OffloadStore:
             if self.disk_dir is None:
                 return None
             data = self._pending.get(key)
+            if data is None:
+                data = self._prefetched.pop(key, None)
         if data is None:
-            data = self._read_disk(key, block_hash)
+            data = self._read_once(key, block_hash)
+            with self._lock:
+                self._prefetched.pop(key, None)  # read by a prefetch meanwhile
         with self._lock:
             if data is None:
                 self.stats["disk"].misses += 1
@@ -206,6 +222,66 @@ class OffloadStore:
         key = self.key(block_hash)
         with self._lock:
             return key in self._disk or key in self._pending
+
+    def prefetch(self, block_hashes: list[bytes]) -> None:
+        """Read these blocks (a prompt's chain, in order) from disk in the background, ahead
+        of their lookup; stops at the first block the disk lacks. No-op without a disk tier."""
+        if self.disk_dir is not None and block_hashes:
+            self._prefetch_queue.put(list(block_hashes))
+
+    def wait_prefetched(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the prefetches queued so far are done (tests)."""
+        if self.disk_dir is None:
+            return True
+        done = threading.Event()
+        self._prefetch_queue.put(done)
+        return done.wait(timeout_s)
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            item = self._prefetch_queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            for block_hash in item:
+                key = self.key(block_hash)
+                with self._lock:
+                    if key in self._cpu or key in self._pending or key in self._prefetched:
+                        continue
+                if not os.path.exists(self.path(key)):
+                    break
+                data = self._read_once(key, block_hash)
+                if data is None:
+                    break
+                with self._lock:
+                    self._prefetched[key] = data
+                    while len(self._prefetched) * self.geometry.block_bytes > self.prefetch_bytes:
+                        self._prefetched.popitem(last=False)
+
+    def _read_once(self, key: bytes, block_hash: bytes) -> np.ndarray | None:
+        """``_read_disk``, one reader per key at a time: a second caller waits for the first
+        and takes what it found (from the prefetched images or the CPU tier)."""
+        while True:
+            with self._lock:
+                event = self._reading.get(key)
+                if event is None:
+                    event = self._reading[key] = threading.Event()
+                    break
+            event.wait()
+            with self._lock:
+                data = self._prefetched.get(key)
+                if data is None:
+                    data = self._cpu.get(key)
+            if data is not None:
+                return data
+            if not os.path.exists(self.path(key)):
+                return None  # the first reader found it missing or rejected it
+        try:
+            return self._read_disk(key, block_hash)
+        finally:
+            with self._lock:
+                del self._reading[key]
+            event.set()
 
     # ---- stores (worker side, on the step) ----------------------------------------------
 
