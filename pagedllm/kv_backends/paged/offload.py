@@ -43,6 +43,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import uuid
 import zlib
 from collections import OrderedDict
@@ -58,6 +59,8 @@ VERSION = 1
 _PREAMBLE = struct.Struct("<4sII")  # magic, version, header length
 SUFFIX = ".kvb"
 TIERS = ("cpu", "disk")
+STALE_TMP_S = 3600.0
+"""Temporary files older than this (a writer that died) are removed when a store starts."""
 PREFETCH_BYTES = 256 * 2**20
 PREFETCH_BLOCKS = 1024
 """Most block images read ahead of their lookups (whichever bound is smaller)."""
@@ -344,7 +347,15 @@ class OffloadStore:
     def _scan_disk(self) -> None:
         """Index the directory's block files, oldest first (other engines' files included)."""
         entries = []
+        stale = time.time() - STALE_TMP_S
         for entry in os.scandir(self.disk_dir):
+            if entry.name.endswith(".tmp"):  # a writer died mid-file: never renamed, never read
+                try:
+                    if entry.stat().st_mtime < stale:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass
+                continue
             if entry.name.endswith(SUFFIX) and entry.is_file():
                 try:
                     st = entry.stat()
