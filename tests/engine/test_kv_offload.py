@@ -244,3 +244,52 @@ def test_prefetch_reads_a_waiting_requests_blocks_ahead(tiny_llama_dir, written_
     assert outputs[0].num_cached_tokens == 288
     assert outputs[0].outputs[0].token_ids == written_dir[1][GREEDY.seed]
     assert _store(llm).take_stats()["disk"]["hits"] == 18
+
+
+_WRITER = """
+import os
+import sys
+import numpy as np
+from pagedllm.kv_backends.paged.offload import BlockGeometry, OffloadStore
+geometry = BlockGeometry(layers=2, kv_heads=2, head_size=16, block_size=16, dtype="float32", row_bytes=64)
+store = OffloadStore(geometry, b"n" * 32, disk_dir=sys.argv[1])
+for rep in range(3):
+    for i in range(40):
+        store.store(bytes([i]) * 32, np.random.default_rng(i).integers(0, 256, geometry.block_bytes, dtype=np.uint8))
+    assert store.flush()
+    for name in os.listdir(sys.argv[1]):  # remove the block files (an LRU bound would), write again
+        if name.endswith(".kvb"):
+            try:
+                os.unlink(os.path.join(sys.argv[1], name))
+            except FileNotFoundError:
+                pass
+    store._disk.clear()
+    store._disk_total = 0
+for i in range(40):
+    store.store(bytes([i]) * 32, np.random.default_rng(i).integers(0, 256, geometry.block_bytes, dtype=np.uint8))
+assert store.flush()
+"""
+
+
+def test_processes_writing_while_another_reads(tmp_path):
+    """Three processes write (and delete and rewrite) the same blocks while this one reads:
+    a read finds a whole, correct block or nothing, never a torn one."""
+    import subprocess
+    import sys
+
+    from pagedllm.kv_backends.paged.offload import BlockGeometry, OffloadStore
+
+    geometry = BlockGeometry(layers=2, kv_heads=2, head_size=16, block_size=16, dtype="float32", row_bytes=64)
+    images = [np.random.default_rng(i).integers(0, 256, geometry.block_bytes, dtype=np.uint8) for i in range(40)]
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)]) for _ in range(3)]
+    reader = OffloadStore(geometry, b"n" * 32, disk_dir=str(tmp_path))
+    found = 0
+    while any(w.poll() is None for w in writers):
+        for i in range(40):
+            data = reader._read_disk(reader.key(bytes([i]) * 32), bytes([i]) * 32)
+            if data is not None:
+                assert np.array_equal(data, images[i])
+                found += 1
+    assert [w.wait() for w in writers] == [0, 0, 0]
+    assert reader.stats["disk"].rejected == 0 and found > 0
+    assert sorted(os.listdir(tmp_path)) == sorted(reader.key(bytes([i]) * 32).hex() + ".kvb" for i in range(40))

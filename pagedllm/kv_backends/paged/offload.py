@@ -391,9 +391,9 @@ class OffloadStore:
 
     def _write_file(self, key: bytes, block_hash: bytes, data: np.ndarray) -> None:
         final = self.path(key)
-        if os.path.exists(final):  # another engine wrote it: the same bytes
-            size = os.path.getsize(final)
-        else:
+        try:
+            size = os.path.getsize(final)  # another engine wrote it: the same bytes
+        except FileNotFoundError:
             tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
             payload = memoryview(data).cast("B")
             with open(tmp, "wb") as f:
