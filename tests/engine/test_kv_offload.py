@@ -293,3 +293,11 @@ def test_processes_writing_while_another_reads(tmp_path):
     assert [w.wait() for w in writers] == [0, 0, 0]
     assert reader.stats["disk"].rejected == 0 and found > 0
     assert sorted(os.listdir(tmp_path)) == sorted(reader.key(bytes([i]) * 32).hex() + ".kvb" for i in range(40))
+
+
+def test_save_by_name_needs_a_disk_tier(tiny_llama_dir):
+    core = _llm(tiny_llama_dir).llm_engine.engine_core
+    with pytest.raises(ValueError, match=r"needs the KV offload tiers \(--kv-offload-dir\)"):
+        core.save_kv("x", PROMPT)
+    with pytest.raises(ValueError, match=r"needs the KV offload tiers \(--kv-offload-dir\)"):
+        core.restore_kv("x")
