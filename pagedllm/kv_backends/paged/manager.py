@@ -161,10 +161,11 @@ class KVCacheManager(KVManager, KVTransfer):
 
     def _on_evict(self, block: KVCacheBlock) -> None:
         """A cached block leaves the pool: the worker copies it into the tiers before this
-        step's forward, unless its KV was to be loaded from them this very step (it is
-        there already, and the load is dropped: the block now serves someone else)."""
-        assert block.block_hash is not None
-        if self._offload_loads.pop(block.block_id, None) is None:
+        step's forward, unless the tiers hold it already (a block loaded from them), or its
+        KV was to be loaded from them this very step (the load is dropped: the block now
+        serves someone else)."""
+        assert block.block_hash is not None and self.offload is not None
+        if self._offload_loads.pop(block.block_id, None) is None and not self.offload.holds(block.block_hash):
             self._offload_stores.append((block.block_id, block.block_hash))
 
     def prefetch(self, request: Request) -> None:

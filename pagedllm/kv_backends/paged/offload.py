@@ -220,6 +220,16 @@ class OffloadStore:
                 return True
         return self.disk_dir is not None and os.path.exists(self.path(key))
 
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether storing this block would add nothing: the CPU tier has it (now most
+        recently used), or there is no CPU tier and the disk has it."""
+        key = self.key(block_hash)
+        with self._lock:
+            if key in self._cpu:
+                self._cpu.move_to_end(key)
+                return True
+            return not self.cpu_bytes and (key in self._disk or key in self._pending)
+
     def on_disk(self, block_hash: bytes) -> bool:
         """Whether the disk tier holds (or is writing) the block, by this engine's index."""
         key = self.key(block_hash)
