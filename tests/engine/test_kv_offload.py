@@ -301,3 +301,12 @@ def test_save_by_name_needs_a_disk_tier(tiny_llama_dir):
         core.save_kv("x", PROMPT)
     with pytest.raises(ValueError, match=r"needs the KV offload tiers \(--kv-offload-dir\)"):
         core.restore_kv("x")
+
+
+def test_shutdown_writes_the_pools_cached_blocks(tiny_llama_dir, tmp_path):
+    llm = _llm(tiny_llama_dir, kv_offload_dir=str(tmp_path))
+    _run(llm, PROMPT, GREEDY)  # cached in the pool, nothing evicted
+    assert not list(tmp_path.glob("*.kvb"))
+    llm.shutdown()
+    names = {os.path.basename(f) for f in _block_files(llm, PROMPT)}
+    assert names <= {p.name for p in tmp_path.glob("*.kvb")}
