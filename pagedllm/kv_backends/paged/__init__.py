@@ -2,9 +2,11 @@
 
 Its parts, torch-free (the control plane): block_pool.py (the ref-counted blocks and the
 LRU free queue), kv_cache_utils.py (prefix-cache hashing), manager.py (``KVCacheManager``:
-block tables, prefix cache, copy-on-write), view.py (the dashboard's block map); with torch:
-worker.py (the pool's tensors, ``PagedKVWorker``: block tables and slot mappings), imported
-only by ``build`` and the worker processes. Registered as "paged".
+block tables, prefix cache, copy-on-write), offload.py (the KV offload tiers behind the
+prefix cache: host memory and disk), saved_kv.py (prefixes saved by name), view.py (the
+dashboard's block map); with torch: worker.py (the pool's tensors, ``PagedKVWorker``: block
+tables and slot mappings, the copies to and from the offload tiers), imported only by
+``build`` and the worker processes. Registered as "paged".
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ class KVCacheManager(KVManager, KVTransfer):
         under ``name`` in the disk tier; returns the tokens saved. ``read_blocks(ids)`` copies
         pool blocks out (the worker side's ``copy_out``)."""
         from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
-        from pagedllm.kv_backends.paged.offload import saved_path, write_saved
+        from pagedllm.kv_backends.paged.saved_kv import saved_path, write_saved
 
         offload = self._require_offload()
         path = saved_path(offload, name)
@@ -235,7 +235,7 @@ class KVCacheManager(KVManager, KVTransfer):
         """Bring the blocks saved under ``name`` into the pool as cached blocks (free, most
         recently used) and into the CPU tier; returns the tokens restored. Their images are
         loaded before the next step's forward."""
-        from pagedllm.kv_backends.paged.offload import read_saved, saved_path
+        from pagedllm.kv_backends.paged.saved_kv import read_saved, saved_path
 
         offload = self._require_offload()
         hashes, images = read_saved(offload, saved_path(offload, name))

@@ -25,7 +25,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.kv_backends.model_kv import attention_layers, kv_token_bytes
-from pagedllm.kv_backends.paged.offload import OffloadOps, OffloadStore, apply_ops, copy_out
+from pagedllm.kv_backends.paged.offload import OffloadOps, OffloadStore
 from pagedllm.attention.layouts import BLOCK_TABLES
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.registry import bind_default_backend
@@ -228,3 +228,32 @@ class PagedKVWorker(KVCacheWorker):
                 )
             )
         return mds[0] if len(mds) == 1 else mds
+
+
+def copy_out(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[np.ndarray]:
+    """Images of the pool blocks ``block_ids``: per block ``[layers, 2, block_size, heads,
+    row_bytes]`` uint8, flattened (worker side, torch)."""
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    stacked = torch.stack([c.view(torch.uint8)[:, ids] for c in kv_caches])  # [L, 2, n, bs, h, rb]
+    images = stacked.movedim(2, 0).contiguous().numpy()  # [n, L, 2, bs, h, rb]
+    return [images[i].reshape(-1).copy() for i in range(len(block_ids))]
+
+
+def copy_in(kv_caches: list[torch.Tensor], block_ids: list[int], images: list[np.ndarray]) -> None:
+    """Write block images (as ``copy_out`` makes them) into the pool blocks ``block_ids``."""
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    shape = kv_caches[0].view(torch.uint8)[:, 0].shape  # [2, bs, h, rb]
+    src = torch.from_numpy(np.stack(images)).view(len(block_ids), len(kv_caches), *shape)
+    for layer, cache in enumerate(kv_caches):
+        cache.view(torch.uint8)[:, ids] = src[:, layer].movedim(0, 1)
+
+
+def apply_ops(kv_caches: list[torch.Tensor], ops: OffloadOps, store: OffloadStore) -> None:
+    """One step's copies, before the forward: evicted blocks out first (a load or this
+    step's KV may overwrite them), then tier images in."""
+    if ops.stores:
+        images = copy_out(kv_caches, [block_id for block_id, _ in ops.stores])
+        for (_, block_hash), image in zip(ops.stores, images):
+            store.store(block_hash, image)
+    if ops.loads:
+        copy_in(kv_caches, [block_id for block_id, _ in ops.loads], [image for _, image in ops.loads])
