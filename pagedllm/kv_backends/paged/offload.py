@@ -212,14 +212,6 @@ class OffloadStore:
             self._put_cpu(key, data, count=False)
         return data
 
-    def contains(self, block_hash: bytes) -> bool:
-        """Whether some tier holds the block (no checks, no counting)."""
-        key = self.key(block_hash)
-        with self._lock:
-            if key in self._cpu or key in self._pending or key in self._disk:
-                return True
-        return self.disk_dir is not None and os.path.exists(self.path(key))
-
     def holds(self, block_hash: bytes) -> bool:
         """Whether storing this block would add nothing: the CPU tier has it (now most
         recently used), or there is no CPU tier and the disk has it."""
