@@ -148,6 +148,20 @@ class CacheConfig:
     """vattention: back the slots with transparent huge pages (2 MiB accounting pages)."""
     vattention_deferred_reclaim: bool = True
     """vattention: keep a finished request's pages for the next request in its slot."""
+    kv_offload_cpu_bytes: int = 0
+    """KV offload: bytes of host memory holding cached blocks evicted from the pool (0: no
+    CPU tier); docs/kv_offload.md."""
+    kv_offload_dir: str | None = None
+    """KV offload: a directory holding evicted blocks as files (None: no disk tier); it
+    survives restarts and may be shared by engines of the same model."""
+    kv_offload_disk_bytes: int | None = None
+    """KV offload: most bytes of block files this engine keeps in ``kv_offload_dir`` (None:
+    no bound)."""
+
+    @property
+    def kv_offload(self) -> bool:
+        """Whether an offload tier is configured."""
+        return self.kv_offload_cpu_bytes > 0 or self.kv_offload_dir is not None
 
     def __post_init__(self) -> None:
         resolve_kv_cache_dtype(self.kv_cache_dtype, "float32")
@@ -159,6 +173,12 @@ class CacheConfig:
             raise ValueError(f"block_size={self.block_size} must be a positive power of two")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
+        if self.kv_offload_cpu_bytes < 0:
+            raise ValueError(f"kv_offload_cpu_bytes={self.kv_offload_cpu_bytes} must be >= 0")
+        if self.kv_offload_disk_bytes is not None and self.kv_offload_dir is None:
+            raise ValueError("kv_offload_disk_bytes (--kv-offload-disk-bytes) needs kv_offload_dir (--kv-offload-dir)")
+        if self.kv_offload_disk_bytes is not None and self.kv_offload_disk_bytes <= 0:
+            raise ValueError(f"kv_offload_disk_bytes={self.kv_offload_disk_bytes} must be > 0")
 
 
 PrefillActivations = Literal["float", "int8", "bf16"]

@@ -147,6 +147,17 @@ class EngineMetrics:
         self.request_params_max_tokens: Histogram | None = None
         self.cache_config_info: Gauge | None = None
         # Disaggregated prefill: the KV connector's counters (cumulative in the core).
+        # KV offload tiers (docs/kv_offload.md), by tier ("cpu", "disk"), in blocks.
+        self.kv_offload = {
+            "hits": counter("kv_offload_hits", "KV offload: blocks found in a tier after a pool miss.", ("tier",)),
+            "misses": counter("kv_offload_misses", "KV offload: lookups a tier could not serve.", ("tier",)),
+            "stores": counter("kv_offload_stores", "KV offload: blocks stored into a tier.", ("tier",)),
+            "rejected": counter(
+                "kv_offload_rejected", "KV offload: block files skipped as corrupt, truncated or foreign.",
+                ("tier",)),
+        }
+        self.kv_offload_bytes = Gauge(
+            prefix + "kv_offload_bytes", "KV offload: bytes held by a tier.", labels + ["tier"], registry=r)
         self.kv_transfer = {
             key: gauge(f"kv_transfer_{key}", f"KV transfer: {key.replace('_', ' ')} since start.")
             for key in ("blocks_sent", "bytes_sent", "blocks_received", "bytes_received",
@@ -259,6 +270,12 @@ class EngineMetrics:
         for n in stats.iteration_tokens:
             self._l(self.iteration_tokens).observe(n)
         self.history.observe_stats(s.num_running, s.num_waiting, s.kv_cache_usage, pc.queries, pc.hits)
+        if s.kv_offload:
+            self.history.observe_offload(s.kv_offload)
+        for tier, counts in (s.kv_offload or {}).items():
+            for key, metric in self.kv_offload.items():
+                metric.labels(**self._labels, tier=tier).inc(counts[key])
+            self.kv_offload_bytes.labels(**self._labels, tier=tier).set(counts["bytes"])
         for key, value in (stats.kv_transfer or {}).items():
             if key in self.kv_transfer:
                 self._l(self.kv_transfer[key]).set(value)

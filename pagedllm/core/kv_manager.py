@@ -178,6 +178,36 @@ class KVManager(ABC):
     def max_blocks_per_request(self, num_tokens: int, max_new_tokens: int = 1) -> int:
         """Most units one request of ``num_tokens`` tokens holds at once."""
 
+    def prefetch(self, request: Request) -> None:
+        """A request was queued: a backend with offload tiers may start reading its prefix
+        (nothing for others)."""
+
+    def take_offload_ops(self) -> Any:
+        """This step's copies between the pool and the KV offload tiers, for the worker side
+        (None: none; a backend without tiers has none)."""
+        return None
+
+    def take_persist_ops(self) -> Any:
+        """At shutdown: copies of the cached blocks not yet in a persistent offload tier
+        (None: none, or no such tier)."""
+        return None
+
+    def save_prefix(self, name: str, token_ids: list[int], cache_salt: str | None, read_blocks: Any) -> int:
+        """Save the KV of ``token_ids``'s cached prefix under ``name``; returns its tokens
+        (/v1/kv/save). ValueError naming the backend where it has no offload tiers."""
+        raise ValueError(f"kv_cache_backend={self.backend!r} cannot save KV by name (it keeps no prefix-cache "
+                         "blocks); use kv_cache_backend='paged' with --kv-offload-dir")
+
+    def restore_prefix(self, name: str) -> int:
+        """Bring the KV saved under ``name`` back; returns its tokens (/v1/kv/restore)."""
+        raise ValueError(f"kv_cache_backend={self.backend!r} cannot restore KV by name (it keeps no prefix-cache "
+                         "blocks); use kv_cache_backend='paged' with --kv-offload-dir")
+
+    def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
+        """Per offload tier: hits, misses, stores, rejected (blocks, since the previous call)
+        and bytes held; None without tiers."""
+        return None
+
     @abstractmethod
     def take_slots_to_release(self) -> list[int]:
         """Ids whose memory the worker releases before this step's writes (then forgotten)."""

@@ -116,6 +116,9 @@ class SchedulerStats:
     """Drafts since the previous ``get_stats()`` call; None without speculative decoding."""
     num_paused: int = 0
     """Sequences paused by the front end (their clients stopped reading), out of the batch."""
+    kv_offload: dict[str, dict[str, int]] | None = None
+    """Per KV offload tier ("cpu", "disk"): hits, misses, stores, rejected blocks since the
+    previous ``get_stats()`` call, and bytes held now; None without tiers."""
 
     @property
     def kv_fragmentation(self) -> float:

@@ -72,6 +72,9 @@ class SchedulerOutput:
     (``KVManager.take_slots_to_release``; empty for backends that reuse memory in place)."""
     kv_connector_metadata: Any = None
     """Disaggregated prefill: a KVConnectorMetadata for the connector's worker side (or None)."""
+    kv_offload: Any = None
+    """KV offload tiers: the paged backend's OffloadOps (blocks to copy out of the pool and
+    into it before the forward; ``KVManager.take_offload_ops``), or None."""
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Draft tokens to verify, per request id; they are the last len(drafts) of the request's
     num_scheduled_tokens."""

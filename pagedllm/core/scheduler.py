@@ -107,6 +107,8 @@ class Scheduler:
             r.status = RequestStatus.WAITING
             self.requests[r.request_id] = r
         self.waiting.add(request, front=False)
+        if not request.reads_whole_prompt:
+            self.kv_cache_manager.prefetch(request)  # KV offload: read its prefix off the step
 
     def check_request(self, request: Request) -> None:
         """The checks of ``add_request``, without queueing (ValueError if it would refuse)."""
@@ -282,6 +284,7 @@ class Scheduler:
             kv_slots_to_release=self.kv_cache_manager.take_slots_to_release(),
             scheduled_spec_decode_tokens={r: t for r, t in step.spec_tokens.items() if r not in dropped},
         )
+        output.kv_offload = self.kv_cache_manager.take_offload_ops()
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         self.finished_req_ids = set()
@@ -587,6 +590,7 @@ class Scheduler:
             kv_token_bytes=sum(r.num_computed_tokens for r in self.running) * self.kv_cache_manager.bytes_per_token,
             spec_decoding_stats=self._take_spec_stats(),
             num_paused=len(self.paused),
+            kv_offload=self.kv_cache_manager.take_offload_stats(),
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:

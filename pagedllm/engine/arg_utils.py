@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass
 
 from pagedllm.config import (
@@ -111,6 +112,17 @@ class EngineArgs:
     vattention_deferred_reclaim: bool = flag(
         CacheConfig.vattention_deferred_reclaim,
         "vattention: keep a finished request's pages for the next request in its slot")
+    kv_offload_cpu_bytes: int | str | None = flag(
+        None, "host memory for KV blocks evicted from the pool, e.g. 8GiB (default: none); docs/kv_offload.md")
+    kv_offloading_size: float | None = flag(
+        None, "vLLM's name: the CPU offload tier in GiB (as --kv-offload-cpu-bytes)", type=float)
+    kv_offloading_backend: str | None = flag(
+        None, "vLLM's name: 'native' (pagedllm's own tiers); 'lmcache' is not supported", choices=("native", "lmcache"))
+    kv_offload_dir: str | None = flag(
+        None, "a directory for KV blocks evicted from the pool, kept across restarts and shareable "
+        "between engines of the same model (default: none)")
+    kv_offload_disk_bytes: int | str | None = flag(
+        None, "most bytes of block files kept in --kv-offload-dir, e.g. 50GiB (default: no bound)")
     attention_backend: str | None = flag(
         None, "the attention implementation (default: the platform's: torch on the CPU, triton on CUDA)",
         choices=ATTENTION_BACKENDS)
@@ -235,6 +247,7 @@ class EngineArgs:
                 kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
                 vattention_hugepages=self.vattention_hugepages,
                 vattention_deferred_reclaim=self.vattention_deferred_reclaim,
+                **self._kv_offload(),
             ),
             scheduler_config=SchedulerConfig(
                 tokens, seqs, scheduling_policy=self.scheduling_policy),  # type: ignore[arg-type]
@@ -272,6 +285,23 @@ class EngineArgs:
             runner = task_runner if runner == "auto" else runner
             convert = task_convert if convert == "auto" else convert
         return PoolingConfig(runner, convert, PoolerConfig.from_json(self.pooler_config))
+
+    def _kv_offload(self) -> dict[str, Any]:
+        """The offload tiers' CacheConfig fields (vLLM's --kv-offloading-size in GiB, or ours in bytes)."""
+        if self.kv_offloading_backend == "lmcache":
+            raise ValueError("--kv-offloading-backend lmcache is not supported; use native (pagedllm's "
+                             "CPU and disk tiers: docs/kv_offload.md)")
+        cpu = self.kv_offload_cpu_bytes
+        if self.kv_offloading_size is not None:
+            if cpu is not None:
+                raise ValueError("give --kv-offload-cpu-bytes or --kv-offloading-size, not both")
+            cpu = int(self.kv_offloading_size * 2**30)
+        return {
+            "kv_offload_cpu_bytes": parse_bytes(cpu) if cpu is not None else 0,
+            "kv_offload_dir": self.kv_offload_dir,
+            "kv_offload_disk_bytes": (
+                parse_bytes(self.kv_offload_disk_bytes) if self.kv_offload_disk_bytes is not None else None),
+        }
 
     def _prefix_caching(self) -> bool:
         if self.enable_prefix_caching is not None:

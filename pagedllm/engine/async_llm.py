@@ -543,6 +543,16 @@ class AsyncLLM:
         self._check_ready()
         return await self._call_utility("reset_prefix_cache")
 
+    async def save_kv(self, name: str, token_ids: list[int], cache_salt: str | None = None) -> dict[str, Any]:
+        """/v1/kv/save in the core: {"num_tokens"} saved, or {"error"} naming why not."""
+        self._check_ready()
+        return await self._call_utility("kv_save", (name, token_ids, cache_salt))
+
+    async def restore_kv(self, name: str) -> dict[str, Any]:
+        """/v1/kv/restore in the core: {"num_tokens"} restored, or {"error"} naming why not."""
+        self._check_ready()
+        return await self._call_utility("kv_restore", name)
+
     async def add_lora(self, request: Any) -> None:
         """Load and check a LoRA adapter in the engine core (its shapes against the model);
         ValueError (a 400) naming why it is refused."""

@@ -144,6 +144,7 @@ class EngineCoreProc:
         self._utilities: dict[str, Callable[[], Any]] = {
             "reset_prefix_cache": self.kv.reset_prefix_cache, "kv_snapshot": self._kv_snapshot,
             "add_lora": self._add_lora, "remove_lora": self._remove_lora, "kv_usage": self._kv_usage,
+            "kv_save": self._kv_save, "kv_restore": self._kv_restore,
         }
         self._warm_up()
         info = ReadyInfo(built.model_config, built.config, built.tokenizer, self.num_total_blocks,
@@ -322,6 +323,20 @@ class EngineCoreProc:
     def _remove_lora(self, lora_int_id: int) -> bool:
         """Unload a LoRA adapter: its slot is freed once no unfinished request uses it."""
         return self.core.runner.remove_lora(lora_int_id)
+
+    def _kv_save(self, args: tuple[str, list[int], str | None]) -> dict[str, Any]:
+        """/v1/kv/save: {"num_tokens"} saved, or {"error"} naming why not (a 400)."""
+        try:
+            return {"num_tokens": self.core.save_kv(*args)}
+        except ValueError as e:
+            return {"error": str(e)}
+
+    def _kv_restore(self, name: str) -> dict[str, Any]:
+        """/v1/kv/restore: {"num_tokens"} restored, or {"error"} naming why not (a 400)."""
+        try:
+            return {"num_tokens": self.core.restore_kv(name)}
+        except ValueError as e:
+            return {"error": str(e)}
 
     def _kv_usage(self) -> dict[str, Any]:
         """Requests held and KV blocks in use (cached free blocks count as free): a graceful

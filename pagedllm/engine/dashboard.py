@@ -49,6 +49,8 @@ class DashboardHistory:
         self._ttft: deque[tuple[float, float]] = deque(maxlen=_MAX_LATENCY_SAMPLES)  # (time, s)
         self._itl: deque[tuple[float, float]] = deque(maxlen=_MAX_LATENCY_SAMPLES)
         self._series: deque[_Point] = deque(maxlen=SERIES_LEN)
+        # KV offload tiers: cumulative block counts per tier (docs/kv_offload.md).
+        self.offload_tiers: dict[str, dict[str, int]] = {}
 
     # ---- observations (called from EngineMetrics) --------------------------------------
 
@@ -70,6 +72,13 @@ class DashboardHistory:
         now = time.monotonic()
         if not self._series or now - self._series[-1].time >= SERIES_INTERVAL_S:
             self._series.append(self._point(now))
+
+    def observe_offload(self, tiers: dict[str, dict[str, int]]) -> None:
+        """The interval's KV offload counts per tier (SchedulerStats.kv_offload)."""
+        for tier, counts in tiers.items():
+            total = self.offload_tiers.setdefault(tier, {"hits": 0, "misses": 0, "stores": 0, "rejected": 0})
+            for key in total:
+                total[key] += counts[key]
 
     def _point(self, now: float) -> _Point:
         return _Point(now, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
@@ -101,6 +110,10 @@ class DashboardHistory:
                 if current.prefix_queries else None,
                 "queries_total": current.prefix_queries,
                 "hits_total": current.prefix_hits,
+                "offload_tiers": {
+                    tier: {**c, "hit_rate": c["hits"] / (c["hits"] + c["misses"]) if c["hits"] + c["misses"] else None}
+                    for tier, c in self.offload_tiers.items()
+                },
             },
             "latency": {
                 "window_s": LATENCY_WINDOW_S,

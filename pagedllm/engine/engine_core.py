@@ -170,7 +170,20 @@ class EngineCore:
             outputs.append(self.beam_search.fail(search_id, message))
         return outputs
 
+    def save_kv(self, name: str, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Save the cached KV of ``token_ids``'s prefix under ``name`` (between steps);
+        returns its tokens. ValueError naming why not."""
+        return self.scheduler.kv_cache_manager.save_prefix(name, token_ids, cache_salt, self.runner.kv_worker.read_blocks)
+
+    def restore_kv(self, name: str) -> int:
+        """Bring the KV saved under ``name`` back into the prefix cache; returns its tokens."""
+        return self.scheduler.kv_cache_manager.restore_prefix(name)
+
     def shutdown(self) -> None:
+        # The disk offload tier keeps the pool's cached blocks for the next start (bounded).
+        ops = self.scheduler.kv_cache_manager.take_persist_ops()
+        if ops is not None:
+            self.runner.kv_worker.persist_offload(ops, timeout_s=3.0)
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         runner_shutdown = getattr(self.runner, "shutdown", None)  # tensor-parallel executors

@@ -53,7 +53,8 @@ class LLM:
         return llm
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel workers, if any (they also stop with this process)."""
+        """Stop the engine's tensor-parallel workers, if any (they also stop with this process),
+        and write the cached KV blocks to the disk offload tier, if any (docs/kv_offload.md)."""
         self.llm_engine.engine_core.shutdown()
 
     def get_tokenizer(self) -> Any:

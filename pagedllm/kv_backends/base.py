@@ -104,6 +104,27 @@ class KVBackend(ABC):
                 f"--kv-transfer-config is not supported with {flag} (blocks travel under "
                 "prefix-cache hashes, which this backend does not keep); use the paged backend"
             )
+        self._check_kv_offload(config, flag, platform)
+
+    def _check_kv_offload(self, config: EngineConfig, flag: str, platform: Platform) -> None:
+        """The KV offload tiers keep prefix-cache blocks (docs/kv_offload.md)."""
+        cache = config.cache_config
+        if not cache.kv_offload:
+            return
+        tiers = "the KV offload tiers (--kv-offload-cpu-bytes, --kv-offload-dir)"
+        if not self.supports_prefix_caching:
+            raise ValueError(
+                f"{tiers} are not supported with {flag}: they keep blocks evicted from the prefix "
+                "cache, which this backend does not have; use the paged backend"
+            )
+        if not cache.enable_prefix_caching:
+            raise ValueError(f"{tiers} keep prefix-cache blocks: they need prefix caching "
+                             "(drop --no-enable-prefix-caching)")
+        size = config.parallel_config.tensor_parallel_size
+        if size > 1:
+            raise ValueError(f"{tiers} do not run with tensor_parallel_size={size} yet; use --tensor-parallel-size 1")
+        if not platform.uses_host_memory:
+            raise ValueError(f"{tiers} run on --device cpu only yet (device={config.device_config.device!r})")
 
     def check_num_sequences(self, n: int) -> None:
         """ValueError for a request of ``n`` parallel sequences this backend cannot hold."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,6 +49,14 @@ class KVCacheWorker(ABC):
     def prepare(self, so: SchedulerOutput) -> None:
         """Before the forward: apply the step's memory decisions (copy-on-write copies,
         releases of freed memory)."""
+
+    def persist_offload(self, ops: Any, timeout_s: float) -> None:
+        """At shutdown: copy blocks into the KV offload tiers and wait up to ``timeout_s`` for
+        their disk writes (``KVManager.take_persist_ops``; backends without tiers get none)."""
+
+    def read_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Images of pool blocks, for saving KV by name (backends with blocks only)."""
+        raise ValueError("this KV backend's worker side has no blocks to read")
 
     @abstractmethod
     def attention_metadata(

@@ -139,12 +139,29 @@ def test_the_config_is_frozen_and_whole() -> None:
         ({"cpu_isa": "sse9"}, "'sse9' is not one of generic, avx2, avx512, amx"),
         ({"inject_fault": "nowhere:x"}, "inject_fault='nowhere:x'"),
         ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "must be at least max_num_seqs=8"),
+        ({"kv_cache_backend": "vattention", "kv_offload_cpu_bytes": "1GiB"},
+         "KV offload tiers .* are not supported with --kv-cache-backend vattention"),
+        ({"kv_offload_dir": "/tmp/x", "enable_prefix_caching": False}, "they need prefix caching"),
+        ({"kv_offload_cpu_bytes": "1GiB", "tensor_parallel_size": 2}, "do not run with tensor_parallel_size=2"),
+        ({"kv_offload_disk_bytes": "1GiB"}, "needs kv_offload_dir"),
+        ({"kv_offloading_backend": "lmcache"}, "lmcache is not supported"),
+        ({"kv_offloading_size": 1.0, "kv_offload_cpu_bytes": "1GiB"}, "not both"),
     ],
 )
 def test_checks_run_in_create_engine_config(kwargs: dict, match: str) -> None:
     args = EngineArgs(**kwargs)  # constructing checks nothing
     with pytest.raises(ValueError, match=match):
         args.create_engine_config(environ={})
+
+
+def test_kv_offload_flags() -> None:
+    vllm_names = EngineArgs(kv_offloading_size=1.5, kv_offloading_backend="native").create_engine_config(environ={})
+    assert vllm_names.cache_config.kv_offload_cpu_bytes == int(1.5 * 2**30)
+    ours = EngineArgs(kv_offload_cpu_bytes="64MiB", kv_offload_dir="/tmp/kv", kv_offload_disk_bytes="1GB")
+    cache = ours.create_engine_config(environ={}).cache_config
+    assert (cache.kv_offload_cpu_bytes, cache.kv_offload_dir, cache.kv_offload_disk_bytes) == (
+        64 * 2**20, "/tmp/kv", 10**9)
+    assert not EngineArgs().create_engine_config(environ={}).cache_config.kv_offload
 
 
 def test_former_environment_switches_are_configuration() -> None:

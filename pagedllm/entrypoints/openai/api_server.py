@@ -39,7 +39,7 @@ from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyCheckMiddleware
 from pagedllm.entrypoints.openai.lora_adapters import build_lora_registry, check_in_engine
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
-from pagedllm.entrypoints.openai.routers import admin, completions, health, models, pooling, responses, tokenize
+from pagedllm.entrypoints.openai.routers import admin, completions, health, kv, models, pooling, responses, tokenize
 from pagedllm.entrypoints.openai.routers.state import ServerState
 from pagedllm.entrypoints.openai.serving_base import OpenAIError, bad_request, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -271,7 +271,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: tuple[str, ..
     add_middleware(app, config)
     add_exception_handlers(app)
     for router in (completions.router, responses.router, anthropic_router.router, models.router, tokenize.router,
-                   health.router, dashboard.router, pooling.router):
+                   health.router, dashboard.router, pooling.router, kv.router):
         app.include_router(router)
     if config.dev_mode or config.admin_api_keys:  # the admin routes: dev mode, or an admin key given
         app.include_router(admin.router)

@@ -2,9 +2,11 @@
 
 Its parts, torch-free (the control plane): block_pool.py (the ref-counted blocks and the
 LRU free queue), kv_cache_utils.py (prefix-cache hashing), manager.py (``KVCacheManager``:
-block tables, prefix cache, copy-on-write), view.py (the dashboard's block map); with torch:
-worker.py (the pool's tensors, ``PagedKVWorker``: block tables and slot mappings), imported
-only by ``build`` and the worker processes. Registered as "paged".
+block tables, prefix cache, copy-on-write), offload.py (the KV offload tiers behind the
+prefix cache: host memory and disk), saved_kv.py (prefixes saved by name), view.py (the
+dashboard's block map); with torch: worker.py (the pool's tensors, ``PagedKVWorker``: block
+tables and slot mappings, the copies to and from the offload tiers), imported only by
+``build`` and the worker processes. Registered as "paged".
 """
 
 from __future__ import annotations
@@ -67,6 +69,39 @@ def _summary(manager: KVCacheManager, layer_slots: int, storage: str, group_spec
     )
 
 
+def _offload_store(
+    config: EngineConfig, loaded: Any, manager: KVCacheManager, layers: Sequence[Any], layer_slots: int, storage: str
+) -> Any:
+    """The KV offload tiers (offload.py) behind the manager's prefix cache; ValueError naming
+    what they cannot run with."""
+    import glob
+    import os
+
+    from pagedllm.kv_backends.paged.offload import BlockGeometry, OffloadStore, engine_namespace
+    from pagedllm.layers.kv_quant import row_bytes, row_width
+
+    cache = config.cache_config
+    if manager.num_groups != 1:  # the rest is refused before the model loads (KVBackend.check_config)
+        raise ValueError("the KV offload tiers (--kv-offload-cpu-bytes, --kv-offload-dir) do not run with a "
+                         "model with sliding-window layers (more than one KV cache group) yet")
+    model_config = loaded.model_config
+    head_dim = layers[0].head_dim
+    geometry = BlockGeometry(
+        layers=layer_slots, kv_heads=layers[0].num_kv_heads, head_size=row_width(storage, head_dim),
+        block_size=cache.block_size, dtype=storage, row_bytes=row_bytes(storage, head_dim),
+    )
+    gguf = getattr(loaded, "gguf_path", None)
+    weight_files = [gguf] if gguf else sorted(glob.glob(os.path.join(loaded.model_dir, "*.safetensors")))
+    namespace = engine_namespace(
+        weight_files, geometry,
+        (manager.hash_extra_keys, config.quantization_config.matmul_activations),
+    )
+    store = OffloadStore(geometry, namespace, cache.kv_offload_cpu_bytes, cache.kv_offload_dir,
+                         cache.kv_offload_disk_bytes)
+    manager.set_offload(store)
+    return store
+
+
 class PagedBackend(KVBackend):
     name = "paged"
     capabilities = KVCacheManager.capabilities
@@ -108,10 +143,11 @@ class PagedBackend(KVBackend):
         manager.bytes_per_block = kv_bytes_per_block(model_config, block_size, layer_slots, cache.kv_cache_dtype)
         manager.bytes_per_token = kv_bytes_per_block(model_config, 1, len(layers), cache.kv_cache_dtype)
         device = config.device_config.device
+        offload = _offload_store(config, loaded, manager, layers, layer_slots, storage) if cache.kv_offload else None
         return KVBuild(
             manager=manager,
             config=config,
-            make_worker=lambda layers: PagedKVWorker(layers, num_blocks, block_size, storage, device),
+            make_worker=lambda layers: PagedKVWorker(layers, num_blocks, block_size, storage, device, offload),
             block_size=block_size,
             num_blocks=num_blocks,
             summary=_summary(manager, layer_slots, storage, group_specs),

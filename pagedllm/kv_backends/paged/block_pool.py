@@ -14,7 +14,7 @@ Invariants (checked by tests/kv_backends/paged/test_block_pool.py):
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -138,6 +138,9 @@ class BlockPool:
         self.ref_cnts = np.frombuffer(self.ref_cnts_mem, dtype=np.intc)  # [num_blocks]
         self.cached = np.frombuffer(self.cached_mem, dtype=np.int8)  # [num_blocks] 0 or 1
         self.owners = np.frombuffer(self.owners_mem, dtype=np.intc)  # [num_blocks]
+        # Called with each cached block that get_new_blocks evicts, before its hash is
+        # dropped (the KV offload tiers copy it out: offload.py).
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     # ---- allocation --------------------------------------------------------------------
 
@@ -155,6 +158,8 @@ class BlockPool:
         ref_cnts = self.ref_cnts_mem
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block)
             self._evict(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
@@ -216,6 +221,14 @@ class BlockPool:
                 block.block_hash = key
                 self._cached[key] = block
                 self.cached_mem[block.block_id] = 1
+
+    def cache_block(self, block: KVCacheBlock, key: BlockHash) -> None:
+        """Enter one uncached block under ``key`` (its KV is loaded from an offload tier);
+        a block already holding ``key`` keeps it and this one stays uncached."""
+        if self.enable_caching and block.block_hash is None and key not in self._cached:
+            block.block_hash = key
+            self._cached[key] = block
+            self.cached_mem[block.block_id] = 1
 
     def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
         """The block holding ``block_hash`` in group ``group_id``, or None (free or in use)."""

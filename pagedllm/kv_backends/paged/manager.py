@@ -36,7 +36,7 @@ Where later features go (each is an addition, not a rewrite):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from pagedllm.multimodal.inputs import mm_block_keys
 from pagedllm.core.kv_manager import (
@@ -51,6 +51,7 @@ from pagedllm.core.kv_manager import (
 from pagedllm.core.outputs import PrefixCacheStats
 from pagedllm.kv_backends.paged.block_pool import BlockOwners, BlockPool, KVCacheBlock
 from pagedllm.kv_backends.paged.kv_cache_utils import BlockHash, extend_block_hashes, first_block_extra_keys
+from pagedllm.kv_backends.paged.offload import OffloadOps, OffloadStore
 from pagedllm.request import Request
 
 __all__ = ["KVCacheBlock", "KVCacheGroupSpec", "KVCacheManager", "KVFigures", "cdiv"]
@@ -66,6 +67,14 @@ class KVCacheGroupSpec:
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+
+
+class TierBlock(NamedTuple):
+    """A prefix hit found in a KV offload tier, not in the pool: ``allocate_slots`` gives it
+    a fresh block and the worker loads ``data`` into it before the forward."""
+
+    block_hash: BlockHash
+    data: Any
 
 
 class _RequestBlocks:
@@ -139,6 +148,120 @@ class KVCacheManager(KVManager, KVTransfer):
         self._stats = PrefixCacheStats()
         # Blocks kept alive past their request for a remote pull, by hold id.
         self._held: dict[str, list[KVCacheBlock]] = {}
+        # KV offload tiers (offload.py; None: off): this step's evicted blocks to copy out
+        # and tier blocks to load, for the worker side.
+        self.offload: OffloadStore | None = None
+        self._offload_stores: list[tuple[int, BlockHash]] = []
+        self._offload_loads: dict[int, Any] = {}  # block id -> image
+
+    def set_offload(self, store: OffloadStore) -> None:
+        """Put the offload tiers behind the prefix cache (one KV cache group only)."""
+        assert self.num_groups == 1, "KV offload needs one KV cache group"
+        self.offload = store
+        self.block_pool.on_evict = self._on_evict
+
+    def _on_evict(self, block: KVCacheBlock) -> None:
+        """A cached block leaves the pool: the worker copies it into the tiers before this
+        step's forward, unless the tiers hold it already (a block loaded from them), or its
+        KV was to be loaded from them this very step (the load is dropped: the block now
+        serves someone else)."""
+        assert block.block_hash is not None and self.offload is not None
+        if self._offload_loads.pop(block.block_id, None) is None and not self.offload.holds(block.block_hash):
+            self._offload_stores.append((block.block_id, block.block_hash))
+
+    def prefetch(self, request: Request) -> None:
+        """A request arrived: read the blocks of its prompt's chain that the pool lacks from
+        the disk tier in the background, while it waits and other requests' steps run (its
+        lookup then finds them in memory)."""
+        if self.offload is None or self.offload.disk_dir is None or not self.enable_caching:
+            return
+        if request.sampling_params.prompt_logprobs is not None:
+            return
+        hashes = self._get_block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
+        first_missing = 0
+        while first_missing < len(hashes) and self.block_pool.get_cached_block(hashes[first_missing]) is not None:
+            first_missing += 1
+        self.offload.prefetch(hashes[first_missing:])
+
+    def take_offload_ops(self) -> OffloadOps | None:
+        """This step's copies between the pool and the tiers (None: none, or tiers off)."""
+        if not (self._offload_stores or self._offload_loads):
+            return None
+        ops = OffloadOps(self._offload_stores, list(self._offload_loads.items()))
+        self._offload_stores, self._offload_loads = [], {}
+        return ops
+
+    def take_persist_ops(self) -> OffloadOps | None:
+        """At shutdown: the cached blocks the disk tier lacks, most recently cached first
+        (their disk writes are bounded in time by the caller)."""
+        if self.offload is None or self.offload.disk_dir is None:
+            return None
+        cached = list(self.block_pool._cached.items())
+        # A block whose load is still pending (restored since the last step) is in the tiers.
+        stores = [(b.block_id, key) for key, b in reversed(cached)
+                  if b.block_id not in self._offload_loads and not self.offload.on_disk(key)]
+        return OffloadOps(stores) if stores else None
+
+    def save_prefix(
+        self, name: str, token_ids: list[int], cache_salt: str | None, read_blocks: Any
+    ) -> int:
+        """Save the cached blocks of ``token_ids``'s longest cached prefix (pool or tiers)
+        under ``name`` in the disk tier; returns the tokens saved. ``read_blocks(ids)`` copies
+        pool blocks out (the worker side's ``copy_out``)."""
+        from pagedllm.kv_backends.paged.kv_cache_utils import hash_request_tokens
+        from pagedllm.kv_backends.paged.saved_kv import saved_path, write_saved
+
+        offload = self._require_offload()
+        path = saved_path(offload, name)
+        hashes = hash_request_tokens(token_ids, self.block_size,
+                                     first_block_extra_keys(self.hash_extra_keys, cache_salt))
+        found: list[Any] = []  # a pool block id, or an image
+        for block_hash in hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is not None:
+                pending = self._offload_loads.get(block.block_id)
+                found.append(pending if pending is not None else block.block_id)
+                continue
+            data = offload.lookup(block_hash)
+            if data is None:
+                break
+            found.append(data)
+        pool_ids = [f for f in found if isinstance(f, int)]
+        copied = iter(read_blocks(pool_ids) if pool_ids else [])
+        images = [next(copied) if isinstance(f, int) else f for f in found]
+        write_saved(offload, path, hashes[: len(images)], images, token_ids[: len(images) * self.block_size])
+        return len(images) * self.block_size
+
+    def restore_prefix(self, name: str) -> int:
+        """Bring the blocks saved under ``name`` into the pool as cached blocks (free, most
+        recently used) and into the CPU tier; returns the tokens restored. Their images are
+        loaded before the next step's forward."""
+        from pagedllm.kv_backends.paged.saved_kv import read_saved, saved_path
+
+        offload = self._require_offload()
+        hashes, images = read_saved(offload, saved_path(offload, name))
+        room = self.block_pool.get_num_free_blocks()  # past it, restored blocks would evict each other
+        for block_hash, image in zip(hashes, images):
+            offload.store(block_hash, image)
+            if self.block_pool.get_cached_block(block_hash) is not None:
+                continue
+            if room == 0:
+                continue  # the pool is full: the tiers keep the rest
+            room -= 1
+            (block,) = self.block_pool.get_new_blocks(1)
+            self.block_pool.cache_block(block, block_hash)
+            self._offload_loads[block.block_id] = image
+            self.block_pool.free_blocks([block])
+        return len(images) * self.block_size
+
+    def _require_offload(self) -> OffloadStore:
+        if self.offload is None:
+            raise ValueError("saving and restoring KV by name needs the KV offload tiers (--kv-offload-dir)")
+        return self.offload
+
+    def take_offload_stats(self) -> dict[str, dict[str, int]] | None:
+        """Per tier counters since the previous call (None: tiers off)."""
+        return self.offload.take_stats() if self.offload is not None else None
 
     # ---- the scheduler's interface -----------------------------------------------------
 
@@ -156,10 +279,14 @@ class KVCacheManager(KVManager, KVTransfer):
         hashes = self._get_block_hashes(request)
         num_hit = (request.num_tokens - 1) // self.block_size
         hit_blocks = empty
+        offload = self.offload
         for group_id in range(self.num_groups):
             chain = hit_blocks[group_id]
             for block_hash in hashes[:num_hit]:
                 block = self.block_pool.get_cached_block(block_hash, group_id)
+                if block is None and offload is not None:  # the pool's miss, a tier's hit?
+                    data = offload.lookup(block_hash)
+                    block = TierBlock(block_hash, data) if data is not None else None
                 if block is None:
                     break
                 chain.append(block)
@@ -247,11 +374,16 @@ class KVCacheManager(KVManager, KVTransfer):
 
     def _can_supply(self, plan: _AllocationPlan, hits: list[list[KVCacheBlock]]) -> bool:
         """Whether the free queue holds the plan's new blocks (and a copy-on-write copy)."""
-        # Hit blocks that are free right now leave the free queue when touched.
-        num_free_hits = sum(
-            b.ref_cnt == 0 for group, skip in zip(hits, plan.skips) for b in group[skip:]
-        )
-        num_needed = (plan.num_new_blocks + (plan.cow_index is not None)) * self.num_groups
+        # Hit blocks that are free right now leave the free queue when touched; hits from
+        # the offload tiers take fresh blocks.
+        num_free_hits = num_tier_hits = 0
+        for group, skip in zip(hits, plan.skips):
+            for b in group[skip:]:
+                if isinstance(b, TierBlock):
+                    num_tier_hits += 1
+                else:
+                    num_free_hits += b.ref_cnt == 0
+        num_needed = (plan.num_new_blocks + (plan.cow_index is not None)) * self.num_groups + num_tier_hits
         return num_needed <= self.block_pool.get_num_free_blocks() - num_free_hits
 
     def _append_blocks(
@@ -262,16 +394,35 @@ class KVCacheManager(KVManager, KVTransfer):
         new_block_ids: list[list[int]] = []
         for blocks, group_hits, skip in zip(req.blocks, hits, plan.skips):
             start = len(blocks)
+            taken = group_hits[skip:]
             # Touch before popping new blocks, so a free hit block cannot be evicted here.
-            self.block_pool.touch(group_hits[skip:])
+            self.block_pool.touch([b for b in taken if not isinstance(b, TierBlock)])
+            if any(isinstance(b, TierBlock) for b in taken):
+                taken = self._load_tier_blocks(taken)
             blocks.extend([self.block_pool.null_block] * skip)
-            blocks.extend(group_hits[skip:])
+            blocks.extend(taken)
             blocks.extend(self.block_pool.get_new_blocks(plan.num_new_blocks))
             new_block_ids.append([b.block_id for b in blocks[start:]])
             self.owners.claim(req.owner_slot, new_block_ids[-1])
         # Hit blocks are cached already.
         req.num_cached_blocks = max(req.num_cached_blocks, plan.num_hit_blocks)
         return new_block_ids
+
+    def _load_tier_blocks(self, taken: list[Any]) -> list[KVCacheBlock]:
+        """Fresh blocks in place of the tier hits among ``taken``, entered into the prefix
+        cache under their hashes; their images are loaded by the worker before the forward."""
+        tier_hits = [b for b in taken if isinstance(b, TierBlock)]
+        fresh = iter(self.block_pool.get_new_blocks(len(tier_hits)))
+        out: list[KVCacheBlock] = []
+        for b in taken:
+            if isinstance(b, TierBlock):
+                block = next(fresh)
+                self.block_pool.cache_block(block, b.block_hash)
+                self._offload_loads[block.block_id] = b.data
+                out.append(block)
+            else:
+                out.append(b)
+        return out
 
     # ---- disaggregated prefill (distributed/kv_transfer/): the KVTransfer capability ----
 

@@ -25,6 +25,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.kv_backends.model_kv import attention_layers, kv_token_bytes
+from pagedllm.kv_backends.paged.offload import OffloadOps, OffloadStore
 from pagedllm.attention.layouts import BLOCK_TABLES
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.registry import bind_default_backend
@@ -158,17 +159,30 @@ class PagedKVWorker(KVCacheWorker):
 
     def __init__(
         self, layers: list[Attention], num_blocks: int, block_size: int, dtype: str,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", offload: OffloadStore | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.offload = offload  # the KV offload tiers (offload.py), shared with the manager
         self.block_size = block_size
         self.num_groups = len(kv_cache_groups(layers))
         self.kv_caches = allocate_kv_caches(layers, num_blocks, block_size, dtype, self.device)
 
     def prepare(self, so: SchedulerOutput) -> None:
         assert not so.kv_slots_to_release, "the paged pool reuses blocks in place"
+        if so.kv_offload is not None:
+            assert self.offload is not None
+            apply_ops(self.kv_caches, so.kv_offload, self.offload)
         if so.blocks_to_copy:
             copy_blocks(self.kv_caches, so.blocks_to_copy)
+
+    def persist_offload(self, ops: OffloadOps, timeout_s: float) -> None:
+        assert self.offload is not None
+        apply_ops(self.kv_caches, ops, self.offload)
+        if not self.offload.flush(timeout_s):
+            logger.warning("KV offload: not every block reached %s in %.0f s", self.offload.disk_dir, timeout_s)
+
+    def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
+        return copy_out(self.kv_caches, block_ids)
 
     def make_draft_kv(self, model: nn.Module, dtype: str) -> PagedDraftKV:
         """The draft-model KV capability (spec_decode/proposer.py's ``DraftKVHost``): a cache
@@ -214,3 +228,32 @@ class PagedKVWorker(KVCacheWorker):
                 )
             )
         return mds[0] if len(mds) == 1 else mds
+
+
+def copy_out(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[np.ndarray]:
+    """Images of the pool blocks ``block_ids``: per block ``[layers, 2, block_size, heads,
+    row_bytes]`` uint8, flattened (worker side, torch)."""
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    stacked = torch.stack([c.view(torch.uint8)[:, ids] for c in kv_caches])  # [L, 2, n, bs, h, rb]
+    images = stacked.movedim(2, 0).contiguous().numpy()  # [n, L, 2, bs, h, rb]
+    return [images[i].reshape(-1).copy() for i in range(len(block_ids))]
+
+
+def copy_in(kv_caches: list[torch.Tensor], block_ids: list[int], images: list[np.ndarray]) -> None:
+    """Write block images (as ``copy_out`` makes them) into the pool blocks ``block_ids``."""
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    shape = kv_caches[0].view(torch.uint8)[:, 0].shape  # [2, bs, h, rb]
+    src = torch.from_numpy(np.stack(images)).view(len(block_ids), len(kv_caches), *shape)
+    for layer, cache in enumerate(kv_caches):
+        cache.view(torch.uint8)[:, ids] = src[:, layer].movedim(0, 1)
+
+
+def apply_ops(kv_caches: list[torch.Tensor], ops: OffloadOps, store: OffloadStore) -> None:
+    """One step's copies, before the forward: evicted blocks out first (a load or this
+    step's KV may overwrite them), then tier images in."""
+    if ops.stores:
+        images = copy_out(kv_caches, [block_id for block_id, _ in ops.stores])
+        for (_, block_hash), image in zip(ops.stores, images):
+            store.store(block_hash, image)
+    if ops.loads:
+        copy_in(kv_caches, [block_id for block_id, _ in ops.loads], [image for _, image in ops.loads])

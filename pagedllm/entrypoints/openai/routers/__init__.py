@@ -6,6 +6,7 @@
 - tokenize.py: ``/tokenize``, ``/detokenize``
 - admin.py: ``/reset_prefix_cache`` (dev mode only: VLLM_SERVER_DEV_MODE=1); the runtime
   LoRA routes (only with --enable-lora and runtime updating allowed)
+- kv.py: ``/v1/kv/save``, ``/v1/kv/restore`` (a prefix's KV by name in the disk offload tier)
 - health.py: ``/health``, ``/ping``, ``/version``, ``/metrics``
 - the dashboard's routes live with it (../dashboard.py)
 
