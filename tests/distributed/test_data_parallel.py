@@ -129,11 +129,11 @@ def replica_pids(srv: RemoteServer) -> dict[int, list[int]]:
     return pids
 
 
-def stream_one(base_url: str, prompt: str) -> str:
+def stream_one(base_url: str, prompt: str, max_tokens: int = 48) -> str:
     """'ok', or 'error: ...' for a request the server failed (mid-stream or before)."""
     client = openai.OpenAI(base_url=base_url, api_key="x", timeout=120, max_retries=0)
     try:
-        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         n = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text)
     except openai.APIError as e:
@@ -148,12 +148,15 @@ def test_replica_killed_under_load(dp_server):
     prompts = [f"Story number {i}: " + PROMPTS[i % len(PROMPTS)] for i in range(8)]
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(stream_one, dp_server.base_url, p) for p in prompts]
+        futures = [pool.submit(stream_one, dp_server.base_url, p, 96) for p in prompts]
+        # Kill while replica 1 holds more requests than it runs (--max-num-seqs 2): two with tokens
+        # out (they fail), at least one still waiting without output (retried elsewhere). Its two
+        # running requests take 96 steps (over a second on any machine): the others wait that long.
         deadline = time.monotonic() + 60
-        while replica_series(dp_server, "dp_replica_num_requests_in_flight")[1] == 0:
-            assert time.monotonic() < deadline, "replica 1 got no request"
-            time.sleep(0.1)
-        time.sleep(1.0)  # some tokens out
+        while replica_series(dp_server, "dp_replica_num_requests_in_flight")[1] < 3:
+            assert time.monotonic() < deadline, "replica 1 got fewer than 3 requests"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the running two have tokens out
         os.kill(victim_pid, signal.SIGKILL)
         results = [f.result(timeout=180) for f in futures]  # none hangs
     assert time.monotonic() - t0 < 180
