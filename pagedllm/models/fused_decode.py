@@ -96,6 +96,8 @@ class DecodeLayout:
     compiled forward adds them itself (_bind_lora, kernels/csrc/lora_delta.h)."""
 
 
+# HF activation name -> the kernel's (decode_layers.cpp: "silu" or "gelu_tanh").
+_KERNEL_ACTIVATION = {"silu": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # The architecture fields the kernel runs only with these values (biases and q/k norm: any).
 # Gemma's (1 + weight) norms run with the kernel's norm_offset 1, its sandwich
 # norms as the layer's attn_out_norm / mlp_out_norm, gelu's tanh form as "gelu_tanh".
@@ -103,11 +105,10 @@ _KERNEL_RUNS: dict[str, tuple[object, ...]] = {
     "norm": ("rms",),
     "norm_offset": (0.0, 1.0),
     "norm_placement": ("pre", "sandwich"),
-    "activation": ("silu", "gelu_new", "gelu_pytorch_tanh"),
+    "activation": tuple(_KERNEL_ACTIVATION),
     "gated_mlp": (True,),
     "partial_rotary_factor": (1.0,),
 }
-_KERNEL_ACTIVATION = {"silu": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # The attention features (AttentionParams.features) the kernel's attention runs: the
 # compiled decode kernel's, less sinks (decode_layers.cpp passes the kernel none; gpt-oss, the
 # model with sinks, has a sparse MLP the fused decode does not run either).
