@@ -28,6 +28,7 @@ from pagedllm.kernels.gguf_blocks import KEPT_GGUF_TYPES, SMALL_M_MAX_ROWS, GGUF
 GROUPED_MAX_TOKENS = SMALL_M_MAX_ROWS
 GROUPED_MAX_PAIRS_PER_EXPERT = 128
 GROUPED_MAX_ELEMENTS = 1 << 24
+_EMPTY = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class ExpertStacks:
     down: torch.Tensor
     """uint8 [E, H, row bytes]"""
     down_type: str
+    gate_up_bias: torch.Tensor | None = None
+    """float32 [E, 2 I] (gate's then up's), or None: no biases (gpt-oss's experts have them)"""
+    down_bias: torch.Tensor | None = None
+    """float32 [E, H], or None"""
+    clamped_swiglu: tuple[float, float] | None = None
+    """(alpha, limit): gpt-oss's clamped SwiGLU between gate/up and down
+    ((clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g'), g' = min(g, limit)); None: silu(g) * u"""
 
 
 def stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -113,8 +121,8 @@ def grouped_experts(
     int8_activations: bool = False,
 ) -> torch.Tensor:
     """x: [T, H], expert_ids / weights: [T, k] -> [T, H] = sum over the k slots of
-    weight * down(silu(gate x) * up x) of the slot's expert, in float32 arithmetic (x's dtype
-    out). Where the build has AVX-512 VNNI and the type an int16 dot (gguf_blocks.small_m_kernels),
+    weight * down(silu(gate x) * up x) of the slot's expert (with the stacks' biases and
+    activation where they have them), in float32 arithmetic (x's dtype out). Where the build has AVX-512 VNNI and the type an int16 dot (gguf_blocks.small_m_kernels),
     x and the silu products are rounded to int16 per group of 32, as gguf_linear rounds them;
     with int8_activations (the experts' decode_activations "int8") to int8 per block of 256 for
     the projections of a type in gguf_blocks.INT8_DECODE_TYPES."""
@@ -129,5 +137,9 @@ def grouped_experts(
         stacks.down,
         type_index(ops, stacks.down_type),
         int8_activations,
+        _EMPTY if stacks.gate_up_bias is None else stacks.gate_up_bias,
+        _EMPTY if stacks.down_bias is None else stacks.down_bias,
+        stacks.clamped_swiglu is not None,
+        *(stacks.clamped_swiglu or (0.0, 0.0)),
     )
     return out.to(x.dtype)

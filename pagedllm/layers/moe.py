@@ -19,7 +19,7 @@ down weights of one type (a GGUF file's experts, kept), `finish_loading` stacks 
 (kernels/gguf_moe.py's `ExpertStacks`, the experts' linears then holding views of the stacks),
 and steps run steps 2-3 in one compiled call over all active experts (csrc/gguf_moe.h:
 activations rounded once, threads over (expert, row block) items, results weighted and summed
-inside): up to 16 tokens on every build, prefill chunks too where the build has the int16 path
+inside; gpt-oss's experts with their biases and clamped SwiGLU, models/gpt_oss.py): up to 16 tokens on every build, prefill chunks too where the build has the int16 path
 (`grouped_experts_available`: up to 128 pairs per expert on average). The loop above stays the
 path for larger steps, other weight forms, LoRA, tensor parallelism and builds without the
 extension.

@@ -7,7 +7,9 @@
 - a sparse MLP in every layer: the router's logits with a bias, top-k of them, softmax over the
   k selected logits (not over all experts); each expert a clamped SwiGLU with biases:
   gate = min(x W_g + b_g, limit), up = clamp(x W_u + b_u, -limit, limit),
-  out = ((up + 1) * gate * sigmoid(alpha * gate)) W_d + b_d (alpha 1.702, limit 7).
+  out = ((up + 1) * gate * sigmoid(alpha * gate)) W_d + b_d (alpha 1.702, limit 7); GGUF-block
+  experts (MXFP4 kept) run all active experts in one grouped call (kernels/gguf_moe.py with the
+  biases and this activation), as SparseMoE's GGUF experts do.
 
 Checkpoints: transformers' layout, `mlp.router.{weight,bias}`, `mlp.experts.gate_up_proj`
 [E, H, 2I] with gate and up interleaved by column (gate at even, up at odd), its bias [E, 2I],
@@ -26,13 +28,14 @@ the tokenizer by transformers' GGUF tokenizer builder, MXFP4 experts kept.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from pagedllm.kernels import GGUFBlocks
+from pagedllm.kernels import GGUFBlocks, grouped_experts, stack_expert_blocks
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.layers.moe import MoEConfig, RouterLinear, Routing, SparseMoE
@@ -85,20 +88,56 @@ def route_selected(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> Rout
 
 
 class GptOssMoE(SparseMoE):
-    """SparseMoE's grouping and expert loop with gpt-oss's router (`gate`, with a bias) and
-    experts; the grouped GGUF call never applies (the experts have biases)."""
+    """SparseMoE's grouping, expert loop and grouped call with gpt-oss's router (`gate`, with a
+    bias) and experts: where the experts are GGUF blocks (MXFP4 as released, or a GGUF file's
+    kept types), their stacks carry the biases and the clamped SwiGLU, and the grouped call
+    (csrc/gguf_moe.h's ExpertAct) runs them as SparseMoE's steps do."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, act: ClampedSwiGLU) -> None:
         super().__init__(hidden_size, replace(moe, num_experts=0))  # no SparseMoE experts built
+        self.act = act
         self.gate = RouterLinear(hidden_size, moe.num_experts, bias=True)
         self.experts = nn.ModuleList(
             GptOssExpert(hidden_size, moe.intermediate_size, act) for _ in range(moe.num_experts)
+        )
+
+    def finish_loading(self) -> None:
+        for expert in self.experts:
+            expert.gate_up_proj.finish_loading()
+            expert.down_proj.finish_loading()
+        gate_up = [e.gate_up_proj for e in self.experts]
+        down = [e.down_proj for e in self.experts]
+        if self.tp.size > 1 or any(
+            not isinstance(m.blocks, GGUFBlocks) or m.bias is None or m.lora_slots is not None for m in gate_up + down
+        ):
+            return
+        try:
+            stacks, gu_views, down_views = stack_expert_blocks(
+                [m.blocks for m in gate_up], [m.blocks for m in down]  # type: ignore[misc]
+            )
+        except ValueError:  # mixed types over experts: the loop runs them
+            return
+        for m, view in zip(gate_up + down, gu_views + down_views):
+            m.blocks = view
+        biases = []
+        for linears in (gate_up, down):
+            stacked = torch.stack([m.bias.detach().float() for m in linears])  # type: ignore[union-attr]
+            if all(m.bias.dtype == torch.float32 for m in linears):  # type: ignore[union-attr]
+                for e, m in enumerate(linears):  # the experts' biases become views: one copy
+                    m.bias.data = stacked[e]  # type: ignore[union-attr]
+            biases.append(stacked)
+        self.expert_stacks = dataclasses.replace(
+            stacks, gate_up_bias=biases[0], down_bias=biases[1], clamped_swiglu=(self.act.alpha, self.act.limit)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         routing = route_selected(self.gate(x), self.top_k, x.dtype)
         self.last_routing = routing
+        if self._grouped(x):
+            assert self.expert_stacks is not None
+            int8 = self.experts[0].gate_up_proj.decode_activations == "int8"  # set_prefill_activations
+            return grouped_experts(x, routing.expert_ids, routing.weights, self.expert_stacks, int8)
         return self._expert_loop(x, routing)
 
 

@@ -184,6 +184,10 @@ def test_mxfp4_experts_kept_and_greedy_equal_to_hf(tmp_path: Path) -> None:
     experts = [e for m in model.modules() if isinstance(m, GptOssMoE) for e in m.experts]
     assert experts and all(isinstance(e.gate_up_proj.blocks, GGUFBlocks) for e in experts)
     assert all(e.down_proj.blocks is not None and e.down_proj.blocks.type_name == "MXFP4" for e in experts)
+    from pagedllm.kernels import build
+
+    if build.gguf_linear_ops() is not None:  # the steps take the grouped call (biases, clamped SwiGLU)
+        assert all(m.expert_stacks is not None for m in model.modules() if isinstance(m, GptOssMoE))
     bind_kv_caches(model, num_blocks=8, block_size=16)
     with torch.inference_mode():
         ours = greedy_generate(model, PROMPT, NUM_STEPS).token_ids[len(PROMPT) :]

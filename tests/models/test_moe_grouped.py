@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,57 @@ def test_stacks_are_the_experts_weights_and_the_grouped_call_matches_the_loop() 
     # Past GROUPED_MAX_PAIRS_PER_EXPERT pairs per expert on average: the loop.
     run(moe, torch.randn(GROUPED_MAX_PAIRS_PER_EXPERT * E // moe.top_k + 1, H), True)
     assert calls[0] > 0
+
+
+@pytest.mark.parametrize("expert_type", ["MXFP4", "Q8_0"])
+def test_gpt_oss_experts_biases_and_clamped_swiglu_in_the_grouped_call(expert_type: str) -> None:
+    # gpt-oss's experts (biases on every projection, the clamped SwiGLU between them): stacked
+    # with their biases, the grouped call matches their loop; activations large enough that the
+    # clamps bind (|gate|, |up| past the limit), so a kernel without them would differ.
+    if build.gguf_linear_ops() is None:
+        pytest.skip("the gguf_linear extension did not build")
+    from pagedllm.models.gpt_oss import ClampedSwiGLU, GptOssMoE
+
+    torch.manual_seed(0)
+    act = ClampedSwiGLU(1.702, 7.0)
+    moe = GptOssMoE(H, MoEConfig(num_experts=E, top_k=4, intermediate_size=I, norm_topk_prob=True), act)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(E, H))
+        moe.gate.bias.copy_(torch.randn(E))
+    for e, expert in enumerate(moe.experts):
+        for shard in (0, 1):
+            expert.gate_up_proj.weight_loader(expert.gate_up_proj.weight, random_blocks(expert_type, I, H, seed=10 * e + shard), shard)
+            expert.gate_up_proj.weight_loader(expert.gate_up_proj.bias, 4 * torch.randn(I), shard)
+        expert.down_proj.weight_loader(expert.down_proj.weight, random_blocks(expert_type, H, I, seed=10 * e + 2))
+        expert.down_proj.weight_loader(expert.down_proj.bias, 1000 * torch.randn(H))  # the outputs are ~1e4
+    moe.finish_loading()
+    stacks = moe.expert_stacks
+    assert stacks is not None and stacks.clamped_swiglu == (1.702, 7.0)
+    assert stacks.gate_up_bias is not None and tuple(stacks.gate_up_bias.shape) == (E, 2 * I)
+    assert stacks.down_bias is not None and tuple(stacks.down_bias.shape) == (E, H)
+    for e, expert in enumerate(moe.experts):  # the biases are views of the stacks': one copy
+        assert expert.gate_up_proj.bias.data_ptr() == stacks.gate_up_bias[e].data_ptr()
+    calls = expert_linear_calls(moe)
+    for num_tokens in (1, 5, 16):
+        # random_blocks' weights are large: x scaled so gate/up lie around the limit
+        x = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(num_tokens)) / 30
+        with torch.inference_mode():
+            h = moe.experts[0].gate_up_proj(x)
+        assert 0.1 < (h.abs() > 7).float().mean() < 0.9  # the clamps bind on some values, not all
+        calls[0] = 0
+        grouped = run(moe, x, True)
+        assert calls[0] == 0
+        loop = run(moe, x, False)
+        assert calls[0] > 0
+        assert (grouped - loop).abs().max() <= 1e-4 * loop.abs().max(), num_tokens
+    # Negative control: the same stacks without the clamp are another function.
+    # Negative controls: the stacks without the clamp, or without the down bias, compute
+    # another function (the check above tells them apart).
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(4)) / 30
+    loop = run(moe, x, False)
+    for changed in (dataclasses.replace(stacks, clamped_swiglu=(1.702, 1e30)), dataclasses.replace(stacks, down_bias=None)):
+        moe.expert_stacks = changed
+        assert (run(moe, x, True) - loop).abs().max() > 1e-2 * loop.abs().max()
 
 
 def test_mixed_expert_types_and_no_extension_run_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:

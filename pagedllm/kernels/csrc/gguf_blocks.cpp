@@ -105,10 +105,12 @@ ExpertStack expert_stack(const torch::Tensor& data, int64_t type, int64_t K, con
 
 // x [T, H] float32, expert_ids [T, k] int64, weights [T, k] float32, gate_up uint8 [E, 2 I, row
 // bytes of H] (each expert's gate rows then its up rows), down uint8 [E, H, row bytes of I] ->
-// out [T, H] = sum over slots of weights * down(silu(gate x) * up x) (gguf_moe.h).
+// out [T, H] = sum over slots of weights * down(silu(gate x) * up x) (gguf_moe.h); with biases
+// and clamped_swiglu, gpt-oss's experts (gguf_moe.h's ExpertAct).
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights,
                           const torch::Tensor& gate_up, int64_t gate_up_type, const torch::Tensor& down,
-                          int64_t down_type, bool int8_activations) {
+                          int64_t down_type, bool int8_activations, const torch::Tensor& gate_up_bias,
+                          const torch::Tensor& down_bias, bool clamped_swiglu, double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [T, H] tensor");
   const int64_t T = x.size(0), H = x.size(1);
@@ -128,10 +130,22 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& expert_id
   const int64_t* ids = expert_ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < T * k; ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "expert id ", ids[i], " out of range [0, ", E, ")");
+  ExpertAct act{clamped_swiglu, static_cast<float>(alpha), static_cast<float>(limit)};
+  if (gate_up_bias.numel()) {
+    TORCH_CHECK(gate_up_bias.scalar_type() == torch::kFloat32 && gate_up_bias.is_contiguous() &&
+                    gate_up_bias.numel() == E * 2 * I,
+                "gate_up_bias must be a contiguous float32 [E, 2 I] tensor");
+    act.gate_up_bias = gate_up_bias.data_ptr<float>();
+  }
+  if (down_bias.numel()) {
+    TORCH_CHECK(down_bias.scalar_type() == torch::kFloat32 && down_bias.is_contiguous() && down_bias.numel() == E * H,
+                "down_bias must be a contiguous float32 [E, H] tensor");
+    act.down_bias = down_bias.data_ptr<float>();
+  }
   auto out = torch::zeros({T, H}, x.options());
   if (T * k > 0)
     moe_grouped(x.data_ptr<float>(), T, ids, weights.data_ptr<float>(), k, E, gu, dn,
-                out.data_ptr<float>(), int8_activations);
+                out.data_ptr<float>(), int8_activations, act);
   return out;
 }
 
@@ -157,7 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows", &gather_rows, "(data, type, ids) -> float32 [T, K]: rows ids (embedding lookup)");
   m.def("linear", &linear, "(x [M, K], data, type, path) -> x @ W.T [M, N]: the small-M kernel");
   m.def("moe_experts", &moe_experts,
-        "(x, expert_ids, weights, gate_up, gate_up_type, down, down_type, int8_activations) -> [T, H]: the "
-        "grouped-expert MLP (int8_activations: per 256 for the K-quant projections)");
+        "(x, expert_ids, weights, gate_up, gate_up_type, down, down_type, int8_activations, gate_up_bias, "
+        "down_bias, clamped_swiglu, alpha, limit) -> [T, H]: the grouped-expert MLP (int8_activations: per 256 "
+        "for the K-quant projections; biases [E, 2 I] / [E, H] or empty; clamped_swiglu: gpt-oss's activation)");
   m.def("small_m_kernels", &small_m_kernels, "per type (type_names order): the kernel linear runs");
 }

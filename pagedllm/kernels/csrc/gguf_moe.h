@@ -1,6 +1,9 @@
 #pragma once
 // The grouped-expert MLP of a sparse MoE layer over GGUF blocks, for a few tokens (decode):
 //   out[t] = sum_slot w[t, slot] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, slot]
+// or, with an ExpertAct of gpt-oss's form, each projection with its expert's bias and the
+// clamped SwiGLU (clamp(u, -l, l) + 1) * g' * sigmoid(alpha g'), g' = min(g, l), between them:
+//   out[t] = sum_slot w * (down_e(act(gate_e x + b_g, up_e x + b_u)) + b_d)
 // in one call and one OpenMP region, for every active expert at once:
 // 1. plan (one thread): the T * k (token, slot) pairs grouped by expert in ascending expert
 //    order, within an expert by token (a counting sort: layers/moe.py's stable argsort order);
@@ -30,6 +33,21 @@ namespace pagedllm::gguf {
 
 // Weight rows per work item (of gate and of up each, or of down).
 constexpr int64_t kItemRows = 16;
+
+// The experts' activation between gate/up and down, and their biases.
+struct ExpertAct {
+  bool clamped = false;  // false: silu(g) * u; true: gpt-oss's clamped SwiGLU (above)
+  float alpha = 1.702f, limit = 7.f;
+  const float* gate_up_bias = nullptr;  // [E, 2 I] (gate's then up's), or none
+  const float* down_bias = nullptr;     // [E, H], or none
+
+  float operator()(float g, float u) const {
+    if (!clamped) return g / (1.f + std::exp(-g)) * u;
+    g = std::min(g, limit);
+    u = std::clamp(u, -limit, limit);
+    return (u + 1.f) * (g / (1.f + std::exp(-alpha * g)));
+  }
+};
 
 // One projection of all experts: E consecutive [rows, row_bytes] matrices of type `type`.
 struct ExpertStack {
@@ -127,7 +145,7 @@ inline void round_activations(Activations& a, const float* x, int64_t M, Type t,
 
 // Phase 2 (called by every thread of the region): h [P, I] from x's gathered rows.
 template <Type T>
-void moe_gate_up(const ExpertPlan& p, const Activations& x, const ExpertStack& gu, float* h) {
+void moe_gate_up(const ExpertPlan& p, const Activations& x, const ExpertStack& gu, const ExpertAct& act, float* h) {
   const int64_t I = gu.rows / 2;
   const int64_t per_expert = (I + kItemRows - 1) / kItemRows;
   std::vector<float> g(p.max_pairs), u(p.max_pairs);
@@ -138,7 +156,11 @@ void moe_gate_up(const ExpertPlan& p, const Activations& x, const ExpertStack& g
     for (int64_t j = j0; j < std::min(I, j0 + kItemRows); ++j) {
       gathered_dots<T>(gu.row(e, j), x, p.token.data() + first, n, g.data());
       gathered_dots<T>(gu.row(e, I + j), x, p.token.data() + first, n, u.data());
-      for (int64_t i = 0; i < n; ++i) h[(first + i) * I + j] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      if (act.gate_up_bias) {
+        const float bg = act.gate_up_bias[e * 2 * I + j], bu = act.gate_up_bias[e * 2 * I + I + j];
+        for (int64_t i = 0; i < n; ++i) g[i] += bg, u[i] += bu;
+      }
+      for (int64_t i = 0; i < n; ++i) h[(first + i) * I + j] = act(g[i], u[i]);
     }
   }
 }
@@ -148,7 +170,7 @@ void moe_gate_up(const ExpertPlan& p, const Activations& x, const ExpertStack& g
 // L1: items of H / (8 threads) rows (16 .. 256), not 16, or a step with many active experts
 // streams all of h from L2/L3 for every 16 rows (measured 3x slower at 64 tokens).
 template <Type T>
-void moe_down(const ExpertPlan& p, const Activations& h, const ExpertStack& down, float* out) {
+void moe_down(const ExpertPlan& p, const Activations& h, const ExpertStack& down, const float* bias, float* out) {
   const int64_t H = down.rows;
   const int64_t rows = std::clamp(H / (8 * omp_get_num_threads()) / kItemRows * kItemRows, kItemRows, 16 * kItemRows);
   std::vector<float> s(p.max_pairs);
@@ -158,6 +180,10 @@ void moe_down(const ExpertPlan& p, const Activations& h, const ExpertStack& down
       const int64_t first = p.start[a], n = p.start[a + 1] - first;
       for (int64_t j = n0; j < std::min(H, n0 + rows); ++j) {
         gathered_dots<T>(down.row(p.active[a], j), h, p.pair.data() + first, n, s.data());
+        if (bias) {  // the loop path's (dot + b) * w
+          const float b = bias[p.active[a] * H + j];
+          for (int64_t i = 0; i < n; ++i) s[i] += b;
+        }
         for (int64_t i = 0; i < n; ++i) out[int64_t(p.token[first + i]) * H + j] += p.weight[first + i] * s[i];
       }
     }
@@ -165,9 +191,11 @@ void moe_down(const ExpertPlan& p, const Activations& h, const ExpertStack& down
 }
 
 // out [T, H] (zeroed by the caller) = the grouped-expert MLP of x [T, H]; ids, w: [T, k];
-// int8: int8 activations per 256 for the K-quant projections (the layer's decode_activations).
+// int8: int8 activations per 256 for the K-quant projections (the layer's decode_activations);
+// act: the activation and biases (default: silu, none).
 inline void moe_grouped(const float* x, int64_t T, const int64_t* ids, const float* w, int64_t k, int64_t E,
-                        const ExpertStack& gu, const ExpertStack& down, float* out, bool int8 = false) {
+                        const ExpertStack& gu, const ExpertStack& down, float* out, bool int8 = false,
+                        const ExpertAct& act = {}) {
   const ExpertPlan p = plan_experts(ids, w, T, k, E);
   const int64_t I = gu.rows / 2, P = T * k;
   Activations xa{x, gu.k, nullptr, nullptr};
@@ -176,12 +204,12 @@ inline void moe_grouped(const float* x, int64_t T, const int64_t* ids, const flo
   Activations ha{h.data(), I, nullptr, nullptr};
 #pragma omp parallel
   {
-    with_type(gu.type, [&](auto tag) { moe_gate_up<decltype(tag)::value>(p, xa, gu, h.data()); });
+    with_type(gu.type, [&](auto tag) { moe_gate_up<decltype(tag)::value>(p, xa, gu, act, h.data()); });
     // The implicit barrier of the omp for above: h is complete.
 #pragma omp single
     round_activations(ha, h.data(), P, down.type, int8);
     // The single's barrier: ha is complete.
-    with_type(down.type, [&](auto tag) { moe_down<decltype(tag)::value>(p, ha, down, out); });
+    with_type(down.type, [&](auto tag) { moe_down<decltype(tag)::value>(p, ha, down, act.down_bias, out); });
   }
 }
 
