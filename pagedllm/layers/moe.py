@@ -123,7 +123,7 @@ def route(
     both paths route alike to the last bit."""
     logits = logits.float()
     if logits.shape[0] and use_layer_ops(logits):
-        expert_ids, weights = layer_ops().moe_route(logits, top_k, norm_topk_prob)
+        expert_ids, weights = layer_ops().moe_route(logits, top_k, norm_topk_prob, False)
     else:
         probs = torch.softmax(logits, dim=-1)
         weights, expert_ids = torch.topk(probs, top_k, dim=-1)

@@ -28,12 +28,14 @@ in its own class body (the layout is the `ArchConfig` the layer was built from: 
 of the architecture); a subclass that does not define it again (it may have changed what the
 layer computes) is not taken to compute its parent's layout, and a layout with a field the
 kernel does not run (`kernel_refusal`), or an attention layer with a feature its attention
-does not run (`attention_refusal`: sinks, bidirectional), is not run. Either way the model goes
+does not run (`attention_refusal`: bidirectional), is not run. Either way the model goes
 module by module.
 
 The layouts it runs: Llama's (pre-norms, silu; q/k norms, biases, windows, soft-caps) and
 Gemma 2/3's (sandwich norms by 1 + weight, GELU's tanh form, a rotary table per layer kind);
-a hybrid model's KV cache groups each give their layers' slot mapping and block tables.
+a hybrid model's KV cache groups each give their layers' slot mapping and block tables;
+sparse MLPs whose experts are GGUF stacks (Qwen3-MoE, Mixtral; gpt-oss with its attention
+sinks, biased router and experts, softmax over the selected logits and clamped SwiGLU).
 
 Anything else runs the modules too: steps with a first or a longer prompt chunk, more rows, bfloat16,
 GGUF blocks of a type the compiled build does not hold (`_gguf_refusal`, by name), tensor
@@ -105,14 +107,13 @@ _KERNEL_RUNS: dict[str, tuple[object, ...]] = {
     "norm": ("rms",),
     "norm_offset": (0.0, 1.0),
     "norm_placement": ("pre", "sandwich"),
-    "activation": tuple(_KERNEL_ACTIVATION),
+    "activation": (*_KERNEL_ACTIVATION, "swiglu_clamped"),  # the latter: sparse layers only (_why_unsupported)
     "gated_mlp": (True,),
     "partial_rotary_factor": (1.0,),
 }
 # The attention features (AttentionParams.features) the kernel's attention runs: the
-# compiled decode kernel's, less sinks (decode_layers.cpp passes the kernel none; gpt-oss, the
-# model with sinks, has a sparse MLP the fused decode does not run either).
-_KERNEL_ATTENTION = CompiledBackend.runs - {"sinks"}
+# compiled decode kernel's (decode_layers.cpp calls it with the layer's sinks).
+_KERNEL_ATTENTION = CompiledBackend.runs
 
 
 def kernel_refusal(layout: DecodeLayout) -> str | None:
@@ -315,7 +316,8 @@ class FusedDecoderLayers(nn.Module):
             float(first.self_attn.q_norm.eps) if layout.arch.qk_norm else 0.0,
             INT16_MAX_ROWS,
             TILE_MAX_ROWS,
-            _KERNEL_ACTIVATION[layout.arch.activation],
+            # gpt-oss's clamped SwiGLU is its experts' (set_moe_gpt_oss); no dense MLP runs it
+            _KERNEL_ACTIVATION.get(layout.arch.activation, "silu"),
             float(layout.arch.norm_offset),
         )
         shared_rotary = first.self_attn.rotary_emb
@@ -343,6 +345,7 @@ class FusedDecoderLayers(nn.Module):
                 a.attn.kv_cache,
                 a.attn.kv_cache_group,
                 attn_args.sliding_window, attn_args.soft_cap,
+                _EMPTY if a.attn.sinks is None else a.attn.sinks.detach().float().contiguous(),
                 linears,
             )
             if router is not None:
@@ -352,11 +355,18 @@ class FusedDecoderLayers(nn.Module):
                 gate = mlp.gate
                 # A float32 router through torch's linear, as the module path's (kernels/linear.py):
                 # a last-bit difference in its logits may change the top-k.
-                float_router = gate.weight.detach() if not gate.kept_weights() and gate.bias is None else _EMPTY
+                float_router = gate.weight.detach() if not gate.kept_weights() else _EMPTY
+                if gate.bias is not None and not stacks.clamped_swiglu:
+                    float_router = _EMPTY  # (no family has a biased router but gpt-oss's: DecodeLinear's bias)
+                index = decoder.num_layers() - 1
                 decoder.set_moe(
-                    decoder.num_layers() - 1, router, float_router, stacks.gate_up, ops.gguf_type_names().index(stacks.gate_up_type),
+                    index, router, float_router, stacks.gate_up, ops.gguf_type_names().index(stacks.gate_up_type),
                     stacks.down, ops.gguf_type_names().index(stacks.down_type), mlp.top_k, mlp.norm_topk_prob, int8,
                 )
+                if stacks.clamped_swiglu is not None:  # gpt-oss (models/gpt_oss.py's GptOssMoE)
+                    router_bias = gate.bias.detach() if float_router.numel() and gate.bias is not None else _EMPTY
+                    decoder.set_moe_gpt_oss(index, router_bias, stacks.gate_up_bias, stacks.down_bias,
+                                            *stacks.clamped_swiglu)
         self._sparse = next((layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)), None)
         self._bind_lora(decoder, layers)
         self._num_groups = 1 + max(layer.self_attn.attn.kv_cache_group for layer in layers)
@@ -404,6 +414,10 @@ class FusedDecoderLayers(nn.Module):
                 return "tensor parallelism"
             if isinstance(layer.mlp, SparseMoE) and (refusal := _sparse_mlp_refusal(layer)) is not None:
                 return refusal
+            clamped = isinstance(layer.mlp, SparseMoE) and layer.mlp.expert_stacks is not None and (
+                layer.mlp.expert_stacks.clamped_swiglu is not None)
+            if clamped != (layouts[0].arch.activation == "swiglu_clamped"):  # type: ignore[union-attr]
+                return "an MLP whose activation the kernel does not pair with its layout (clamped SwiGLU)"
             if layer.input_layernorm.weight.dtype != torch.float32:
                 return "the model is not float32"
             if a.rotary_emb.cos_sin_cache.dtype != torch.float32:

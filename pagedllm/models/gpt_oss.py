@@ -1,7 +1,6 @@
 """gpt-oss (`GptOssForCausalLM`): Llama's layer shape with
 - attention sinks: a learned logit per head in every softmax's denominator (AttentionParams.
-  sinks; the torch backend, the compiled decode kernel and the reference run it; the fused
-  decode does not, and these layers declare no decode layout: decodes go module by module);
+  sinks; the torch backend, the compiled decode kernel, the fused decode and the reference run it);
 - biases on q/k/v/o, YaRN rope (layers/rotary.py), sliding-window (128) and full attention
   layers alternating by `layer_types`;
 - a sparse MLP in every layer: the router's logits with a bias, top-k of them, softmax over the
@@ -35,11 +34,12 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from pagedllm.kernels import GGUFBlocks, grouped_experts, stack_expert_blocks
+from pagedllm.kernels import GGUFBlocks, grouped_experts, layer_ops, stack_expert_blocks, use_layer_ops
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.layers.moe import MoEConfig, RouterLinear, Routing, SparseMoE
 from pagedllm.models.family import ArchConfig, GGUFSpec, ModelFamily
+from pagedllm.models.fused_decode import DecodeLayout
 from pagedllm.models.gpt_oss_gguf import GGUF_BLOCK_NAMES, gpt_oss_metadata_from_gguf
 from pagedllm.models.llama import (
     PACKED_MODULES,
@@ -80,9 +80,15 @@ class GptOssExpert(nn.Module):
 
 
 def route_selected(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> Routing:
-    """logits: [T, E] (bias included) -> gpt-oss's routing: top-k logits, softmax over those k."""
-    top, expert_ids = torch.topk(logits.float(), top_k, dim=-1)
-    weights = torch.softmax(top, dim=-1)
+    """logits: [T, E] (bias included) -> gpt-oss's routing: top-k logits, softmax over those k.
+    On the host the compiled `moe_route` (csrc/layer_ops.h route_row, softmax_selected), which
+    the fused decode runs too."""
+    logits = logits.float()
+    if logits.shape[0] and use_layer_ops(logits):
+        expert_ids, weights = layer_ops().moe_route(logits, top_k, True, True)
+    else:
+        top, expert_ids = torch.topk(logits, top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
     counts = torch.bincount(expert_ids.flatten(), minlength=logits.shape[-1]).tolist()
     return Routing(expert_ids, weights.to(dtype), counts)
 
@@ -155,8 +161,15 @@ class GptOssAttention(LlamaAttention):
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
-    # No decode_layout in this body: the fused decode runs neither sinks nor a sparse MLP.
     attention_class = GptOssAttention
+
+    def decode_layout(self) -> DecodeLayout | None:
+        """Llama's layout with gpt-oss's sparse MLP (models/fused_decode.py runs its sinks through
+        the decode kernel and, where the experts are GGUF stacks, the grouped call with their
+        biases and clamped SwiGLU)."""
+        if type(self.self_attn) is not GptOssAttention or type(self.mlp) is not GptOssMoE:
+            return None
+        return DecodeLayout(self.arch)
 
     def build_mlp(self, arch: ArchConfig, layer_idx: int) -> nn.Module:
         assert arch.moe is not None

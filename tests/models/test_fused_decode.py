@@ -311,9 +311,10 @@ def test_the_kernel_refuses_layouts_it_does_not_run() -> None:
     }
     for field_name, layout in refused.items():
         assert field_name in (kernel_refusal(layout) or ""), field_name
-    # A layer's attention features: the kernel runs a window and a soft-cap, refuses sinks.
-    assert attention_refusal(AttentionParams(0.25, sliding_window=4, logit_soft_cap=30.0)) is None
-    assert "sinks" in (attention_refusal(AttentionParams(0.25, sinks=True)) or "")
+    # A layer's attention features: the kernel runs a window, a soft-cap and sinks (gpt-oss),
+    # refuses bidirectional attention.
+    assert attention_refusal(AttentionParams(0.25, sliding_window=4, logit_soft_cap=30.0, sinks=True)) is None
+    assert "causal" in (attention_refusal(AttentionParams(0.25, causal=False)) or "")
 
 
 def test_the_default_model_decodes_fused(default_llm: Any) -> None:

@@ -201,3 +201,24 @@ def test_an_mxfp4_tensor_without_its_pair_is_refused() -> None:
     blocks = torch.zeros(8, 64, 2, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"without their pair: model\.layers\.0\|gate_up_proj"):
         list(gpt_oss_tensors([("model.layers.0.mlp.experts.gate_up_proj_blocks", blocks)]))
+
+
+def test_compiled_routing_is_top_k_logits_then_softmax_over_them() -> None:
+    # route_selected's compiled form (layer_ops' moe_route, softmax_selected: what the fused
+    # decode runs) against torch's topk + softmax: the same experts in the same order, weights
+    # within float32 rounding; of tied logits the lower expert first (torch's topk leaves the
+    # order of ties unspecified).
+    from pagedllm.kernels import layer_ops, use_layer_ops
+    from pagedllm.models.gpt_oss import route_selected
+
+    logits = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie at the top
+    if not use_layer_ops(logits):
+        pytest.skip("the layer_ops extension did not build")
+    got = route_selected(logits, 4, torch.float32)
+    top, ids = torch.topk(logits, 4, dim=-1)
+    assert torch.equal(got.expert_ids[1:], ids[1:]) and got.expert_ids[0].tolist() == [5, 9, *ids[0, 2:].tolist()]
+    torch.testing.assert_close(got.weights, torch.softmax(top, dim=-1), atol=1e-6, rtol=0)
+    assert got.counts == torch.bincount(ids.flatten(), minlength=32).tolist()
+    ids_all, _ = layer_ops().moe_route(logits, 4, True, False)  # selection by probabilities: same ids
+    assert torch.equal(ids_all, got.expert_ids)

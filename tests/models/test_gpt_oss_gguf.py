@@ -195,3 +195,32 @@ def test_unsupported_rope_scaling_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match=r"gpt-oss.rope.scaling.type 'linear' is not supported"):
         gpt_oss_metadata_from_gguf(gguf.GGUFReader(str(path)), str(tmp_path))
+
+
+@pytest.mark.parametrize("num_reqs", [1, 2])
+def test_fused_decode_runs_gpt_oss(written: tuple[Any, Path, Path, bool], num_reqs: int) -> None:
+    # gpt-oss's decode steps in one compiled call (models/fused_decode.py): attention sinks, q/k/v/o
+    # biases, YaRN's table, windowed (8) and full layers in KV cache groups of their own, the
+    # biased router's softmax over the selected logits and the MXFP4 experts' grouped call with
+    # their biases and clamped SwiGLU: the module path's floats exactly (the same kernels). Float
+    # experts (no GGUF stacks) are refused by name and run module by module.
+    from pagedllm.kernels import decode_layers_ops
+    from pagedllm.kv_backends.paged.worker import allocate_kv_caches
+    from pagedllm.layers.attention import Attention
+    from tests.models.test_fused_decode import BLOCK_SIZE, _fused, compare_decode_steps
+
+    if decode_layers_ops() is None:
+        pytest.skip("the decode_layers extension did not build")
+    _, _, path, mxfp4 = written
+    loaded = load_model(str(path))
+    layers = [m for m in loaded.model.modules() if isinstance(m, Attention)]
+    assert all(layer.sinks is not None for layer in layers)
+    groups = 1 + max(layer.kv_cache_group for layer in layers)
+    allocate_kv_caches(layers, num_blocks=groups * 8 * num_reqs + 1, block_size=BLOCK_SIZE, dtype="float32")
+    # The file's attention projections are float32: the fused kernel's sums against torch's
+    # (float32 rounding; the hidden states are O(1), a dropped sink moves them by O(0.1)).
+    calls = compare_decode_steps(loaded, num_reqs, steps=12, atol=1e-4, groups=groups)
+    if mxfp4:
+        assert calls == 12 and _fused(loaded)._unsupported is None
+    else:
+        assert calls == 0 and "not GGUF blocks" in _fused(loaded)._unsupported

@@ -17,11 +17,14 @@
 //       quantized per row as layers/kv_quant.py does, kv_codes.h's quantize_row)
 //   a = decode attention of each row over its request's context up to the row (block table or
 //       contiguous slot; seq_lens: the row's position + 1),
-//       its scores soft-capped to c * tanh(s / c) where the layer has a cap c
+//       its scores soft-capped to c * tanh(s / c) where the layer has a cap c, each head's sink
+//       logit in its softmax where the layer has sinks (gpt-oss)
 //   residual += a W_o^T (+ b); x = rms_norm(residual)
 //   h = act(x W_gate^T) * (x W_up^T), then h W_down^T (+ b); act: silu, or gelu's tanh form;
 //   or a sparse MLP (Qwen3-MoE, Mixtral): router logits x W_r^T, route_row (layer_ops.h: the
-//   module path's routing), then gguf_moe.h's grouped call over the experts' GGUF stacks
+//   module path's routing), then gguf_moe.h's grouped call over the experts' GGUF stacks;
+//   gpt-oss's (set_moe_gpt_oss): the router's bias, the softmax over the selected logits, the
+//   experts' biases and clamped SwiGLU
 // Sandwich norms (Gemma 2 and 3): the attention's and the MLP's outputs are each normed
 // (attn_out_norm, mlp_out_norm) before they join the residual stream. The rotary cos/sin table
 // is the decoder's or the layer's own (Gemma 3's local and global layers: two bases).
@@ -252,6 +255,11 @@ struct DecodeMoE {
   gguf::ExpertStack gu, dn;
   int64_t E, top_k;
   bool renorm, int8;              // renormalise the top-k weights; int8 activations (K-quants)
+  // gpt-oss's (set_moe_gpt_oss): the float router's bias, the experts' biases and clamped SwiGLU
+  // (act's pointers into these tensors), the softmax over the selected logits.
+  torch::Tensor router_bias, gate_up_bias, down_bias;
+  gguf::ExpertAct act{};
+  bool softmax_selected = false;
 };
 
 struct DecodeLayer {
@@ -268,6 +276,7 @@ struct DecodeLayer {
   int64_t group;           // the KV cache group whose slot mapping and block tables address kv_cache
   int64_t window;          // sliding window, 0 = full attention
   float softcap;           // attention logit soft-cap, 0 = none
+  torch::Tensor sinks;     // float32 [num_heads]: attention sinks' logits (gpt-oss), or empty
 };
 
 }  // namespace
@@ -299,8 +308,12 @@ class LlamaDecodeLayers {
   // group: the layer's KV cache group (forward's slot_mappings / block_tables index).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
                  torch::Tensor attn_out_norm, torch::Tensor mlp_out_norm, torch::Tensor cos_sin,
-                 torch::Tensor kv_cache, int64_t group, int64_t window, double softcap, std::vector<DecodeLinear> lin) {
+                 torch::Tensor kv_cache, int64_t group, int64_t window, double softcap, torch::Tensor sinks,
+                 std::vector<DecodeLinear> lin) {
     TORCH_CHECK(group >= 0, "the KV cache group must be >= 0, got ", group);
+    TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == torch::kFloat32 && sinks.is_contiguous() &&
+                                       sinks.numel() == hq_),
+                "sinks must be float32 [num_heads] or empty");
     TORCH_CHECK(lin.size() == 4 || lin.size() == 2,
                 "a layer has four linears (qkv, o, gate_up, down), or two and a sparse MLP (set_moe)");
     for (const auto& w : {input_norm, post_norm})
@@ -332,7 +345,7 @@ class LlamaDecodeLayers {
     if (lin.size() == 4) gate_up = lin[2], down = lin[3];
     layers_.push_back(DecodeLayer{input_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm, cos_sin,
                                  lin[0], lin[1], gate_up, down, nullptr, kv_cache, elem, group, window,
-                                 static_cast<float>(softcap)});
+                                 static_cast<float>(softcap), sinks});
     num_groups_ = std::max(num_groups_, group + 1);
   }
 
@@ -367,6 +380,29 @@ class LlamaDecodeLayers {
     layer.moe = std::make_shared<DecodeMoE>(DecodeMoE{router, router_float, gate_up, down,
                                                       stack(gate_up, gate_up_type, hidden_),
                                                       stack(down, down_type, I), E, top_k, renorm, int8});
+  }
+
+  // Layer `index`'s sparse MLP (set_moe) takes gpt-oss's form: the float router's bias [E] (or
+  // empty: the router DecodeLinear carries its own), the experts' biases gate_up [E, 2 I] and down
+  // [E, hidden], the clamped SwiGLU (alpha, limit), and the softmax over the selected logits.
+  void set_moe_gpt_oss(int64_t index, torch::Tensor router_bias, torch::Tensor gate_up_bias,
+                       torch::Tensor down_bias, double alpha, double limit) {
+    TORCH_CHECK(index >= 0 && index < num_layers() && layers_[index].moe, "layer ", index, " has no sparse MLP");
+    DecodeMoE& moe = *layers_[index].moe;
+    const int64_t E = moe.E, I = moe.gu.rows / 2;
+    TORCH_CHECK(router_bias.numel() == 0 || (moe.router_float.numel() && router_bias.scalar_type() == torch::kFloat32 &&
+                                             router_bias.is_contiguous() && router_bias.numel() == E),
+                "router_bias must be float32 [experts] beside a float router, or empty");
+    TORCH_CHECK(gate_up_bias.scalar_type() == torch::kFloat32 && gate_up_bias.is_contiguous() &&
+                    gate_up_bias.numel() == E * 2 * I,
+                "gate_up_bias must be float32 [experts, 2 I]");
+    TORCH_CHECK(down_bias.scalar_type() == torch::kFloat32 && down_bias.is_contiguous() &&
+                    down_bias.numel() == E * hidden_,
+                "down_bias must be float32 [experts, hidden]");
+    moe.router_bias = router_bias, moe.gate_up_bias = gate_up_bias, moe.down_bias = down_bias;
+    moe.act = gguf::ExpertAct{true, static_cast<float>(alpha), static_cast<float>(limit),
+                              gate_up_bias.data_ptr<float>(), down_bias.data_ptr<float>()};
+    moe.softmax_selected = true;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -447,6 +483,7 @@ class LlamaDecodeLayers {
       rotate_rows<float>(qkv_.data() + QD, QKV, k_.data(), hkv_, d_, pos, cos_sin, M);
       const int64_t* slot_map = slot_mappings[layer.group].data_ptr<int64_t>();
       const torch::Tensor& tables = block_tables[layer.group];
+      const float* sinks = layer.sinks.numel() ? layer.sinks.data_ptr<float>() : nullptr;
       dispatch_kv(layer.kv_elem, [&](auto kv_tag) {
         using KV = decltype(kv_tag);
         // K/V rows into the cache (the same rows the per-module path's write_kv writes).
@@ -467,12 +504,12 @@ class LlamaDecodeLayers {
                                               PagedRows{tables.data_ptr<int64_t>(), tables.stride(0),
                                                         layer.kv_cache.size(2)},
                                               seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_,
-                                              layer.window, layer.softcap);
+                                              layer.window, layer.softcap, sinks);
         } else {
           decode_kernel<float, SlotRows, KV>(q_.data(), k_cache, v_cache,
                                              SlotRows{slots.data_ptr<int64_t>(), layer.kv_cache.size(2)},
                                              seq_lens.data_ptr<int64_t>(), attn_.data(), M, hq_, hkv_, d_, scale_,
-                                             layer.window, layer.softcap);
+                                             layer.window, layer.softcap, sinks);
         }
       });
       layer.o(attn_.data(), M, h, int16_max_rows_, tile_max_rows_);
@@ -488,15 +525,16 @@ class LlamaDecodeLayers {
         weights_.resize(M * moe.top_k);
         if (moe.router_float.numel()) {
           const auto xt = torch::from_blob(xn_.data(), {M, H}, torch::kFloat32);
-          torch::from_blob(logits_.data(), {M, moe.E}, torch::kFloat32).copy_(at::linear(xt, moe.router_float));
+          torch::from_blob(logits_.data(), {M, moe.E}, torch::kFloat32).copy_(moe.router_bias.numel() ? at::linear(xt, moe.router_float, moe.router_bias)
+                                       : at::linear(xt, moe.router_float));
         } else {
           moe.router(xn_.data(), M, logits_.data(), int16_max_rows_, tile_max_rows_);
         }
         for (int64_t t = 0; t < M; ++t)
           route_row(logits_.data() + t * moe.E, moe.E, moe.top_k, moe.renorm, ids_.data() + t * moe.top_k,
-                    weights_.data() + t * moe.top_k);
+                    weights_.data() + t * moe.top_k, moe.softmax_selected);
         std::memset(h, 0, sizeof(float) * M * H);
-        gguf::moe_grouped(xn_.data(), M, ids_.data(), weights_.data(), moe.top_k, moe.E, moe.gu, moe.dn, h, moe.int8);
+        gguf::moe_grouped(xn_.data(), M, ids_.data(), weights_.data(), moe.top_k, moe.E, moe.gu, moe.dn, h, moe.int8, moe.act);
       } else {
         (*layer.gate_up)(xn_.data(), M, gu_.data(), int16_max_rows_, tile_max_rows_);
         lora_.apply(li, 2, xn_.data(), M, H, gu_.data(), 2 * inter_);
@@ -573,6 +611,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_moe", &pagedllm::LlamaDecodeLayers::set_moe,
            "(layer, router, its float32 weight or empty, gate_up stack, its type index, down stack, its type index, "
            "top_k, renorm, int8)")
+      .def("set_moe_gpt_oss", &pagedllm::LlamaDecodeLayers::set_moe_gpt_oss,
+           "(layer, float router's bias or empty, gate_up_bias [E, 2 I], down_bias [E, hidden], alpha, limit)")
       .def("num_layers", &pagedllm::LlamaDecodeLayers::num_layers)
       .def("set_lora", [](pagedllm::LlamaDecodeLayers& d, int64_t layer, std::vector<torch::Tensor> a,
                           std::vector<torch::Tensor> b, std::vector<std::vector<int64_t>> sections,

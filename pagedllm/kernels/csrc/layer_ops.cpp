@@ -103,7 +103,7 @@ torch::Tensor gated_and_mul(const torch::Tensor& x) {
 
 // router logits [rows, E] float32 -> (expert ids int64 [rows, top_k], weights float32 [rows,
 // top_k]): route_row of each row.
-std::vector<torch::Tensor> moe_route(const torch::Tensor& logits, int64_t top_k, bool renorm) {
+std::vector<torch::Tensor> moe_route(const torch::Tensor& logits, int64_t top_k, bool renorm, bool softmax_selected) {
   check_rows(logits, "logits");
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "router logits must be float32");
   const int64_t rows = logits.size(0), E = logits.size(1), ld = logits.stride(0);
@@ -114,7 +114,7 @@ std::vector<torch::Tensor> moe_route(const torch::Tensor& logits, int64_t top_k,
   int64_t* ip = ids.data_ptr<int64_t>();
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) route_row(lp + r * ld, E, top_k, renorm, ip + r * top_k, wp + r * top_k);
+    for (int64_t r = begin; r < end; ++r) route_row(lp + r * ld, E, top_k, renorm, ip + r * top_k, wp + r * top_k, softmax_selected);
   });
   return {ids, w};
 }
@@ -142,7 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding of q and k: returns (q, k)");
   m.def("silu_and_mul", &gated_and_mul<Gate::kSilu>, "silu(gate) * up over [gate | up] rows");
   m.def("gelu_tanh_and_mul", &gated_and_mul<Gate::kGeluTanh>, "gelu_tanh(gate) * up over [gate | up] rows");
-  m.def("moe_route", &moe_route, "(router logits float32 [rows, E], top_k, renorm) -> (ids, weights): "
-        "softmax, top-k, optional renormalisation");
+  m.def("moe_route", &moe_route, "(router logits float32 [rows, E], top_k, renorm, softmax_selected) -> (ids, weights): "
+        "softmax, top-k, optional renormalisation; softmax_selected: top-k logits, softmax over them (gpt-oss)");
   m.def("argmax_rows", &argmax_rows, "each float32 row's argmax (torch.argmax's ties and NaN)");
 }

@@ -152,7 +152,27 @@ inline void gated_mul_rows_avx2(const float* in, int64_t in_stride, float* out, 
 // path and the fused decode both): softmax in float32 (exp of logit - max, summed in index
 // order), the top_k probabilities in descending order (of equal ones the lower expert first),
 // renormalised to sum to one when `renorm` (their sum in slot order).
-inline void route_row(const float* logits, int64_t E, int64_t top_k, bool renorm, int64_t* ids, float* w) {
+// softmax_selected (gpt-oss): the top_k logits (the same order), then the softmax over those k
+// alone (exp of logit - the first, summed in slot order); renorm is then moot.
+inline void route_row(const float* logits, int64_t E, int64_t top_k, bool renorm, int64_t* ids, float* w,
+                      bool softmax_selected = false) {
+  if (softmax_selected) {
+    for (int64_t s = 0; s < top_k; ++s) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int64_t j = 0; j < s; ++j) taken |= ids[j] == e;
+        if (!taken && (best < 0 || logits[e] > logits[best] || std::isnan(logits[e]))) best = e;
+      }
+      ids[s] = best;
+      w[s] = logits[best];
+    }
+    const float m = w[0];
+    float sum = 0.f;
+    for (int64_t s = 0; s < top_k; ++s) sum += (w[s] = std::exp(w[s] - m));
+    for (int64_t s = 0; s < top_k; ++s) w[s] /= sum;
+    return;
+  }
   float m = -INFINITY;
   for (int64_t e = 0; e < E; ++e) m = logits[e] > m ? logits[e] : m;
   thread_local std::vector<float> p;
